@@ -1,0 +1,1 @@
+"""Triton kernels, each with its PyTorch reference beside it (importable as ``moe_rl.kernels``)."""

@@ -1,0 +1,149 @@
+"""Pieces shared by every policy-gradient loss: input checks, the masked log-ratio, the
+clipped surrogate and the two aggregations (REFERENCE.md).
+
+Shape legend: B = sequences in this microbatch, T = padded tokens per sequence.
+
+Every loss sees one microbatch but divides by GLOBAL denominators (``num_sequences``,
+``num_tokens``: all microbatches and data-parallel ranks of one optimizer step), so the
+microbatch losses, and their gradients, add up to the loss of the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+AGGREGATIONS = ("seq_mean", "token_mean")
+
+
+class PolicyBatch(NamedTuple):
+    """One microbatch, checked, upcast to at least float32 and zeroed on padding."""
+
+    mask_BT: torch.Tensor
+    "bool, True on response tokens."
+    logp_BT: torch.Tensor
+    "log pi_theta (carries the gradient), 0 on padding."
+    logratio_BT: torch.Tensor
+    "d = log pi_theta - log pi_old (carries the gradient), 0 on padding."
+    adv_BT: torch.Tensor
+    "Advantage of every token (per-sequence advantages broadcast), 0 on padding; no gradient."
+    adv_B: torch.Tensor
+    "Advantage of every sequence (masked mean of adv_BT when per-token), 0 for empty rows."
+    len_B: torch.Tensor
+    "|y_i|: valid tokens per sequence (float)."
+    valid_B: torch.Tensor
+    "bool, the sequence has at least one valid token."
+    num_sequences: float
+    "Global sequence count of the optimizer step."
+    num_tokens: float
+    "Global valid-token count of the optimizer step."
+
+
+def _check_count(name: str, value: float) -> None:
+    if isinstance(value, (int, float)) and not value > 0:
+        raise ValueError(f"{name} must be a positive global count, got {value}")
+
+
+def prepare(
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    adv: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    num_sequences: float,
+    num_tokens: float,
+    loss_name: str,
+    token_adv_ok: bool,
+) -> PolicyBatch:
+    """Check shapes and build a :class:`PolicyBatch`.
+
+    logp_BT, old_logp_BT, mask_BT: [B, T]; adv: [B] or, when ``token_adv_ok``, [B, T].
+    Values at padded positions are ignored (they may be anything, even inf or nan).
+    The math runs in float32 (bf16 / fp16 inputs are upcast) or in float64 for float64 inputs.
+    """
+    if logp_BT.dim() != 2:
+        raise ValueError(f"{loss_name}: logp must be [B, T], got shape {tuple(logp_BT.shape)}")
+    shape = tuple(logp_BT.shape)
+    for name, t in (("old_logp", old_logp_BT), ("mask", mask_BT)):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{loss_name}: {name} has shape {tuple(t.shape)}, logp has {shape}")
+    if adv.dim() == 2 and not token_adv_ok:
+        raise ValueError(
+            f"{loss_name} takes one advantage per sequence (adv of shape [B]), got {tuple(adv.shape)}; "
+            "use gspo_token (or grpo) for per-token advantages"
+        )
+    if tuple(adv.shape) not in ((shape[0],), shape):
+        raise ValueError(f"{loss_name}: adv must be [B]={shape[0]} or [B, T]={shape}, got {tuple(adv.shape)}")
+    _check_count("num_sequences", num_sequences)
+    _check_count("num_tokens", num_tokens)
+
+    mask = mask_BT if mask_BT.dtype == torch.bool else mask_BT != 0
+    dtype = torch.promote_types(logp_BT.dtype, torch.float32)
+    zero = logp_BT.new_zeros((), dtype=dtype)
+    logp = torch.where(mask, logp_BT.to(dtype), zero)
+    old = torch.where(mask, old_logp_BT.detach().to(dtype), zero)
+    adv = adv.detach().to(dtype)
+    len_B = mask.sum(-1).float()
+    valid_B = len_B > 0
+    if adv.dim() == 1:
+        adv_BT = torch.where(mask, adv[:, None], zero)
+        adv_B = torch.where(valid_B, adv, zero)
+    else:
+        adv_BT = torch.where(mask, adv, zero)
+        adv_B = adv_BT.sum(-1) / len_B.clamp(min=1)
+    return PolicyBatch(mask, logp, logp - old, adv_BT, adv_B, len_B, valid_B, num_sequences, num_tokens)
+
+
+def is_clipped(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
+    """True where the ratio is outside [1 - eps_low, 1 + eps_high] on the side that zeroes the
+    gradient of min(ratio A, clip(ratio) A): A > 0 and ratio > 1 + eps_high, or A < 0 and
+    ratio < 1 - eps_low. ``ratio`` and ``adv`` broadcast ([B] or [B, T])."""
+    return ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
+
+
+def clipped_surrogate(
+    logratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float
+) -> torch.Tensor:
+    """min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) with r = exp(logratio), elementwise.
+
+    Written as "clipped ? bound * A : r A" (the same function, value and gradient), so that a
+    clipped element has exactly zero gradient and the ratio is never exponentiated there: a huge
+    clipped log-ratio cannot turn into inf * 0 = nan in the backward pass.
+    """
+    clipped = is_clipped(logratio.detach().exp(), adv, eps_low, eps_high)
+    ratio = torch.exp(torch.where(clipped, torch.zeros_like(logratio), logratio))
+    bound_adv = torch.where(adv > 0, (1.0 + eps_high) * adv, (1.0 - eps_low) * adv)
+    return torch.where(clipped, bound_adv, ratio * adv)
+
+
+def seq_mean_logratio(b: PolicyBatch) -> torch.Tensor:
+    """log s_i = (1/|y_i|) sum_t d_{i,t}: [B], 0 for empty rows, carries the gradient."""
+    return b.logratio_BT.sum(-1) / b.len_B.clamp(min=1)
+
+
+def aggregate_tokens(x_BT: torch.Tensor, b: PolicyBatch, aggregation: str) -> torch.Tensor:
+    """Scalar contribution of per-token values [B, T] to the batch mean.
+
+    seq_mean: sum_i (1/|y_i|) sum_t x / num_sequences; token_mean: sum_{i,t} x / num_tokens.
+    """
+    x_BT = torch.where(b.mask_BT, x_BT, torch.zeros_like(x_BT))
+    if aggregation == "seq_mean":
+        return (x_BT.sum(-1) / b.len_B.clamp(min=1)).sum() / b.num_sequences
+    if aggregation == "token_mean":
+        return x_BT.sum() / b.num_tokens
+    raise ValueError(f"aggregation={aggregation!r}: use one of {AGGREGATIONS}")
+
+
+def aggregate_seqs(x_B: torch.Tensor, b: PolicyBatch, aggregation: str) -> torch.Tensor:
+    """Scalar contribution of per-sequence values [B] to the batch mean.
+
+    seq_mean: sum_i x_i / num_sequences; token_mean: sum_i |y_i| x_i / num_tokens (each sequence
+    weighted by its length, which is what token_mean of x_i broadcast to every token gives).
+    """
+    x_B = torch.where(b.valid_B, x_B, torch.zeros_like(x_B))
+    if aggregation == "seq_mean":
+        return x_B.sum() / b.num_sequences
+    if aggregation == "token_mean":
+        return (x_B * b.len_B).sum() / b.num_tokens
+    raise ValueError(f"aggregation={aggregation!r}: use one of {AGGREGATIONS}")

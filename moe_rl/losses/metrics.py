@@ -1,0 +1,160 @@
+"""Clip, ratio, KL and advantage metrics, the same for every algorithm (REFERENCE.md), and the
+final assembly of a loss and its metrics.
+
+Shape legend: B = sequences in this microbatch, T = padded tokens per sequence.
+
+Every metric is a 0-dim float tensor (float32, float64 for float64 inputs), detached, and either *additive* (a sum divided by the
+global ``num_sequences`` or ``num_tokens``, so the sum over microbatches and ranks is the
+batch value) or a min / max (empty microbatches give +inf / -inf, the identities).
+``METRIC_REDUCTIONS`` says which, for every key; :func:`combine_metrics` applies it locally and
+the trainer all-reduces with the same op.
+
+Metrics (w = token ratio exp(d), s = sequence ratio exp(mean_t d), A_i = sequence advantage,
+the masked mean of per-token advantages when those are given):
+
+- ``clip/token_frac``: tokens with w outside the band on the gradient-zeroing side / tokens.
+- ``clip/seq_frac``: sequences with s outside the band on the gradient-zeroing side / sequences.
+- ``clip/token_frac_of_clipped_seqs``: tokens of those sequences / tokens.
+  The band is always the loss's cfg band (cfg.clip_low, cfg.clip_high), whatever the algorithm.
+- ``ratio/token_min|max|mean``, ``ratio/token_frac_outside_0.5_2``: of w over valid tokens.
+- ``ratio/seq_min|max|mean``: of s over non-empty sequences.
+- ``ratio/seq_log_sum_min|max``: of sum_t d_{i,t}, the log of the unclipped product of token
+  ratios, which token clipping does not bound.
+- ``kl/old_k3``, ``kl/old_abs_log_ratio``: token means of k3(pi_theta || pi_old) and |d|, the
+  policy (or train/rollout) mismatch against pi_old.
+- ``adv/mean|abs_mean`` (over sequences), ``adv/min|max``.
+- ``loss/pg``: this microbatch's -J. Only when ``ref_logp_BT`` is given: ``kl/k3`` (token mean of
+  k3 vs the reference) and ``loss/kl`` (beta times the aggregated k3, the loss's KL term).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from moe_rl.losses.core import PolicyBatch, aggregate_tokens, is_clipped
+from moe_rl.losses.kl import k3
+
+if TYPE_CHECKING:
+    from moe_rl.config import AlgoConfig
+
+METRIC_REDUCTIONS: dict[str, str] = {
+    "loss/pg": "sum",
+    "loss/kl": "sum",
+    "kl/k3": "sum",
+    "kl/old_k3": "sum",
+    "kl/old_abs_log_ratio": "sum",
+    "clip/token_frac": "sum",
+    "clip/seq_frac": "sum",
+    "clip/token_frac_of_clipped_seqs": "sum",
+    "ratio/token_min": "min",
+    "ratio/token_max": "max",
+    "ratio/token_mean": "sum",
+    "ratio/token_frac_outside_0.5_2": "sum",
+    "ratio/seq_min": "min",
+    "ratio/seq_max": "max",
+    "ratio/seq_mean": "sum",
+    "ratio/seq_log_sum_min": "min",
+    "ratio/seq_log_sum_max": "max",
+    "adv/mean": "sum",
+    "adv/abs_mean": "sum",
+    "adv/min": "min",
+    "adv/max": "max",
+}
+"How each metric combines across microbatches and ranks: sum, min or max."
+
+
+def _masked_min(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if x.numel() == 0:
+        return x.new_tensor(float("inf"))
+    return torch.where(mask, x, float("inf")).amin()
+
+
+def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if x.numel() == 0:
+        return x.new_tensor(float("-inf"))
+    return torch.where(mask, x, float("-inf")).amax()
+
+
+@torch.no_grad()
+def policy_metrics(b: PolicyBatch, eps_low: float, eps_high: float) -> dict[str, torch.Tensor]:
+    """Clip, ratio, mismatch and advantage metrics of one microbatch (module docstring)."""
+    m, valid = b.mask_BT, b.valid_B
+    nt, ns = b.num_tokens, b.num_sequences
+    d_BT = b.logratio_BT.detach()
+    w_BT = d_BT.exp()
+    log_sum_B = d_BT.sum(-1)
+    s_B = (log_sum_B / b.len_B.clamp(min=1)).exp()
+    tok_clipped = is_clipped(w_BT, b.adv_BT, eps_low, eps_high) & m
+    seq_clipped = is_clipped(s_B, b.adv_B, eps_low, eps_high) & valid
+    zero = torch.zeros_like(d_BT)
+    tok_clipped, seq_clipped = tok_clipped.to(d_BT.dtype), seq_clipped.to(d_BT.dtype)
+    outside = (((w_BT < 0.5) | (w_BT > 2.0)) & m).to(d_BT.dtype)
+    return {
+        "clip/token_frac": tok_clipped.sum() / nt,
+        "clip/seq_frac": seq_clipped.sum() / ns,
+        "clip/token_frac_of_clipped_seqs": (b.len_B * seq_clipped).sum() / nt,
+        "ratio/token_min": _masked_min(w_BT, m),
+        "ratio/token_max": _masked_max(w_BT, m),
+        "ratio/token_mean": torch.where(m, w_BT, zero).sum() / nt,
+        "ratio/token_frac_outside_0.5_2": outside.sum() / nt,
+        "ratio/seq_min": _masked_min(s_B, valid),
+        "ratio/seq_max": _masked_max(s_B, valid),
+        "ratio/seq_mean": torch.where(valid, s_B, 0.0).sum() / ns,
+        "ratio/seq_log_sum_min": _masked_min(log_sum_B, valid),
+        "ratio/seq_log_sum_max": _masked_max(log_sum_B, valid),
+        "kl/old_k3": torch.where(m, k3(d_BT, zero), zero).sum() / nt,
+        "kl/old_abs_log_ratio": d_BT.abs().sum() / nt,
+        "adv/mean": b.adv_B.sum() / ns,
+        "adv/abs_mean": b.adv_B.abs().sum() / ns,
+        "adv/min": _masked_min(b.adv_B, valid),
+        "adv/max": _masked_max(b.adv_B, valid),
+    }
+
+
+def loss_and_metrics(
+    objective: torch.Tensor,
+    b: PolicyBatch,
+    cfg: AlgoConfig,
+    ref_logp_BT: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """loss = -objective (+ beta * aggregated k3 vs the reference), plus every metric.
+
+    ``objective`` is this microbatch's contribution to J; ``ref_logp_BT`` is [B, T] or None.
+    beta > 0 without a reference is an error; a reference with beta = 0 is only measured.
+    """
+    if cfg.beta > 0 and ref_logp_BT is None:
+        raise ValueError(
+            f"algo.beta={cfg.beta} needs ref_logp_BT (reference log-probs); pass them or set beta=0"
+        )
+    metrics = policy_metrics(b, cfg.clip_low, cfg.clip_high)
+    loss = -objective
+    metrics["loss/pg"] = loss.detach()
+    if ref_logp_BT is not None:
+        if tuple(ref_logp_BT.shape) != tuple(b.mask_BT.shape):
+            raise ValueError(
+                f"ref_logp has shape {tuple(ref_logp_BT.shape)}, logp has {tuple(b.mask_BT.shape)}"
+            )
+        ref = torch.where(b.mask_BT, ref_logp_BT.detach().to(b.logp_BT.dtype), 0.0)
+        kl_BT = k3(b.logp_BT, ref)
+        kl_term = cfg.beta * aggregate_tokens(kl_BT, b, cfg.aggregation)
+        if cfg.beta > 0:
+            loss = loss + kl_term
+        metrics["loss/kl"] = kl_term.detach()
+        metrics["kl/k3"] = torch.where(b.mask_BT, kl_BT.detach(), 0.0).sum() / b.num_tokens
+    return loss, metrics
+
+
+def combine_metrics(per_microbatch: Iterable[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Combine the metrics of several microbatches (or ranks) with ``METRIC_REDUCTIONS``.
+
+    Because every loss divides by global counts, the result equals the whole batch's metrics.
+    """
+    stacked: dict[str, list[torch.Tensor]] = {}
+    for metrics in per_microbatch:
+        for k, v in metrics.items():
+            stacked.setdefault(k, []).append(v)
+    ops = {"sum": torch.sum, "min": torch.amin, "max": torch.amax}
+    return {k: ops[METRIC_REDUCTIONS[k]](torch.stack(v)) for k, v in stacked.items()}

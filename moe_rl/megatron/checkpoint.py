@@ -1,0 +1,171 @@
+"""Atomic, resharding checkpoints with megatron.core.dist_checkpointing.
+
+Layout of ``root/``::
+
+    step-00000012/        one checkpoint: dist_checkpointing files (model + optimizer),
+                          meta.json (step, extra state), rng-<rank>.pt per rank
+    latest                name of the newest complete checkpoint (written last, atomically)
+
+Every rank writes into ``root/.tmp-step-N``; after a barrier rank 0 renames it to
+``step-N`` and then replaces ``latest``. A crash mid-save leaves only a ``.tmp-*``
+directory behind, which the next save removes; ``latest`` still names the previous
+checkpoint. Weights and Adam moments are ShardedTensors, so a checkpoint saved at one
+TP/EP layout loads into another.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _init_adam_state(optimizer) -> None:
+    """Materialise zero Adam moments so a fresh optimizer has tensors to load into."""
+    for p in optimizer.params:
+        st = optimizer.opt.state[p]
+        if not st:
+            st["step"] = torch.tensor(0.0)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _sharded_state(model, optimizer) -> dict:
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+
+    model_sd = model.sharded_state_dict()
+    state = {"model": model_sd}
+    if optimizer is not None:
+        _init_adam_state(optimizer)
+        osd = optimizer.opt.state_dict()
+        id_map = get_param_id_to_sharded_param_map(
+            model_sd, chain.from_iterable(g["params"] for g in optimizer.opt.param_groups))
+        # Adam's per-parameter step is the same for every parameter: it is restored from
+        # the optimizer's step count instead, so it need not match across layouts.
+        optim_state_to_sharding_state(osd, id_map, exclude_keys=("step",))
+        state["optimizer"] = {"state": osd["state"]}
+    return state
+
+
+def _rng_state() -> dict:
+    st = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state()
+    return st
+
+
+def _set_rng_state(st: dict) -> None:
+    torch.set_rng_state(st["torch"])
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state(st["cuda"])
+
+
+def save_checkpoint(root: str | Path, step: int, model, optimizer=None, *, extra: dict | None = None,
+                    keep: int = 2) -> Path:
+    """Save model, optimizer, RNG and ``extra`` (JSON-able) as ``root/step-N``; return its path."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    name = f"step-{step:08d}"
+    tmp = root / f".tmp-{name}"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    dist_checkpointing.save(_sharded_state(model, optimizer), str(tmp))
+    torch.save(_rng_state(), tmp / f"rng-{_rank()}.pt")
+    _barrier()
+    final = root / name
+    if _rank() == 0:
+        meta = {"step": step, "world_size": _world(),
+                "optimizer_step": optimizer.step_count if optimizer is not None else None,
+                "extra": extra or {}}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_atomic(root / "latest", name)
+        done = sorted(p for p in root.glob("step-*") if p.is_dir())
+        for old in done[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    log.info("saved checkpoint %s", final)
+    return final
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` (or ``root`` itself if it is one)."""
+    root = Path(root)
+    if (root / "meta.json").exists():
+        return root
+    pointer = root / "latest"
+    if not pointer.exists():
+        return None
+    path = root / pointer.read_text().strip()
+    return path if (path / "meta.json").exists() else None
+
+
+def load_checkpoint(path: str | Path, model, optimizer=None, *, load_rng: bool = True) -> dict:
+    """Load a checkpoint (a ``step-N`` dir, or a root with ``latest``) into this layout.
+
+    Returns the meta dict (``step``, ``extra``, ...). RNG state is restored only when the
+    world size matches the one that saved it.
+    """
+    from megatron.core import dist_checkpointing
+
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise FileNotFoundError(f"no complete checkpoint at {path} (expected meta.json or a "
+                                "'latest' pointer): check checkpoint.load / --resume")
+    meta = json.loads((ckpt / "meta.json").read_text())
+    sharded = _sharded_state(model, optimizer)
+    loaded = dist_checkpointing.load(sharded, str(ckpt))
+    model.load_state_dict(loaded["model"], strict=False)
+    if optimizer is not None:
+        if "optimizer" not in loaded or meta.get("optimizer_step") is None:
+            raise ValueError(f"checkpoint {ckpt} has no optimizer state; load it without an optimizer")
+        step = torch.tensor(float(meta["optimizer_step"]))
+        osd = optimizer.opt.state_dict()
+        osd["state"] = {pid: {**s, "step": step.clone()} for pid, s in loaded["optimizer"]["state"].items()}
+        optimizer.opt.load_state_dict(osd)
+        optimizer.step_count = int(meta["optimizer_step"])
+    rng = ckpt / f"rng-{_rank()}.pt"
+    if load_rng and meta.get("world_size") == _world() and rng.exists():
+        _set_rng_state(torch.load(rng, weights_only=False))
+    return meta

@@ -1,0 +1,100 @@
+"""The MoE policy: a megatron-core GPTModel with a log-prob forward.
+
+Shape legend: B = sequences, T = padded tokens per sequence, V = local vocab shard,
+L = MoE layers, K = experts per token.
+
+Alignment (same as moe_rl.rollout.types): ``logp_BT[b, t]`` is
+log pi(tokens[b, t] | tokens[b, <t]) for t >= 1 and 0 at t = 0. The model's input is
+``tokens[:, :-1]``, so routes are per input position t < T - 1.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from moe_rl.config import ModelConfig, ParallelConfig
+from moe_rl.kernels.logprob_reference import logprobs_entropy
+from moe_rl.megatron.model import build_gpt, moe_routers
+from moe_rl.megatron.parallel import ParallelInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LogProbOutput:
+    """Per-token outputs of one forward."""
+
+    logp_BT: torch.Tensor
+    "fp32 log-probs of the given tokens (0 at t = 0)."
+    entropy_BT: torch.Tensor | None
+    "fp32 entropy of the predictive distribution at each position (0 at t = 0), or None."
+
+
+class Policy:
+    """megatron-core MoE GPTModel plus what RL needs from it."""
+
+    def __init__(self, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, info: ParallelInfo):
+        self.cfg = model_cfg
+        self.parallel_cfg = parallel_cfg
+        self.info = info
+        self.model = build_gpt(model_cfg, parallel_cfg)
+        self.routers = moe_routers(self.model)
+        self.vocab_start = info.tp_rank * (model_cfg.vocab_size // info.tp_size)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.routers)
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def train(self, mode: bool = True) -> Policy:
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> Policy:
+        return self.train(False)
+
+    def _pad_to_tp(self, inputs_BS: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Sequence parallelism splits the sequence over TP ranks: pad it to a multiple."""
+        s = inputs_BS.shape[1]
+        pad = (-s) % self.info.tp_size
+        if pad:
+            inputs_BS = torch.nn.functional.pad(inputs_BS, (0, pad), value=0)
+        return inputs_BS, s
+
+    def logits(self, inputs_BS: torch.Tensor) -> torch.Tensor:
+        """Local-vocab-shard logits ``[B, S, V]`` of every input position (causal, no mask)."""
+        inputs_BS = inputs_BS.to(self.info.device)
+        padded, s = self._pad_to_tp(inputs_BS)
+        pos = torch.arange(padded.shape[1], device=padded.device).unsqueeze(0).expand_as(padded)
+        out = self.model(input_ids=padded, position_ids=pos, attention_mask=None)
+        return out[:, :s]
+
+    def logprobs(self, tokens_BT: torch.Tensor, *, temperature: float = 1.0,
+                 with_entropy: bool = False) -> LogProbOutput:
+        """Per-token log-probs (and entropy) of ``tokens_BT`` under the current weights.
+
+        fp32 softmax of logits / temperature, vocab-parallel across TP ranks; identical on
+        every TP rank. Gradients flow when called with grad enabled.
+        """
+        tokens_BT = tokens_BT.to(self.info.device)
+        b, t = tokens_BT.shape
+        logits = self.logits(tokens_BT[:, :-1])
+        v = logits.shape[-1]
+        logp, ent = logprobs_entropy(logits.reshape(-1, v), tokens_BT[:, 1:].reshape(-1),
+                                     temperature=temperature, group=self.info.tp_group,
+                                     vocab_start=self.vocab_start, with_entropy=with_entropy)
+        zero = torch.zeros(b, 1, device=logp.device, dtype=logp.dtype)
+        logp_BT = torch.cat([zero, logp.view(b, t - 1)], dim=1)
+        ent_BT = torch.cat([zero, ent.view(b, t - 1)], dim=1) if with_entropy else None
+        return LogProbOutput(logp_BT=logp_BT, entropy_BT=ent_BT)
+
+
+def build_policy(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, info: ParallelInfo) -> Policy:
+    """Build the policy on this rank (random init from ``model_cfg.seed``)."""
+    torch.manual_seed(model_cfg.seed)
+    return Policy(model_cfg, parallel_cfg, info)

@@ -1,0 +1,195 @@
+"""Routing capture and replay on megatron-core routers, as one explicit session object.
+
+Shape legend: B = sequences, S = model input positions, L = MoE layers, K = top-k,
+E = experts, R = router rows (megatron order: sequence-major, row = s * B + b; under
+TP with sequence parallelism a rank holds S / TP consecutive positions).
+
+megatron-core's ``RouterReplay`` (0.16.1, 0.19.x) gives each TopKRouter an instance
+whose action decides whether top-k is computed, recorded or replayed. A
+:class:`RoutingSession` drives the instances of *one* policy directly (never the
+class-level list, so two policies in a process do not interfere), wraps each router's
+``gating`` to capture the router's *natural* top-k from its logits (also while replay is
+on, when the router's choice is computed and not used), and always restores everything
+on exit, also when the step raises.
+
+Usage::
+
+    with RoutingSession(policy, RouterAction.REPLAY, routes_BSLK=r) as rs:
+        out = policy.logprobs(tokens)
+        rs.backward(loss)          # switches replay to megatron's REPLAY_BACKWARD for recompute
+    natural_BSLK = rs.natural_BSLK  # router's own choice in that forward
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.routing import RouterAction
+
+
+def _gather_seq(t_SBX: torch.Tensor, group, size: int) -> torch.Tensor:
+    """All-gather sequence-parallel shards along dim 0 (no-op for a group of one)."""
+    if size == 1:
+        return t_SBX
+    parts = [torch.empty_like(t_SBX) for _ in range(size)]
+    dist.all_gather(parts, t_SBX.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+def sanitize_routes(routes_NK: torch.Tensor, topk: int) -> torch.Tensor:
+    """Replace rows without K distinct experts (padding rows) by 0..K-1.
+
+    Padding rows of engine routes are zeros; megatron's dispatcher needs K distinct
+    experts per row. These rows belong to positions no loss looks at.
+    """
+    s, _ = routes_NK.sort(dim=-1)
+    bad = (s[..., 1:] == s[..., :-1]).any(-1) if topk > 1 else torch.zeros_like(s[..., 0], dtype=torch.bool)
+    if bool(bad.any()):
+        routes_NK = routes_NK.clone()
+        routes_NK[bad] = torch.arange(topk, device=routes_NK.device, dtype=routes_NK.dtype)
+    return routes_NK
+
+
+class RoutingSession:
+    """One forward (and its backward) of ``policy`` under a router action."""
+
+    def __init__(self, policy, action: RouterAction, *, routes_BSLK: torch.Tensor | None = None,
+                 gates_BSLK: torch.Tensor | None = None, capture: bool = True):
+        if action is RouterAction.REPLAY and routes_BSLK is None:
+            raise ValueError("RouterAction.REPLAY needs routes_BSLK (the experts to replay)")
+        self.policy = policy
+        self.action = action
+        self.routes_BSLK = routes_BSLK
+        self.gates_BSLK = gates_BSLK
+        self.capture = capture
+        self.topk = policy.cfg.moe_router_topk
+        self._natural: list[list[torch.Tensor]] = []
+        self._chosen_gates: list[list[torch.Tensor]] = []
+        self._hooks: list = []
+        self._shape: tuple[int, int] | None = None
+        self._capturing = False
+
+    # -- megatron row layout --------------------------------------------------------------
+    def _local_rows(self, x_BSLK: torch.Tensor, layer: int) -> torch.Tensor:
+        """This rank's router rows of layer ``layer`` from a [B, S, L, K] tensor."""
+        info = self.policy.info
+        b, s = x_BSLK.shape[:2]
+        pad = (-s) % info.tp_size
+        x = x_BSLK[:, :, layer]
+        if pad:
+            fill = torch.arange(self.topk, dtype=x.dtype).expand(b, pad, self.topk)
+            x = torch.cat([x, fill.to(x)], dim=1)
+        per = (s + pad) // info.tp_size
+        x = x[:, info.tp_rank * per:(info.tp_rank + 1) * per]
+        return x.transpose(0, 1).reshape(-1, x.shape[-1])
+
+    def _to_BSLK(self, per_layer_RK: list[torch.Tensor], b: int, s: int) -> torch.Tensor:
+        info = self.policy.info
+        out = []
+        for r in per_layer_RK:
+            r_SBK = r.view(-1, b, r.shape[-1])
+            r_SBK = _gather_seq(r_SBK, info.tp_group, info.tp_size)
+            out.append(r_SBK[:s].transpose(0, 1))
+        return torch.stack(out, dim=2)
+
+    # -- context ---------------------------------------------------------------------------
+    def __enter__(self) -> RoutingSession:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        self._capturing = True
+        for i, router in enumerate(self.policy.routers):
+            rr = router.router_replay
+            rr.clear_indices()
+            if self.action is RouterAction.RECORD:
+                rr.set_router_replay_action(RouterReplayAction.RECORD)
+            elif self.action is RouterAction.REPLAY:
+                rows = self._local_rows(self.routes_BSLK, i).to(torch.int64)
+                rr.set_target_indices(sanitize_routes(rows, self.topk).to(router.weight.device))
+                rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            self._wrap(i, router)
+        return self
+
+    def _wrap(self, i: int, router) -> None:
+        gating = router.gating
+        natural = []
+        self._natural.append(natural)
+        gates = []
+        self._chosen_gates.append(gates)
+        topk = self.topk
+
+        def capturing_gating(inp):
+            logits = gating(inp)
+            if self._capturing and self.capture:
+                # softmax is monotonic: top-k of the logits is the router's own choice
+                natural.append(logits.detach().view(-1, logits.shape[-1]).topk(topk, dim=-1).indices)
+            return logits
+
+        router.gating = capturing_gating
+        self._hooks.append(("gating", router))
+        if self.action is RouterAction.RECORD:
+            def record_gates(module, args, output):
+                if self._capturing:
+                    probs, routing_map = output
+                    idx = module.router_replay.recorded_topk_idx
+                    gates.append(probs.detach().gather(1, idx))
+            self._hooks.append(("hook", router.register_forward_hook(record_gates)))
+        elif self.action is RouterAction.REPLAY and self.gates_BSLK is not None:
+            rows_g = self._local_rows(self.gates_BSLK, i)
+
+            def replay_gates(module, args, output):
+                probs, routing_map = output
+                idx = module.router_replay.target_topk_idx
+                fixed = torch.zeros_like(probs).scatter(1, idx, rows_g.to(probs))
+                return fixed, routing_map
+            self._hooks.append(("hook", router.register_forward_hook(replay_gates)))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss``; replayed routes also serve activation recompute."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        self._capturing = False
+        if self.action is RouterAction.REPLAY:
+            for router in self.policy.routers:
+                router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        loss.backward()
+
+    def __exit__(self, *exc) -> None:
+        self._capturing = False
+        for kind, obj in self._hooks:
+            if kind == "gating":
+                del obj.gating  # drop the instance attribute: the class method is back
+            else:
+                obj.remove()
+        self._hooks.clear()
+        for router in self.policy.routers:
+            router.router_replay.clear_router_replay_action()
+            if self.action is not RouterAction.RECORD:
+                router.router_replay.clear_indices()
+
+    # -- results ---------------------------------------------------------------------------
+    def natural_BSLK(self, b: int, s: int) -> torch.Tensor:
+        """The router's own top-k (sorted by score) of the first forward, [B, S, L, K]."""
+        if not self._natural or not all(self._natural):
+            raise RuntimeError("no routing was captured: run a forward inside the session")
+        return self._to_BSLK([n[0] for n in self._natural], b, s)
+
+    def natural_steps(self) -> list[list[torch.Tensor]]:
+        """Every captured forward's natural top-k per layer, [R, K] each (for decoding loops)."""
+        return [list(x) for x in zip(*self._natural)]
+
+    def recorded_BSLK(self, b: int, s: int) -> torch.Tensor:
+        """The experts the recorded forward used, [B, S, L, K] (RouterAction.RECORD)."""
+        if self.action is not RouterAction.RECORD:
+            raise RuntimeError("recorded_BSLK needs RouterAction.RECORD")
+        rows = [r.router_replay.recorded_topk_idx for r in self.policy.routers]
+        if any(r is None for r in rows):
+            raise RuntimeError("nothing was recorded: run a forward inside the session")
+        out = self._to_BSLK(rows, b, s)
+        for r in self.policy.routers:
+            r.router_replay.clear_indices()
+        return out
+
+    def recorded_gates_BSLK(self, b: int, s: int) -> torch.Tensor:
+        """Gate weights of the recorded experts, [B, S, L, K] (RouterAction.RECORD)."""
+        return self._to_BSLK([g[0] for g in self._chosen_gates], b, s)

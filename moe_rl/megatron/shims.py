@@ -1,0 +1,162 @@
+"""The CPU shims megatron-core needs when CUDA is absent (see shared/MEGATRON_CPU.md).
+
+megatron-core hard-codes CUDA in a handful of places. Each shim below replaces exactly
+one of them, is applied only when ``torch.cuda.is_available()`` is false, and names the
+megatron-core versions it was seen in. ``apply_cpu_shims()`` is idempotent; it returns
+the names of the shims it applied so tests can check each one is needed and enough.
+
+The sequence-parallel norm is not a shim: the policy builder uses its own norm class
+(:class:`moe_rl.megatron.model.RMSNorm`) that tags parameters instead of refusing SP.
+The optimizer shim is not needed: moe-rl uses torch.optim.AdamW, not megatron's optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_APPLIED: list[str] = []
+
+
+class _CpuStream:
+    """Stands in for torch.cuda.Stream / Event on CPU: every operation is already ordered."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event or _CpuStream()
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _CpuStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+_CURRENT = _CpuStream()
+
+
+def _shim_current_device() -> None:
+    # torch.cuda.current_device() is used as a tensor device in attention buffers, the RoPE
+    # inv_freq, router gating and tensor-parallel mappings (megatron-core 0.16.1, 0.19.2).
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+def _shim_streams() -> None:
+    # The alltoall token dispatcher creates torch.cuda.Stream() and waits on the current
+    # stream (megatron-core 0.16.1, 0.19.2).
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.Event = _CpuStream
+    torch.cuda.current_stream = lambda device=None: _CURRENT
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+
+def _shim_synchronize() -> None:
+    # dist_checkpointing's FileSystemWriterAsync.preload_tensors calls torch.cuda.synchronize()
+    # after its host copies, also for CPU tensors (megatron-core 0.16.1; not listed in
+    # MEGATRON_CPU.md, found by the checkpoint round-trip test). CPU copies are synchronous.
+    torch.cuda.synchronize = lambda device=None: None
+
+
+def _shim_te_general_gemm() -> None:
+    # 0.16.1: moe_utils imports te_general_gemm inside a try block whose except branch does
+    # not define it, so router gating raises NameError without transformer-engine (fixed in 0.19).
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _shim_alltoall_splits() -> None:
+    # The alltoall dispatcher moves its split sizes to the host only when they are CUDA
+    # tensors; on CPU they stay tensors and all_to_all_single rejects them
+    # (megatron-core 0.16.1, 0.19.2). Convert CPU tensors to numpy as the CUDA path does.
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _shim_causal_mask() -> None:
+    # get_default_causal_mask builds its mask on device="cuda" when attention_mask is None,
+    # as in inference (megatron-core 0.16.1, 0.19.2).
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    utils.get_default_causal_mask = get_default_causal_mask
+    fused_softmax.get_default_causal_mask = get_default_causal_mask
+
+
+def _shim_rng() -> None:
+    # Activation recompute and the model-parallel RNG tracker save and restore the CUDA RNG
+    # state (megatron-core 0.16.1, 0.19.2). On CPU the CPU generator is the one in use.
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def _get(device="cuda", clone=False, graph_safe=False):
+        state = torch.get_rng_state()
+        return state.clone() if clone else state
+
+    def _set(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    mrandom._get_cuda_rng_state = _get
+    mrandom._set_cuda_rng_state = _set
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: None  # the CPU generator is seeded by the caller
+
+
+SHIMS = {
+    "current_device": _shim_current_device,
+    "streams": _shim_streams,
+    "synchronize": _shim_synchronize,
+    "te_general_gemm": _shim_te_general_gemm,
+    "alltoall_splits": _shim_alltoall_splits,
+    "causal_mask": _shim_causal_mask,
+    "rng": _shim_rng,
+}
+
+
+def apply_cpu_shims(only: tuple[str, ...] | None = None) -> list[str]:
+    """Apply the shims (all, or the named ones) when CUDA is absent; return those applied."""
+    if torch.cuda.is_available():
+        return []
+    for name, fn in SHIMS.items():
+        if (only is None or name in only) and name not in _APPLIED:
+            fn()
+            _APPLIED.append(name)
+            log.debug("applied megatron-core CPU shim %s", name)
+    return list(_APPLIED)

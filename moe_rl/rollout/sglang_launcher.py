@@ -1,0 +1,239 @@
+"""Start, wait for, and stop an SGLang server process; or attach to a running one.
+
+The command is ``<python> -m <module> --model-path ... --host 127.0.0.1 --port ...`` with the
+module ``sglang.launch_server`` by default. Option names are SGLang's ServerArgs
+(sgl-project/sglang ``python/sglang/srt/server_args.py``): ``--tp-size``, ``--ep-size``,
+``--mem-fraction-static``, ``--dtype``, ``--skip-tokenizer-init``,
+``--enable-return-routed-experts``, ``--weight-version`` (initial ``weight_version``, default
+"default") and ``--enable-deterministic-inference`` (needed for ``sampling_seed`` to make
+non-greedy sampling reproducible). Tests point ``python``/``module`` at ``moe_rl.rollout.server``
+to launch ``moe-rl serve`` through the same code path.
+
+The process is started in its own session, so stopping it signals exactly the process group
+whose id is the PID we started: SIGTERM, then SIGKILL after a grace period. Never by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_rl.rollout.sglang_client import SGLangClient, SGLangError, SGLangHTTPError, SGLangUnavailable
+from moe_rl.rollout.weight_sync import free_port
+
+logger = logging.getLogger(__name__)
+
+
+class SGLangLaunchError(SGLangError):
+    """The server process exited or never became healthy; the message has its log tail."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGLangServerConfig:
+    """How to launch one SGLang server."""
+
+    model_path: str
+    "Local HF checkpoint directory the server loads."
+    tp_size: int = 1
+    "Tensor-parallel size (GPUs per server)."
+    ep_size: int = 1
+    "Expert-parallel size."
+    host: str = "127.0.0.1"
+    "Bind address (keep 127.0.0.1 unless the trainer runs on another node)."
+    port: int | None = None
+    "HTTP port (None: a free one)."
+    enable_return_routed_experts: bool = False
+    "Return routed experts (needed for R3 routing replay)."
+    mem_fraction_static: float | None = None
+    "Fraction of GPU memory for weights + KV cache (None: SGLang's default)."
+    dtype: str = "auto"
+    "Weight/compute dtype (auto, bfloat16, float16, float32)."
+    skip_tokenizer_init: bool = True
+    "Token ids in and out (the trainer tokenizes)."
+    weight_version: str | None = None
+    "Initial weight_version (None: SGLang's 'default')."
+    enable_deterministic_inference: bool = False
+    "Batch-invariant kernels; makes sampling_seed reproducible for non-greedy sampling."
+    extra_args: tuple[str, ...] = ()
+    "More command-line options, passed as is."
+    python: str = sys.executable
+    "Python executable that runs the server."
+    module: str = "sglang.launch_server"
+    "Module run with -m (tests use moe_rl.rollout.server)."
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.ep_size < 1:
+            raise ValueError(f"sglang tp_size={self.tp_size}, ep_size={self.ep_size}: both must be >= 1")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"sglang mem_fraction_static={self.mem_fraction_static}: use a value in (0, 1)")
+
+
+def build_command(cfg: SGLangServerConfig, port: int) -> list[str]:
+    """The argv that launches the server described by ``cfg`` on ``port``."""
+    cmd = [
+        cfg.python,
+        "-m",
+        cfg.module,
+        "--model-path",
+        str(cfg.model_path),
+        "--tp-size",
+        str(cfg.tp_size),
+        "--ep-size",
+        str(cfg.ep_size),
+        "--host",
+        cfg.host,
+        "--port",
+        str(port),
+        "--dtype",
+        cfg.dtype,
+    ]
+    if cfg.mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+    if cfg.skip_tokenizer_init:
+        cmd.append("--skip-tokenizer-init")
+    if cfg.enable_return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
+    if cfg.enable_deterministic_inference:
+        cmd.append("--enable-deterministic-inference")
+    if cfg.weight_version is not None:
+        cmd += ["--weight-version", cfg.weight_version]
+    return cmd + list(cfg.extra_args)
+
+
+def _log_tail(path: Path | None, n: int = 40) -> str:
+    if path is None or not path.exists():
+        return "(no log)"
+    lines = path.read_text(errors="replace").splitlines()
+    return "\n".join(lines[-n:])
+
+
+class SGLangLauncher:
+    """Owns one server process: ``start()`` waits on /health_generate, ``stop()`` ends it by PID."""
+
+    def __init__(
+        self,
+        cfg: SGLangServerConfig,
+        *,
+        log_path: str | Path | None = None,
+        env: dict[str, str] | None = None,
+        startup_timeout_s: float = 900.0,
+        poll_s: float = 0.5,
+    ):
+        self.cfg, self.env = cfg, env
+        self.port = cfg.port or free_port(cfg.host)
+        self.log_path = Path(log_path) if log_path else Path.cwd() / f"sglang-{self.port}.log"
+        self.startup_timeout_s, self.poll_s = startup_timeout_s, poll_s
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def client(self, **kwargs: float) -> SGLangClient:
+        """A client for this server."""
+        return SGLangClient(self.url, **kwargs)
+
+    def start(self) -> SGLangClient:
+        """Launch, wait until /health_generate answers 200, return a client."""
+        if self.proc is not None:
+            raise SGLangLaunchError(f"server {self.url} already started (pid {self.pid})")
+        cmd = build_command(self.cfg, self.port)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, **(self.env or {})}
+        logger.info("launching %s (log %s)", " ".join(cmd), self.log_path)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_ready(self) -> SGLangClient:
+        """Poll /health_generate until 200, the process exits, or the startup deadline passes."""
+        client = SGLangClient(self.url, timeout_s=30.0, retries=0)
+        t0 = time.monotonic()
+        deadline = t0 + self.startup_timeout_s
+        while True:
+            code = self.proc.poll() if self.proc is not None else None
+            if code is not None:
+                raise SGLangLaunchError(
+                    f"server {self.url} (pid {self.pid}) exited with code {code} "
+                    f"before becoming healthy; log {self.log_path}:\n"
+                    f"{_log_tail(self.log_path)}"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise SGLangLaunchError(
+                    f"server {self.url} (pid {self.pid}) not healthy after "
+                    f"{self.startup_timeout_s:.0f} s; log {self.log_path}:\n"
+                    f"{_log_tail(self.log_path)}"
+                )
+            try:
+                if client.health_generate(timeout_s=min(30.0, max(remaining, 0.1))):
+                    logger.info("server %s healthy after %.1f s", self.url, time.monotonic() - t0)
+                    return SGLangClient(self.url)
+            except (SGLangUnavailable, SGLangHTTPError):
+                pass
+            time.sleep(self.poll_s)
+
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        """SIGTERM the server's process group (id = its PID), SIGKILL after ``grace_s``."""
+        proc, self.proc = self.proc, None
+        code = None
+        if proc is not None:
+            code = proc.poll()
+            if code is None:
+                self._signal(proc.pid, signal.SIGTERM)
+                try:
+                    code = proc.wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    logger.warning("server pid %d ignored SIGTERM for %.0f s; killing", proc.pid, grace_s)
+                    self._signal(proc.pid, signal.SIGKILL)
+                    code = proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return code
+
+    @staticmethod
+    def _signal(pid: int, sig: int) -> None:
+        try:
+            os.killpg(pid, sig)  # the group we created with start_new_session; its id is our PID
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def __enter__(self) -> SGLangLauncher:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def attach(url: str, *, timeout_s: float = 60.0, poll_s: float = 1.0, **client_kwargs: float) -> SGLangClient:
+    """Use a server someone else started: wait until /health_generate answers, return a client."""
+    probe = SGLangClient(url, timeout_s=min(30.0, timeout_s), retries=0)
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            if probe.health_generate():
+                return SGLangClient(url, **client_kwargs)
+        except (SGLangUnavailable, SGLangHTTPError) as e:
+            last = e
+        time.sleep(poll_s)
+    raise SGLangUnavailable(f"no healthy SGLang server at {url} after {timeout_s:.0f} s: {last}")

@@ -1,0 +1,133 @@
+"""The rollout engine protocol and the batch it returns.
+
+Shape legend: B = sequences (prompts x samples), T = padded prompt+response length,
+L = MoE layers, K = experts per token (top-k).
+
+Alignment conventions, shared by every engine and the trainer:
+- ``tokens_BT[b, :total_len[b]]`` is prompt then response, right-padded with ``pad_id``.
+- ``logprobs_BT[b, t]`` is log pi(tokens[b, t] | tokens[b, <t]) for response positions
+  (``response_mask_BT[b, t] == 1``), computed as log_softmax(logits / temperature)
+  like SGLang; 0 elsewhere.
+- ``routes_BTLK[b, t]`` are the K experts chosen in each MoE layer when token t is the
+  model's *input*, for t < total_len[b] - 1 (the last token is never fed through the
+  model, so SGLang returns total_len - 1 rows); other rows are 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to sample one batch of responses."""
+
+    temperature: float = 1.0
+    "Softmax temperature; 0 means greedy."
+    top_p: float = 1.0
+    "Nucleus sampling mass (1 disables it)."
+    top_k: int = -1
+    "Sample among the k most likely tokens (-1 disables it)."
+    max_new_tokens: int = 64
+    "Longest response."
+    stop_token_ids: tuple[int, ...] = ()
+    "Generation of a sequence ends after any of these tokens (it is kept in the response)."
+    seed: int | None = None
+    "Base seed; sample j of the batch uses seed + j, so rollouts are reproducible."
+    return_routes: bool = False
+    "Return the routed experts of every token (needed for R3 and disagreement metrics)."
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"sampling.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(kw_only=True)
+class Rollouts:
+    """One batch of sampled responses; see the module docstring for alignment."""
+
+    tokens_BT: torch.Tensor
+    "int64 prompt+response ids, right-padded."
+    prompt_lens_B: torch.Tensor
+    "int64 prompt length of each row."
+    total_lens_B: torch.Tensor
+    "int64 prompt+response length of each row."
+    response_mask_BT: torch.Tensor
+    "float32, 1 on response tokens."
+    logprobs_BT: torch.Tensor
+    "float32 rollout log-probs of the response tokens, 0 elsewhere."
+    finish_reasons: list[str]
+    "'stop' (a stop token) or 'length' (max_new_tokens) per row."
+    weight_version: str
+    "Version of the weights that produced every row."
+    prompt_index_B: torch.Tensor
+    "int64 index of the row's prompt in the generate() call (rows of a group are adjacent)."
+    routes_BTLK: torch.Tensor | None = None
+    "uint8/int16 routed experts per input token and MoE layer, or None."
+    pad_id: int = 0
+    "Padding token id."
+    extras: dict = field(default_factory=dict)
+    "Engine-specific timings and counters (tokens/s, ...)."
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.tokens_BT.shape[0])
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_mask_BT.sum().item())
+
+
+class HFStateSource(Protocol):
+    """Something whose weights can be streamed in Hugging Face Qwen3-MoE names and layout."""
+
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, full unsharded tensor) one at a time."""
+        ...
+
+
+class RolloutEngine(Protocol):
+    """What the trainer needs from a rollout engine (embedded, SGLang, ...)."""
+
+    weight_version: str
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
+        """Sample ``n`` responses for every prompt; rows of one prompt are adjacent."""
+        ...
+
+    def update_weights(self, source: HFStateSource, version: str) -> str:
+        """Make the engine serve ``source``'s current weights under ``version``; return it."""
+        ...
+
+    def close(self) -> None:
+        """Release servers, processes and memory."""
+        ...
+
+
+def iter_named(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Helper for sources built from a list: yield detached contiguous CPU tensors."""
+    for name, t in tensors:
+        yield name, t.detach().contiguous()
+
+
+class WeightSink(Protocol):
+    """An engine-side model that can take new weights by HF name (used by the server)."""
+
+    def hf_param_meta(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """HF name -> (full shape, dtype) of every weight the engine expects."""
+        ...
+
+    def load_hf_tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace weights by HF name. All-or-nothing: validate every name and shape first,
+        raise ValueError naming the first bad one, and only then copy."""
+        ...

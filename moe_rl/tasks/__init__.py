@@ -1,0 +1,50 @@
+"""Verifiable tasks (prompts, rewards, SFT demonstrations, held-out prompts) and tokenizers.
+
+``TASKS`` maps a task name to its class; :func:`build_task` builds the one a
+:class:`TaskConfig` names. Every task follows the :class:`Task` protocol.
+"""
+
+from __future__ import annotations
+
+from moe_rl.config import ConfigError
+from moe_rl.tasks.arithmetic import ArithmeticTask
+from moe_rl.tasks.base import (
+    ArithmeticConfig,
+    CountdownConfig,
+    JsonlConfig,
+    Prompt,
+    Task,
+    TaskConfig,
+)
+from moe_rl.tasks.countdown import CountdownTask
+from moe_rl.tasks.jsonl import JsonlTask
+from moe_rl.tasks.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+
+TASKS: dict[str, type] = {
+    "arithmetic": ArithmeticTask,
+    "countdown": CountdownTask,
+    "jsonl": JsonlTask,
+}
+
+
+def build_task(cfg: TaskConfig) -> Task:
+    """The task ``cfg.name`` names, built from ``cfg``; an unknown name lists the valid ones."""
+    if cfg.name not in TASKS:
+        raise ConfigError(f"task.name={cfg.name!r} is unknown: use one of {', '.join(sorted(TASKS))}")
+    return TASKS[cfg.name](cfg)
+
+
+__all__ = [
+    "TASKS",
+    "ArithmeticConfig",
+    "CharTokenizer",
+    "CountdownConfig",
+    "HFTokenizer",
+    "JsonlConfig",
+    "Prompt",
+    "Task",
+    "TaskConfig",
+    "Tokenizer",
+    "build_task",
+    "load_tokenizer",
+]

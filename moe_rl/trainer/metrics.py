@@ -1,0 +1,57 @@
+"""Metric sinks: JSONL (one object per step) and TensorBoard, written by rank 0 only."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class MetricsSink:
+    """Append ``{"step", "stage", "time", **metrics}`` to ``metrics.jsonl`` and TensorBoard."""
+
+    def __init__(self, out_dir: str | Path, *, enabled: bool = True, tensorboard: bool = True):
+        self.enabled = enabled
+        self.out_dir = Path(out_dir)
+        self._f = None
+        self._tb = None
+        if not enabled:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._f = (self.out_dir / "metrics.jsonl").open("a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.out_dir / "tb"))
+            except Exception as e:  # tensorboard missing or broken: keep the JSONL
+                log.warning("TensorBoard disabled: %s", e)
+
+    def log(self, step: int, stage: str, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (float(v) if isinstance(v, (int, float)) and math.isfinite(float(v)) else
+                     (None if isinstance(v, (int, float)) else v)) for k, v in metrics.items()}
+        self._f.write(json.dumps({"step": step, "stage": stage, "time": time.time(), **clean}) + "\n")
+        self._f.flush()
+        if self._tb is not None:
+            for k, v in clean.items():
+                if isinstance(v, float):
+                    self._tb.add_scalar(f"{stage}/{k}", v, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: str | Path, stage: str | None = None) -> list[dict]:
+    """The rows of a ``metrics.jsonl`` (optionally one stage's)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [r for r in rows if stage is None or r.get("stage") == stage]

@@ -1,0 +1,40 @@
+"""Run one megatron-core operation with one CPU shim left out (argv: shim, operation)."""
+
+import sys
+import tempfile
+import warnings
+
+warnings.filterwarnings("ignore")
+
+
+def main() -> None:
+    skip, op = sys.argv[1], sys.argv[2]
+    import torch
+
+    from moe_rl.config import ModelConfig, ParallelConfig
+    from moe_rl.megatron import shims
+
+    if skip != "none":
+        del shims.SHIMS[skip]
+    from moe_rl.megatron.checkpoint import save_checkpoint
+    from moe_rl.megatron.parallel import init_parallel
+    from moe_rl.megatron.policy import build_policy
+
+    par = ParallelConfig(expert_parallel=2, data_parallel=2) if op == "ep2" else ParallelConfig()
+    info = init_parallel(par, seed=0)
+    cfg = ModelConfig(vocab_size=32, hidden_size=32, num_layers=1, num_attention_heads=2,
+                      num_query_groups=1, head_dim=16, moe_ffn_hidden_size=32, num_experts=4,
+                      recompute=op == "recompute")
+    policy = build_policy(cfg, par, info)
+    tok = torch.randint(0, 32, (2, 9))
+    out = policy.logprobs(tok)
+    if op == "recompute":
+        out.logp_BT.sum().backward()
+    if op == "checkpoint":
+        save_checkpoint(tempfile.mkdtemp(), 0, policy.model)
+    if info.rank == 0:
+        print("OK")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Each CPU shim is needed (leaving it out breaks the operation it exists for) and enough."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+PROBE = str(Path(__file__).with_name("shim_probe.py"))
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims apply only without CUDA")]
+
+
+def probe(skip, op, nproc=1):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return subprocess.run([*launch, PROBE, skip, op], capture_output=True, text=True,
+                          timeout=180, env=env)
+
+
+def test_all_shims_are_enough():
+    res = probe("none", "checkpoint")
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+    res = probe("none", "recompute")
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("shim, op, error", [
+    ("current_device", "forward", "Torch not compiled with CUDA enabled"),
+    ("streams", "forward", "torch.cuda.Stream requires CUDA support"),
+    ("te_general_gemm", "forward", "te_general_gemm"),
+    ("causal_mask", "forward", "Torch not compiled with CUDA enabled"),
+    ("rng", "recompute", "Torch not compiled with CUDA enabled"),
+    ("synchronize", "checkpoint", "Torch not compiled with CUDA enabled"),
+])
+def test_each_shim_is_needed(shim, op, error):
+    res = probe(shim, op)
+    assert res.returncode != 0, f"{shim} was not needed for {op}"
+    assert error in res.stderr, res.stderr[-3000:]
+
+
+def test_alltoall_splits_shim_is_needed_under_ep2():
+    ok = probe("none", "ep2", nproc=2)
+    assert ok.returncode == 0 and "OK" in ok.stdout, ok.stderr[-3000:]
+    res = probe("alltoall_splits", "ep2", nproc=2)
+    assert res.returncode != 0, "alltoall_splits was not needed under EP=2"
+    assert "Split sizes" in res.stderr or "split" in res.stderr.lower(), res.stderr[-3000:]

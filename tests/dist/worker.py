@@ -1,0 +1,92 @@
+"""Worker for the dist tier: run under torchrun (or plain python for world 1).
+
+It builds the tiny policy at the given layout (optionally loading a checkpoint saved at
+another layout), computes per-token log-probs on fixed tokens, a loss on this rank's
+data-parallel shard with global denominators, synced gradients, one AdamW step and the
+log-probs after it, and saves everything with the global offset of every shard so the
+test can compare layouts element by element.
+"""
+
+import argparse
+import os
+
+import torch
+
+
+def sharded_grads(model) -> dict:
+    """key -> (global_offset, local grad) for every parameter, via its ShardedTensor."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    by_ptr = {p.data_ptr(): p for p in model.parameters()}
+    out = {}
+    for st in model.sharded_state_dict().values():
+        if not isinstance(st, ShardedTensor) or st.data.data_ptr() not in by_ptr:
+            continue
+        p = by_ptr[st.data.data_ptr()]
+        if p.grad is None:
+            continue
+        offset = tuple(st.global_offset[st.prepend_axis_num:])
+        expert = tuple(st.global_offset[: st.prepend_axis_num])
+        out[st.key + str(expert)] = (offset, p.grad.detach().clone())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--dispatcher", default="alltoall")
+    ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--load", default=None)
+    ap.add_argument("--save-init", default=None)
+    ap.add_argument("--save-after", default=None)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
+    from moe_rl.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from moe_rl.megatron.optim import Optimizer, grad_norm, sync_grads
+    from moe_rl.megatron.parallel import destroy_parallel, init_parallel
+    from moe_rl.megatron.policy import build_policy
+
+    par = ParallelConfig(tensor_parallel=args.tp, expert_parallel=args.ep, data_parallel=args.dp)
+    mcfg = ModelConfig(moe_token_dispatcher=args.dispatcher, recompute=args.recompute)
+    info = init_parallel(par, seed=3)
+    policy = build_policy(mcfg, par, info)
+    opt = Optimizer(policy.parameters(), OptimConfig(lr=1e-4, grad_clip=0.0), info)
+    if args.load:
+        load_checkpoint(args.load, policy.model)
+    if args.save_init:
+        save_checkpoint(args.save_init, 0, policy.model, opt)
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, mcfg.vocab_size, (8, 33), generator=g)
+    mask = (torch.rand(8, 33, generator=g) < 0.8).float()
+    mask[:, 0] = 0
+    with torch.no_grad():
+        out = policy.logprobs(tokens, with_entropy=True)
+    rows = tokens.shape[0] // info.dp_size
+    sl = slice(info.dp_rank * rows, (info.dp_rank + 1) * rows)
+    lp = policy.logprobs(tokens[sl], with_entropy=True)
+    loss = -((lp.logp_BT + 0.1 * lp.entropy_BT) * mask[sl]).sum() / mask.sum()
+    loss.backward()
+    params = [p for p in policy.parameters()]
+    sync_grads(params, info)
+    norm = grad_norm(params, info)
+    grads = sharded_grads(policy.model)
+    opt.opt.step()
+    with torch.no_grad():
+        after = policy.logprobs(tokens).logp_BT
+    if args.save_after:
+        opt.step_count = 1
+        save_checkpoint(args.save_after, 1, policy.model, opt)
+    os.makedirs(args.out, exist_ok=True)
+    torch.save({"logp": out.logp_BT, "entropy": out.entropy_BT, "loss": loss.detach(),
+                "grad_norm": norm, "grads": grads, "after": after, "tokens": tokens},
+               os.path.join(args.out, f"rank{info.rank}.pt"))
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()
