@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/moe-rl train recipes/tiny.yaml
+	$(BIN)/moe-rl demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

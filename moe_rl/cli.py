@@ -1,4 +1,4 @@
-"""The ``moe-rl`` command: train | check | plan-free helpers. ``moe-rl -h`` lists them."""
+"""The ``moe-rl`` command: train | check | plan | export | demo | report. ``moe-rl -h`` lists them."""
 
 from __future__ import annotations
 
@@ -41,6 +41,48 @@ def cmd_check(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    from moe_rl.trainer.demo import run_demo
+
+    print(run_demo(args.recipe_dir, args.overrides))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from moe_rl.trainer.report import report
+
+    runs = dict(r.split("=", 1) if "=" in r else (r.rstrip("/").split("/")[-1], r) for r in args.runs)
+    table, _ = report(runs, args.out)
+    print(table)
+    print(f"curves: {args.out}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    """Export a recipe's policy (optionally from a checkpoint) as an HF Qwen3-MoE checkpoint."""
+    import torch
+
+    from moe_rl.config import load_recipe
+    from moe_rl.megatron.checkpoint import load_checkpoint
+    from moe_rl.megatron.hf import export_hf
+    from moe_rl.megatron.parallel import destroy_parallel, init_parallel
+    from moe_rl.megatron.policy import build_policy
+    from moe_rl.tasks import load_tokenizer
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    info = init_parallel(recipe.parallel, seed=recipe.train.seed)
+    try:
+        policy = build_policy(recipe.model, recipe.parallel, info)
+        if args.checkpoint:
+            load_checkpoint(args.checkpoint, policy.model, load_rng=False)
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+        export_hf(policy, args.out, tokenizer=load_tokenizer(recipe.model.tokenizer), dtype=dtype)
+    finally:
+        destroy_parallel()
+    print(f"exported to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-rl", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -54,12 +96,34 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("recipe")
     c.add_argument("overrides", nargs="*")
     c.set_defaults(fn=cmd_check)
+    e = sub.add_parser("export", help="write the policy as a Hugging Face Qwen3-MoE checkpoint")
+    e.add_argument("recipe")
+    e.add_argument("out")
+    e.add_argument("overrides", nargs="*")
+    e.add_argument("--checkpoint", default=None, help="moe-rl checkpoint to export (default: the recipe's init)")
+    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    e.set_defaults(fn=cmd_export)
+    d = sub.add_parser("demo", help="SFT once, then GRPO, GRPO + R2 and GSPO side by side")
+    d.add_argument("--recipe-dir", default="recipes/demo")
+    d.add_argument("overrides", nargs="*")
+    d.set_defaults(fn=cmd_demo)
+    sub.add_parser("plan", help="layout, parameter counts and per-GPU memory of a recipe (no GPU needed); "
+                                "moe-rl plan -h")
+    rp = sub.add_parser("report", help="plot and tabulate run directories (NAME=DIR or DIR)")
+    rp.add_argument("runs", nargs="+")
+    rp.add_argument("--out", default="runs/report.png")
+    rp.set_defaults(fn=cmd_report)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     from moe_rl.config import ConfigError
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:  # its own parser: moe-rl plan RECIPE [overrides] [--num-gpus N ...]
+        from moe_rl.plan import main as plan_main
+
+        return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
     try:

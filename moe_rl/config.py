@@ -404,6 +404,45 @@ class TaskConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Which engine samples the rollouts and how its weights are kept current."""
+
+    engine: str = "embedded"
+    "Engine in moe_rl.rollout.ROLLOUT_ENGINES: embedded (in-process, every machine) | sglang."
+    sglang_url: str | None = None
+    "Attach to a running SGLang server at this URL (None with engine=sglang: launch one)."
+    sglang_model_path: str | None = None
+    "HF checkpoint directory the launched SGLang server starts from (the policy's export)."
+    sglang_tp: int = 1
+    "Tensor-parallel size of a launched SGLang server."
+    sglang_ep: int = 1
+    "Expert-parallel size of a launched SGLang server."
+    sglang_port: int = 30000
+    "Port of a launched SGLang server (bound to sglang_host)."
+    sglang_host: str = "127.0.0.1"
+    "Host a launched SGLang server binds to."
+    sglang_mem_fraction: float = 0.8
+    "SGLang --mem-fraction-static."
+    weight_sync: str = "distributed"
+    "How new weights reach SGLang: distributed (NCCL/gloo broadcast) | disk (HF safetensors)."
+    weight_sync_dir: str | None = None
+    "Directory for disk weight sync (None: <out_dir>/weights)."
+    timeout_s: float = 600.0
+    "Timeout of one engine request, seconds."
+    retries: int = 3
+    "Retries of a failed request (connection errors and 5xx only)."
+
+    def __post_init__(self) -> None:
+        _require(self.engine in ("embedded", "sglang"),
+                 f"rollout.engine={self.engine!r} is unknown: use embedded or sglang")
+        _require(self.weight_sync in ("distributed", "disk"),
+                 f"rollout.weight_sync={self.weight_sync!r}: use distributed or disk")
+        _require(self.sglang_tp >= 1 and self.sglang_ep >= 1, "rollout.sglang_tp and sglang_ep must be >= 1")
+        _require(0 < self.sglang_mem_fraction < 1, "rollout.sglang_mem_fraction must be in (0, 1)")
+        _require(self.timeout_s > 0 and self.retries >= 0, "rollout.timeout_s > 0 and rollout.retries >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Stages, batch sizes and step counts of a run (SFT warm start, then RL)."""
 
@@ -427,6 +466,8 @@ class TrainConfig:
     "Responses sampled per prompt (G)."
     minibatches: int = 4
     "Optimizer steps per rollout batch (the off-policy knob; must divide the batch)."
+    micro_batch_size: int = 0
+    "Sequences per forward/backward on one rank (gradient accumulation within a minibatch); 0: the whole share."
     max_new_tokens: int = 64
     "Longest response."
     temperature: float = 1.0
@@ -439,6 +480,12 @@ class TrainConfig:
     "Held-out prompts per evaluation."
     log_every: int = 1
     "Print a progress line every N steps."
+    flip_probe_sequences: int = 8
+    "Sequences of each rollout batch whose routes are compared just before and after every optimizer step (0: off)."
+    flip_probe_every: int = 1
+    "Measure the per-step flip rate every N optimizer steps."
+    max_bad_steps: int = 3
+    "Stop after this many consecutive steps with non-finite loss or gradients (each one is skipped)."
 
     def __post_init__(self) -> None:
         for s in self.stages:
@@ -446,7 +493,7 @@ class TrainConfig:
         for name in ("sft_batch_size", "prompts_per_step", "group_size", "minibatches",
                      "max_new_tokens", "eval_prompts", "log_every"):
             _require(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("sft_steps", "rl_steps", "eval_every"):
+        for name in ("sft_steps", "rl_steps", "eval_every", "micro_batch_size"):
             _require(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
         _require(self.group_size >= 2 or "rl" not in self.stages,
                  "train.group_size must be >= 2 for RL: group advantages need several responses")
@@ -455,6 +502,50 @@ class TrainConfig:
                  f"train.minibatches={self.minibatches} does not divide the rollout batch "
                  f"prompts_per_step x group_size = {batch}: pick a divisor of {batch}")
         _require(self.temperature > 0, f"train.temperature must be > 0, got {self.temperature}")
+        _require(self.flip_probe_sequences >= 0 and self.flip_probe_every >= 1,
+                 "train.flip_probe_sequences must be >= 0 and train.flip_probe_every >= 1")
+        _require(self.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {self.max_bad_steps}")
+
+
+SENTINEL_ACTIONS = ("off", "log", "stop", "rollback")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SentinelConfig:
+    """Collapse detectors for long MoE runs; each has an action: off | log | stop | rollback."""
+
+    reward_drop_frac: float = 0.5
+    "Reward detector: fires when the reward mean stays below this fraction of its running best ..."
+    reward_window: int = 5
+    "... for this many consecutive RL steps."
+    reward_min_best: float = 0.05
+    "The reward detector arms once the running best exceeds this."
+    reward_action: str = "log"
+    "Action of the reward detector."
+    max_abs_seq_log_ratio: float = 50.0
+    "Ratio detector: fires when |sum_t log-ratio| of any sequence exceeds this (GRPO's clip leaves it free)."
+    ratio_action: str = "log"
+    "Action of the ratio detector."
+    max_grad_norm: float = 1000.0
+    "Gradient detector: fires when the pre-clip gradient norm exceeds this."
+    grad_action: str = "log"
+    "Action of the gradient detector."
+    min_entropy: float = 0.02
+    "Entropy detector: fires when the mean per-token entropy of the responses falls below this."
+    entropy_action: str = "log"
+    "Action of the entropy detector."
+    rollback_lr_factor: float = 0.5
+    "On rollback, reload the last good checkpoint and multiply the learning rate by this."
+    max_rollbacks: int = 3
+    "Stop instead of rolling back after this many rollbacks."
+
+    def __post_init__(self) -> None:
+        for name in ("reward_action", "ratio_action", "grad_action", "entropy_action"):
+            _require(getattr(self, name) in SENTINEL_ACTIONS,
+                     f"sentinel.{name}={getattr(self, name)!r}: use one of {', '.join(SENTINEL_ACTIONS)}")
+        _require(0 < self.reward_drop_frac < 1, "sentinel.reward_drop_frac must be in (0, 1)")
+        _require(self.reward_window >= 1, "sentinel.reward_window must be >= 1")
+        _require(0 < self.rollback_lr_factor <= 1, "sentinel.rollback_lr_factor must be in (0, 1]")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -473,6 +564,10 @@ class Recipe:
     "The RL algorithm."
     task: TaskConfig = field(default_factory=TaskConfig)
     "The verifiable task."
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    "The rollout engine."
+    sentinel: SentinelConfig = field(default_factory=SentinelConfig)
+    "Collapse detectors."
     train: TrainConfig = field(default_factory=TrainConfig)
     "Stages, batch sizes and step counts."
 
@@ -497,6 +592,8 @@ class Recipe:
         _require(self.train.sft_batch_size % p.data_parallel == 0,
                  f"train.sft_batch_size={self.train.sft_batch_size} must be divisible by "
                  f"parallel.data_parallel={p.data_parallel}")
+        _require(self.algo.routing != "r3" or self.rollout.engine in ("embedded", "sglang"),
+                 "algo.routing=r3 needs an engine that returns routes (embedded or sglang)")
         _require(m.dtype == "float32" or p.backend != "gloo",
                  "model.dtype=bfloat16 needs CUDA (nccl); set model.dtype=float32 on CPU")
 
@@ -598,15 +695,32 @@ def recipe_from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) ->
     return build_dataclass(Recipe, data)
 
 
-def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Load a YAML recipe and apply ``section.field=value`` overrides."""
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_recipe_data(path: str | Path, _seen: tuple = ()) -> dict:
+    """A recipe file as a mapping, with ``include: other.yaml`` (relative path) deep-merged under it."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"recipe {path} does not exist")
+    _require(path.resolve() not in _seen, f"recipe include cycle through {path}")
     with path.open() as f:
         data = yaml.safe_load(f) or {}
     _require(isinstance(data, dict), f"recipe {path} must be a mapping of sections")
-    return recipe_from_dict(data, overrides)
+    inc = data.pop("include", None)
+    if inc is not None:
+        base = read_recipe_data(path.parent / inc, (*_seen, path.resolve()))
+        data = _deep_merge(base, data)
+    return data
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Load a YAML recipe (following ``include``) and apply ``section.field=value`` overrides."""
+    return recipe_from_dict(read_recipe_data(path), overrides)
 
 
 def to_dict(obj: Any) -> Any:

@@ -5,6 +5,10 @@ import pytest
 import torch
 
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
+if not torch.cuda.is_available():
+    # Triton reads this once, at its first import (megatron-core imports triton too): on CPU the
+    # kernels run in Triton's interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 warnings.filterwarnings("ignore", module="megatron")
 
 

@@ -51,12 +51,13 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _init_adam_state(optimizer) -> None:
     """Materialise zero Adam moments so a fresh optimizer has tensors to load into."""
-    for p in optimizer.params:
-        st = optimizer.opt.state[p]
-        if not st:
-            st["step"] = torch.tensor(0.0)
-            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    for g in optimizer.opt.param_groups:
+        for q in g["params"]:
+            st = optimizer.opt.state[q]
+            if not st:
+                st["step"] = torch.tensor(0.0)
+                st["exp_avg"] = torch.zeros_like(q, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(q, memory_format=torch.preserve_format)
 
 
 def _sharded_state(model, optimizer) -> dict:
@@ -70,8 +71,10 @@ def _sharded_state(model, optimizer) -> dict:
     if optimizer is not None:
         _init_adam_state(optimizer)
         osd = optimizer.opt.state_dict()
-        id_map = get_param_id_to_sharded_param_map(
-            model_sd, chain.from_iterable(g["params"] for g in optimizer.opt.param_groups))
+        id_map = get_param_id_to_sharded_param_map(model_sd, chain.from_iterable(optimizer.group_params))
+        for pid, p in enumerate(chain.from_iterable(optimizer.group_params)):
+            if p in optimizer.master:  # fp32 master weights of bf16 parameters
+                osd["state"][pid]["master"] = optimizer.master[p].detach()
         # Adam's per-parameter step is the same for every parameter: it is restored from
         # the optimizer's step count instead, so it need not match across layouts.
         optim_state_to_sharding_state(osd, id_map, exclude_keys=("step",))
@@ -162,7 +165,13 @@ def load_checkpoint(path: str | Path, model, optimizer=None, *, load_rng: bool =
             raise ValueError(f"checkpoint {ckpt} has no optimizer state; load it without an optimizer")
         step = torch.tensor(float(meta["optimizer_step"]))
         osd = optimizer.opt.state_dict()
-        osd["state"] = {pid: {**s, "step": step.clone()} for pid, s in loaded["optimizer"]["state"].items()}
+        state = loaded["optimizer"]["state"]
+        with torch.no_grad():
+            for pid, p in enumerate(chain.from_iterable(optimizer.group_params)):
+                master = state[pid].pop("master", None)
+                if p in optimizer.master:
+                    optimizer.master[p].copy_(master if master is not None else p.float())
+        osd["state"] = {pid: {**s, "step": step.clone()} for pid, s in state.items()}
         optimizer.opt.load_state_dict(osd)
         optimizer.step_count = int(meta["optimizer_step"])
     rng = ckpt / f"rng-{_rank()}.pt"

@@ -141,7 +141,7 @@ def build_gpt(cfg: ModelConfig, par: ParallelConfig):
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_seq_len,
         position_embedding_type="rope",
-        rotary_base=int(cfg.rope_theta),
+        rotary_base=cfg.rope_theta,
         share_embeddings_and_output_weights=cfg.tie_embeddings,
         parallel_output=True,
     )

@@ -73,19 +73,31 @@ def grad_norm(params: list[torch.nn.Parameter], info: ParallelInfo) -> torch.Ten
 
 
 class Optimizer:
-    """AdamW over the policy's parameters with sync, clipping, skip-on-non-finite and schedule."""
+    """AdamW over the policy's parameters with sync, clipping, skip-on-non-finite and schedule.
+
+    Mixed precision: parameters stored in bf16 get an fp32 master copy; AdamW (and its
+    state) works on the fp32 masters and the result is cast back, so updates smaller than
+    bf16's resolution accumulate instead of rounding away (18 bytes per parameter, as
+    ``moe_rl.plan`` assumes). fp32 parameters are updated in place.
+    """
 
     def __init__(self, params, cfg: OptimConfig, info: ParallelInfo):
         self.cfg = cfg
         self.info = info
         self.params = [p for p in params if p.requires_grad]
-        decay = [p for p in self.params if p.dim() >= 2]
-        no_decay = [p for p in self.params if p.dim() < 2]
+        self.master = {p: p.detach().float().clone().requires_grad_(True)
+                       for p in self.params if p.dtype != torch.float32}
+        opt_params = [self.master.get(p, p) for p in self.params]
+        decay = [q for p, q in zip(self.params, opt_params) if p.dim() >= 2]
+        no_decay = [q for p, q in zip(self.params, opt_params) if p.dim() < 2]
+        # model parameters in the optimizer's own order (checkpoints map state by position)
+        self.group_params = [[p for p in self.params if p.dim() >= 2], [p for p in self.params if p.dim() < 2]]
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay},
              {"params": no_decay, "weight_decay": 0.0}],
             lr=lr_at(cfg, 0), betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
         self.step_count = 0
+        self.lr_scale = 1.0  # lowered by the collapse sentinel's rollback
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -96,7 +108,7 @@ class Optimizer:
         sync_grads(self.params, self.info)
         norm = grad_norm(self.params, self.info)
         finite = bool(torch.isfinite(norm))
-        lr = lr_at(self.cfg, self.step_count)
+        lr = lr_at(self.cfg, self.step_count) * self.lr_scale
         if finite:
             if self.cfg.grad_clip > 0:
                 coef = torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)
@@ -105,14 +117,21 @@ class Optimizer:
                         p.grad.mul_(coef)
             for g in self.opt.param_groups:
                 g["lr"] = lr
+            for p, m in self.master.items():
+                m.grad = None if p.grad is None else p.grad.float()
             self.opt.step()
+            with torch.no_grad():
+                for p, m in self.master.items():
+                    p.copy_(m)
+                    m.grad = None
             self.step_count += 1
         self.zero_grad()
         return {"grad_norm": float(norm), "lr": lr, "skipped": 0.0 if finite else 1.0}
 
     def state_dict(self) -> dict:
-        return {"opt": self.opt.state_dict(), "step_count": self.step_count}
+        return {"opt": self.opt.state_dict(), "step_count": self.step_count, "lr_scale": self.lr_scale}
 
     def load_state_dict(self, state: dict) -> None:
         self.opt.load_state_dict(state["opt"])
         self.step_count = int(state["step_count"])
+        self.lr_scale = float(state.get("lr_scale", 1.0))

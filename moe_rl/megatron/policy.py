@@ -58,6 +58,13 @@ class Policy:
     def eval(self) -> Policy:
         return self.train(False)
 
+    def kv_cache(self, max_batch: int, max_len: int):
+        """A megatron-core StaticInferenceContext (the KV cache ``model(inference_context=)``
+        takes); its constructor is the same in 0.16.1 and later releases."""
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        return StaticInferenceContext(max_batch, max_len)
+
     def _pad_to_tp(self, inputs_BS: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Sequence parallelism splits the sequence over TP ranks: pad it to a multiple."""
         s = inputs_BS.shape[1]
@@ -95,6 +102,12 @@ class Policy:
 
 
 def build_policy(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, info: ParallelInfo) -> Policy:
-    """Build the policy on this rank (random init from ``model_cfg.seed``)."""
+    """Build the policy on this rank: random init from ``model_cfg.seed``, or the weights of
+    the Hugging Face checkpoint at ``model_cfg.hf_path``."""
     torch.manual_seed(model_cfg.seed)
-    return Policy(model_cfg, parallel_cfg, info)
+    policy = Policy(model_cfg, parallel_cfg, info)
+    if model_cfg.hf_path:
+        from moe_rl.megatron.hf import import_hf
+
+        import_hf(policy, model_cfg.hf_path)
+    return policy

@@ -143,3 +143,19 @@ def test_missing_checkpoint_is_a_clear_error(policy, tmp_path):
 
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         load_checkpoint(tmp_path, policy.model)
+
+
+def test_bf16_parameters_get_fp32_master_weights(parallel_info):
+    """Updates below bf16's resolution accumulate in the fp32 masters instead of rounding away."""
+    from moe_rl.config import ModelConfig  # noqa: F401
+    from moe_rl.megatron.optim import Optimizer
+
+    w = torch.nn.Parameter(torch.ones(4, 4, dtype=torch.bfloat16))
+    opt = Optimizer([w], OptimConfig(lr=1e-4, grad_clip=0.0), parallel_info)
+    for _ in range(50):
+        w.grad = torch.ones_like(w)
+        opt.step()
+    # Adam moves each weight by ~lr per step: 50 x 1e-4 = 5e-3, below bf16's spacing at 1.0 (7.8e-3)
+    # per step but visible in total; plain bf16 AdamW would leave w at exactly 1.0
+    assert torch.allclose(opt.master[w], torch.full((4, 4), 1 - 5e-3), atol=2e-4)
+    assert w.dtype == torch.bfloat16 and float(w[0, 0]) < 1.0

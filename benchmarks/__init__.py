@@ -1,0 +1,1 @@
+"""Benchmark commands (run as ``python -m benchmarks.NAME``); results in benchmarks/results/."""

@@ -1,0 +1,47 @@
+"""Shared helpers of the benchmarks: result file names by machine, preset and commit."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> str:
+    """A short machine name: the GPU model when CUDA is present, else CPU count and arch."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            name = torch.cuda.get_device_name(0)
+            return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
+    except Exception:
+        pass
+    return f"cpu{os.cpu_count()}-{platform.machine()}"
+
+
+def commit() -> str:
+    """The checkout's short commit (with -dirty when files changed), or 'nocommit'."""
+    try:
+        root = Path(__file__).resolve().parents[1]
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except Exception:
+        return "nocommit"
+
+
+def result_path(bench: str, preset: str, out: str | None = None, suffix: str = ".json") -> Path:
+    """benchmarks/results/<bench>-<machine>-<preset>-<commit><suffix> (or ``out``)."""
+    if out:
+        p = Path(out)
+    else:
+        p = RESULTS / f"{bench}-{machine()}-{preset}-{commit()}{suffix}"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return p

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Train a recipe on one node with torchrun (TP/EP/DP over the node's GPUs, or gloo on CPU).
+#
+#   launch/torchrun.sh RECIPE [section.field=value ...] [--resume]
+#
+#   launch/torchrun.sh recipes/tiny_ep2.yaml                              # 2 processes (EP=2, DP=2)
+#   launch/torchrun.sh recipes/tiny_ep2.yaml train.sft_steps=3 train.out_dir=/tmp/r
+#   NPROC=8 launch/torchrun.sh recipes/cluster/qwen3_moe_small_1node.yaml --resume
+#
+# Environment:
+#   NPROC    processes (default: the recipe's world size, tensor x pipeline x data parallel).
+#            A value that does not match the recipe's layout fails here, before torchrun starts.
+#   PYTHON   interpreter with moe-rl installed (default: <repo>/.venv/bin/python, else python3).
+#
+# Logs: the console output (each worker line prefixed with its global rank, "[rank1]:") is
+# also appended to <train.out_dir>/logs/torchrun-<date>-<pid>.log, and torchrun keeps each
+# rank's stdout/stderr under <train.out_dir>/logs/torchrun-<date>-<pid>/.
+# Exit status: torchrun's; 2 for a configuration error (the message names the field and the fix).
+set -euo pipefail
+
+usage() {
+    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2
+    exit "${1:-2}"
+}
+[[ $# -ge 1 ]] || usage
+[[ "$1" == "-h" || "$1" == "--help" ]] && usage 0
+RECIPE="$1"
+shift
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
+
+# Validate the recipe (and NPROC against its layout) before any process starts; print
+# "<world size> <out_dir>". Overrides are the arguments that are not flags (--resume).
+PREFLIGHT='
+import sys
+from moe_rl.config import ConfigError, load_recipe
+try:
+    r = load_recipe(sys.argv[1], [a for a in sys.argv[3:] if not a.startswith("--")])
+    if sys.argv[2]:
+        from moe_rl.megatron.parallel import check_world
+        check_world(r.parallel, int(sys.argv[2]))
+except ConfigError as e:
+    sys.exit(f"moe-rl: configuration error: {e}")
+print(r.parallel.world_size, r.train.out_dir)
+'
+if [[ -n "${NPROC:-}" && ! "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
+    echo "torchrun.sh: NPROC=$NPROC must be a positive integer" >&2
+    exit 2
+fi
+info="$("$PYTHON" -c "$PREFLIGHT" "$RECIPE" "${NPROC:-}" "$@")" || exit 2
+read -r WORLD OUT_DIR <<<"$info"
+NPROC="${NPROC:-$WORLD}"
+
+STAMP="torchrun-$(date +%Y%m%d-%H%M%S)-$$"
+mkdir -p "$OUT_DIR/logs"
+LOG="$OUT_DIR/logs/$STAMP.log"
+echo "torchrun.sh: $NPROC processes, recipe $RECIPE, log $LOG" | tee -a "$LOG" >&2
+
+# shellcheck disable=SC2016  # a template torchrun fills in, not a shell expansion
+export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank${rank}]:'
+rc=0
+"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+    --log-dir "$OUT_DIR/logs/$STAMP" --tee 3 \
+    -m moe_rl.cli train "$RECIPE" "$@" 2>&1 | tee -a "$LOG" || rc=$?
+exit "$rc"

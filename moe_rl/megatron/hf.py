@@ -1,0 +1,439 @@
+"""Hugging Face Qwen3-MoE checkpoints in and out of a megatron-core :class:`Policy`, any TP/EP layout.
+
+- :func:`import_hf` reads ``config.json`` and the safetensors shards (``model.safetensors.index.json``
+  or ``*.safetensors``), checks every name and shape from the headers first, then streams
+  shard by shard: each rank reads only the slices of its own parameters
+  (``safe_open(...).get_slice``), so no rank ever holds a full copy of the model.
+- :func:`export_hf` gathers TP shards (over the TP group) and experts (over the EP group) one
+  parameter at a time; global rank 0 writes HF-named safetensors shards + index + ``config.json``
+  (+ tokenizer) into a temp directory renamed into place.
+- :class:`PolicyHFSource` is the trainer side of weight sync (``HFStateSource.hf_tensors``) and
+  the engine side (``WeightSink.hf_param_meta`` / ``load_hf_tensors``) for the embedded engine
+  and ``moe-rl serve``.
+
+The name/layout map itself is :mod:`moe_rl.megatron.hf_mapping`. Collectives take the policy's
+explicit groups and are skipped in a group of one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.config import ModelConfig
+from moe_rl.megatron.hf_mapping import (
+    Layout,
+    Piece,
+    config_from_hf,
+    fused_expert_shapes,
+    global_expert_name,
+    hf_config,
+    hf_from_full,
+    hf_shapes,
+    ignorable,
+    mismatches,
+    param_pieces,
+    shard_kind,
+)
+
+log = logging.getLogger(__name__)
+
+INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+
+__all__ = [
+    "PolicyHFSource",
+    "config_from_hf",
+    "export_hf",
+    "hf_config",
+    "import_hf",
+    "model_config_from_path",
+    "read_hf_config",
+]
+
+
+# -- reading -----------------------------------------------------------------------------------
+def read_hf_config(path: str | Path) -> dict:
+    """The ``config.json`` dict of a local HF checkpoint directory."""
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+    return json.loads(f.read_text())
+
+
+def model_config_from_path(path: str | Path, **overrides) -> ModelConfig:
+    """ModelConfig of a local HF checkpoint: ``hf_path`` set, and ``tokenizer`` when it has one."""
+    defaults = {"hf_path": str(path)}
+    if (Path(path) / "tokenizer.json").is_file():
+        defaults["tokenizer"] = str(path)
+    return config_from_hf(read_hf_config(path), **{**defaults, **overrides})
+
+
+def _shard_files(root: Path) -> list[str]:
+    index = root / INDEX
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{root} has no {INDEX} and no *.safetensors files")
+    return files
+
+
+def _scan(root: Path, files: list[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """HF name -> (file, shape), from the safetensors headers only."""
+    from safetensors import safe_open
+
+    header: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for fname in files:
+        with safe_open(str(root / fname), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name in header:
+                    raise ValueError(f"{root}: {name!r} appears in both {header[name][0]} and {fname}")
+                header[name] = (fname, tuple(f.get_slice(name).get_shape()))
+    return header
+
+
+def _expected(cfg: ModelConfig, header: dict, root: Path) -> tuple[dict[str, tuple[int, ...]], bool]:
+    """The HF names and shapes the checkpoint must hold; whether its experts are fused."""
+    fused_shapes = fused_expert_shapes(cfg)
+    fused = any(n in header for n in fused_shapes)
+    expected = hf_shapes(cfg)
+    if fused:
+        per_expert = {n for n in expected if ".mlp.experts." in n}
+        if any(n in header for n in per_expert):
+            raise ValueError(f"{root} holds experts both fused (mlp.experts.gate_up_proj) and per expert")
+        expected = {n: s for n, s in expected.items() if n not in per_expert} | fused_shapes
+    return expected, fused
+
+
+def _check_names(cfg: ModelConfig, header: dict, root: Path) -> bool:
+    """Raise ValueError listing missing, unexpected and misshapen tensors; return ``fused``."""
+    expected, fused = _expected(cfg, header, root)
+    missing = sorted(set(expected) - set(header))
+    unexpected = sorted(n for n in header if n not in expected and not ignorable(n, cfg))
+    shapes = [
+        f"{n}: {list(header[n][1])} (expected {list(s)})"
+        for n, s in expected.items()
+        if n in header and header[n][1] != tuple(s)
+    ]
+    problems = []
+    for what, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", shapes)):
+        if names:
+            more = f" ... and {len(names) - 10} more" if len(names) > 10 else ""
+            problems.append(f"{len(names)} {what}: {', '.join(names[:10])}{more}")
+    if problems:
+        raise ValueError(f"checkpoint {root} does not fit the policy: " + "; ".join(problems))
+    return fused
+
+
+# -- the local plan ----------------------------------------------------------------------------
+def _layout(policy) -> Layout:
+    i = policy.info
+    return Layout(tp_rank=i.tp_rank, tp_size=i.tp_size, ep_rank=i.ep_rank, ep_size=i.ep_size)
+
+
+def local_plan(policy, *, fused: bool = False) -> dict[str, list[Piece]]:
+    """HF name -> the pieces of this rank's parameters it fills.
+
+    Raises ValueError if a parameter has no mapping or the pieces do not cover it exactly once.
+    """
+    lay, by_hf, problems = _layout(policy), {}, []
+    for mg, p in policy.model.named_parameters():
+        try:
+            pieces = param_pieces(mg, policy.cfg, lay, fused=fused)
+        except KeyError as e:
+            problems.append(str(e.args[0]))
+            continue
+        covered = sum(p.data[pc.dst].numel() for pc in pieces)
+        regions = {tuple((s.start, s.stop) for s in pc.dst) for pc in pieces}  # slices hash from 3.12
+        if covered != p.numel() or len(regions) != len(pieces):
+            problems.append(f"{mg}: HF pieces cover {covered} of {p.numel()} elements")
+        for pc in pieces:
+            by_hf.setdefault(pc.hf, []).append(pc)
+    if problems:
+        raise ValueError("megatron parameters without an exact HF mapping: " + "; ".join(problems))
+    return by_hf
+
+
+def _copy(param: torch.Tensor, pc: Piece, src: torch.Tensor) -> int:
+    dst = param.data[pc.dst]
+    dst.copy_(src.reshape(dst.shape))
+    return dst.numel()
+
+
+def import_hf(policy, path: str | Path) -> int:
+    """Load a local HF Qwen3-MoE checkpoint into ``policy`` (every rank calls it; no collectives).
+
+    Checks first, before any weight changes: config fields (vs ``policy.cfg``), every tensor
+    name (missing/unexpected) and shape. Then copies shard by shard. Returns the elements copied
+    on this rank.
+    """
+    from safetensors import safe_open
+
+    root = Path(path)
+    diffs = mismatches(config_from_hf(read_hf_config(root)), policy.cfg)
+    if diffs:
+        raise ValueError(
+            f"checkpoint {root} does not match the policy's model config "
+            f"(checkpoint vs policy): {'; '.join(diffs)}"
+        )
+    files = _shard_files(root)
+    header = _scan(root, files)
+    plan = local_plan(policy, fused=_check_names(policy.cfg, header, root))
+    params = dict(policy.model.named_parameters())
+    filled = dict.fromkeys(params, 0)
+    for fname in files:
+        names = [n for n, (f, _) in header.items() if f == fname and n in plan]
+        if not names:
+            continue
+        with safe_open(str(root / fname), framework="pt", device="cpu") as f:
+            for name in names:
+                sl = f.get_slice(name)
+                for pc in plan[name]:
+                    filled[pc.mg] += _copy(params[pc.mg], pc, sl[pc.src])
+    wrong = [f"{n} ({filled[n]} of {p.numel()})" for n, p in params.items() if filled[n] != p.numel()]
+    if wrong:
+        raise RuntimeError(f"import_hf filled parameters a wrong number of elements: {wrong}")
+    total = sum(filled.values())
+    log.info("imported %s: %d tensors, %d local elements (%s)", root, len(header), total, _layout(policy))
+    return total
+
+
+# -- gathering ---------------------------------------------------------------------------------
+def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    """``t`` from every rank of ``group``, in rank order; ``[t]`` in a group of one."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [t]
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+class PolicyHFSource:
+    """A policy's weights under HF Qwen3-MoE names: ``HFStateSource`` and ``WeightSink``.
+
+    ``hf_tensors()`` is collective: every rank of the policy must iterate it to the end, in
+    lockstep (it all-gathers over the TP and EP groups); every rank then receives the same full
+    CPU tensors (copies, never views of live parameters), cast to ``dtype`` when given.
+    ``hf_param_meta`` and ``load_hf_tensors`` are local (no collectives): each rank takes its
+    own slices of the full tensors it is given.
+    """
+
+    def __init__(self, policy, *, dtype: torch.dtype | None = None):
+        self.policy, self.dtype = policy, dtype
+        self._plan: dict[str, list[Piece]] | None = None
+        self._shapes: dict[str, tuple[int, ...]] | None = None
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name -> full shape (computed once: a 30B model has about 19k names)."""
+        if self._shapes is None:
+            self._shapes = hf_shapes(self.policy.cfg)
+        return self._shapes
+
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, full tensor) one at a time: per-expert names, no lm_head when tied."""
+        cfg, info = self.policy.cfg, self.policy.info
+        shapes, local_experts = self.shapes, cfg.num_experts // info.ep_size
+        for name, p in self.policy.model.named_parameters():
+            kind, arg = shard_kind(name)
+            if kind == "tp":
+                fulls = [(name, torch.cat(_all_gather(p.detach(), info.tp_group), dim=arg))]
+            elif kind == "ep":
+                parts = _all_gather(p.detach(), info.ep_group)
+                fulls = [(global_expert_name(name, r * local_experts + arg), t) for r, t in enumerate(parts)]
+            else:
+                fulls = [(name, p.detach())]
+            for full_name, full in fulls:
+                for hf_name, t in hf_from_full(full_name, full, cfg, shapes):
+                    yield hf_name, t.to(device="cpu", dtype=self.dtype or t.dtype, copy=True).contiguous()
+
+    def hf_param_meta(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """HF name -> (full shape, dtype of the policy's parameters)."""
+        dtype = next(self.policy.model.parameters()).dtype
+        return {n: (s, dtype) for n, s in self.shapes.items()}
+
+    def load_hf_tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy full HF tensors into this rank's slices. All-or-nothing: every name, shape and
+        dtype (floating point) is checked first; ValueError names the first bad one."""
+        meta, staged = self.shapes, {}
+        for name, t in named:
+            if name in staged:
+                raise ValueError(f"{name!r} given twice")
+            if name not in meta:
+                raise ValueError(f"{name!r} is not a weight of this Qwen3-MoE policy")
+            if tuple(t.shape) != tuple(meta[name]):
+                raise ValueError(f"{name!r}: shape {list(t.shape)} does not match {list(meta[name])}")
+            if not t.is_floating_point():
+                raise ValueError(f"{name!r}: dtype {t.dtype} is not floating point")
+            staged[name] = t
+        if self._plan is None:
+            self._plan = local_plan(self.policy)
+        params = dict(self.policy.model.named_parameters())
+        for name, t in staged.items():
+            for pc in self._plan.get(name, ()):
+                _copy(params[pc.mg], pc, t[pc.src])
+
+
+# -- writing -----------------------------------------------------------------------------------
+class _ShardWriter:
+    """Buffers tensors up to ``max_bytes`` per safetensors file; ``finish`` names and indexes them."""
+
+    def __init__(self, root: Path, max_bytes: int):
+        self.root, self.max_bytes = root, max_bytes
+        self.buf: dict[str, torch.Tensor] = {}
+        self.buf_bytes = self.total = 0
+        self.files: list[tuple[str, list[str]]] = []
+        self.names: set[str] = set()
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if name in self.names:
+            raise ValueError(f"{name!r} yielded twice")
+        self.names.add(name)
+        nbytes = t.numel() * t.element_size()
+        if self.buf and self.buf_bytes + nbytes > self.max_bytes:
+            self._flush()
+        self.buf[name] = t
+        self.buf_bytes += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if self.buf:
+            fname = f"part-{len(self.files) + 1:05d}.safetensors"
+            save_file(self.buf, str(self.root / fname), metadata={"format": "pt"})
+            self.files.append((fname, list(self.buf)))
+            self.buf, self.buf_bytes = {}, 0
+
+    def finish(self) -> int:
+        """Write the last shard, rename to ``model-0000k-of-0000N``, write the index; return N."""
+        self._flush()
+        n, weight_map = len(self.files), {}
+        for k, (tmp_name, names) in enumerate(self.files, 1):
+            final = f"model-{k:05d}-of-{n:05d}.safetensors"
+            (self.root / tmp_name).rename(self.root / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.root / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        return n
+
+
+def _save_tokenizer(tokenizer, root: Path) -> None:
+    """``tokenizer.save_pretrained(root)``, or copy the tokenizer files of a directory / ``.path``."""
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(str(root))
+        return
+    src = Path(getattr(tokenizer, "path", tokenizer))
+    copied = [f for f in TOKENIZER_FILES if (src / f).is_file()]
+    if not copied:
+        raise ValueError(f"tokenizer {tokenizer!r}: no save_pretrained() and no tokenizer files in {src}")
+    for f in copied:
+        shutil.copy2(src / f, root / f)
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    trash = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}" if dst.exists() else None
+    if trash is not None:
+        dst.rename(trash)
+    src.rename(dst)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def _all_ok(ok: bool, device: torch.device) -> bool:
+    """Whether every rank of the world says ok (one all-reduce; trivially ``ok`` in a world of one)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ok
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _write(source: PolicyHFSource, tmp: Path, out: Path, tokenizer, max_shard_bytes: int):
+    """Rank 0: stream every tensor into ``tmp``, add config + tokenizer, rename ``tmp`` to ``out``.
+
+    Returns the first error instead of raising, after draining ``source`` to the end (the other
+    ranks wait in its gathers), so that every rank reaches the final agreement.
+    """
+    error: Exception | None = None
+    try:
+        tmp.mkdir()
+        writer = _ShardWriter(tmp, max_shard_bytes)
+    except Exception as e:  # noqa: BLE001 - returned, raised after the collectives
+        error = e
+    for name, t in source.hf_tensors():
+        if error is None:
+            try:
+                writer.add(name, t)
+            except Exception as e:  # noqa: BLE001
+                error = e
+    if error is not None:
+        return error
+    try:
+        shards = writer.finish()
+        dtype = source.dtype or next(source.policy.model.parameters()).dtype
+        cfg_json = hf_config(source.policy.cfg, dtype=dtype)
+        (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
+        if tokenizer is not None:
+            _save_tokenizer(tokenizer, tmp)
+        _replace_dir(tmp, out)
+    except Exception as e:  # noqa: BLE001
+        return e
+    log.info("exported %s: %d shards, %.1f MB", out, shards, writer.total / 1e6)
+    return None
+
+
+def export_hf(
+    policy,
+    out_dir: str | Path,
+    *,
+    tokenizer=None,
+    max_shard_bytes: int = 4 << 30,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write ``policy`` as an HF Qwen3-MoE checkpoint at ``out_dir`` (collective: every rank calls).
+
+    Global rank 0 writes ``model-0000k-of-0000N.safetensors`` (at most ``max_shard_bytes`` each,
+    one tensor larger than that gets a shard of its own), ``model.safetensors.index.json``,
+    ``config.json`` and, when ``tokenizer`` is given (an object with ``save_pretrained`` or a
+    tokenizer directory), its files; all into a temp directory renamed over ``out_dir``.
+    Tensors are cast to ``dtype`` when given. Every rank raises if rank 0 failed.
+    """
+    out = Path(out_dir)
+    if tokenizer is not None and not (
+        hasattr(tokenizer, "save_pretrained") or hasattr(tokenizer, "path") or Path(str(tokenizer)).is_dir()
+    ):
+        raise ValueError(f"tokenizer {tokenizer!r}: give an object with save_pretrained() or a directory")
+    source = PolicyHFSource(policy, dtype=dtype)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        for _ in source.hf_tensors():
+            pass
+        if not _all_ok(True, policy.info.device):
+            raise RuntimeError(f"export_hf to {out} failed on rank 0 (see its log)")
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    error = _write(source, tmp, out, tokenizer, max_shard_bytes)
+    if error is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _all_ok(error is None, policy.info.device)
+    if error is not None:
+        raise error
+    return out

@@ -1,0 +1,368 @@
+"""Hugging Face Qwen3-MoE <-> megatron-core GPTModel: config conversion and the name/layout map.
+
+Pure functions of names, shapes and ranks (torch only, no megatron-core, no I/O); the
+streaming import/export that uses them is :mod:`moe_rl.megatron.hf`.
+
+Shape legend: V = vocab, H = hidden, Q = query heads, G = key/value heads (query groups),
+D = head_dim, R = Q // G, E = experts, I = expert intermediate width.
+
+Layouts (megatron-core local spec, 0.16.1 .. 0.19):
+- ``linear_qkv.weight`` ``[G * (R + 2) * D, H]`` interleaves per query group
+  ``[R query heads, 1 key head, 1 value head]``; TP splits whole groups (rows).
+- ``linear_proj.weight`` ``[H, Q * D]``: row-parallel, TP splits columns.
+- ``embedding.word_embeddings.weight`` and ``output_layer.weight`` ``[V, H]``: TP splits rows.
+- ``local_experts.{j}.linear_fc1.weight`` ``[2 * I, H]`` stacks ``[gate; up]``;
+  ``linear_fc2.weight`` ``[H, I]``; EP rank r holds global experts ``r * E/EP + j``
+  (expert tensor parallelism is 1).
+- Norms and the router are replicated.
+
+HF checkpoints name experts one by one (``mlp.experts.{e}.gate_proj.weight``, what
+transformers 5's ``save_pretrained`` writes and SGLang loads); transformers 5 *modules* hold
+them fused (``mlp.experts.gate_up_proj`` ``[E, 2 * I, H]`` = per expert ``[gate; up]``,
+``mlp.experts.down_proj`` ``[E, H, I]``). Both are read; per-expert names are written.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from moe_rl.config import ConfigError, ModelConfig
+
+HF_ARCH = "Qwen3MoeForCausalLM"
+ALL = (slice(None),)
+"Index of a whole tensor."
+
+# ModelConfig fields that decide the weights' shapes and the forward (compared on import).
+ARCH_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_query_groups",
+    "head_dim",
+    "moe_ffn_hidden_size",
+    "num_experts",
+    "moe_router_topk",
+    "moe_norm_topk_prob",
+    "rope_theta",
+    "norm_eps",
+    "qk_norm",
+    "tie_embeddings",
+)
+
+
+# -- config ------------------------------------------------------------------------------------
+def _rope_theta(hf: dict, problems: list[str]) -> float:
+    """RoPE base from transformers 5 ``rope_parameters`` or 4.x ``rope_theta``/``rope_scaling``."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
+        params = params["full_attention"]
+    scaling = hf.get("rope_scaling")
+    for name, rope in (("rope_parameters", params), ("rope_scaling", scaling)):
+        kind = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
+        if kind != "default":
+            problems.append(f"{name}={rope!r} (only plain RoPE without scaling is supported)")
+    theta = (params or {}).get("rope_theta", hf.get("rope_theta"))
+    if theta is None:
+        problems.append("rope_theta is missing (set rope_theta or rope_parameters.rope_theta)")
+        return 0.0
+    return float(theta)
+
+
+def unsupported(hf: dict) -> list[str]:
+    """What in an HF ``config.json`` dict this port cannot represent (empty: supported)."""
+    problems = []
+    archs = hf.get("architectures") or []
+    if (archs and HF_ARCH not in archs) or hf.get("model_type", "qwen3_moe") != "qwen3_moe":
+        problems.append(f"architectures={archs} model_type={hf.get('model_type')!r} (only {HF_ARCH})")
+    if (hf.get("shared_expert_intermediate_size") or 0) > 0 or (hf.get("n_shared_experts") or 0) > 0:
+        problems.append(
+            f"shared_expert_intermediate_size={hf.get('shared_expert_intermediate_size')} "
+            "(shared experts are not supported)"
+        )
+    if hf.get("mlp_only_layers"):
+        problems.append(f"mlp_only_layers={hf['mlp_only_layers']} (every layer must be an MoE layer)")
+    if hf.get("decoder_sparse_step", 1) != 1:
+        problems.append(f"decoder_sparse_step={hf['decoder_sparse_step']} (every layer must be MoE: 1)")
+    if hf.get("attention_bias"):
+        problems.append("attention_bias=true (no biases are supported)")
+    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or ()):
+        problems.append("use_sliding_window/layer_types: sliding-window attention is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf['hidden_act']!r} (only silu)")
+    if not hf.get("num_experts", hf.get("num_local_experts")):
+        problems.append("num_experts is missing or 0 (a dense model)")
+    return problems
+
+
+def config_from_hf(hf: dict, **overrides) -> ModelConfig:
+    """ModelConfig of an HF Qwen3-MoE ``config.json`` dict; ``overrides`` set other fields.
+
+    Fields HF does not describe (dtype, seed, tokenizer, max_seq_len...) keep ModelConfig's
+    defaults unless overridden, except ``max_seq_len`` = ``max_position_embeddings``.
+    Raises ConfigError naming every unsupported field.
+    """
+    problems = unsupported(hf)
+    theta = _rope_theta(hf, problems)
+    if problems:
+        raise ConfigError("unsupported Hugging Face config: " + "; ".join(problems))
+    heads = hf["num_attention_heads"]
+    fields = dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        num_experts=hf.get("num_experts", hf.get("num_local_experts")),
+        moe_router_topk=hf["num_experts_per_tok"],
+        moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        max_seq_len=hf.get("max_position_embeddings", 4096),
+        rope_theta=theta,
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        qk_norm=True,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def hf_config(cfg: ModelConfig, *, dtype: torch.dtype | None = None) -> dict:
+    """HF ``config.json`` dict (Qwen3MoeForCausalLM) for ``cfg``; readable by transformers 4.5x
+    (SGLang) and 5.x. ``dtype`` is the dtype the weights are written in (default cfg.dtype)."""
+    if not cfg.qk_norm:
+        raise ConfigError("model.qk_norm=false has no Qwen3-MoE equivalent (Qwen3 always has QK-norm)")
+    dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else cfg.dtype
+    return {
+        "architectures": [HF_ARCH],
+        "model_type": "qwen3_moe",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        # the dense MLP width is unused (every layer is MoE); Qwen3-MoE releases set it to K * I
+        "intermediate_size": cfg.moe_ffn_hidden_size * cfg.moe_router_topk,
+        "moe_intermediate_size": cfg.moe_ffn_hidden_size,
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.moe_router_topk,
+        "norm_topk_prob": cfg.moe_norm_topk_prob,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_query_groups,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": cfg.num_layers,
+        "initializer_range": cfg.init_std,
+        "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
+        "output_router_logits": False,
+        "use_cache": True,
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
+    }
+
+
+def mismatches(a: ModelConfig, b: ModelConfig) -> list[str]:
+    """ARCH_FIELDS on which two configs differ, as ``field: a vs b``."""
+    return [f"{f}: {getattr(a, f)} vs {getattr(b, f)}" for f in ARCH_FIELDS if getattr(a, f) != getattr(b, f)]
+
+
+# -- names and shapes --------------------------------------------------------------------------
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name (per-expert form) -> full shape; no ``lm_head`` when tied."""
+    h, d, i_ = cfg.hidden_size, cfg.head_dim, cfg.moe_ffn_hidden_size
+    q, g = cfg.num_attention_heads * d, cfg.num_query_groups * d
+    out = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}."
+        out.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (g, h),
+                p + "self_attn.v_proj.weight": (g, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "self_attn.q_norm.weight": (d,),
+                p + "self_attn.k_norm.weight": (d,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "mlp.gate.weight": (cfg.num_experts, h),
+            }
+        )
+        for e in range(cfg.num_experts):
+            x = f"{p}mlp.experts.{e}."
+            out.update(
+                {
+                    x + "gate_proj.weight": (i_, h),
+                    x + "up_proj.weight": (i_, h),
+                    x + "down_proj.weight": (h, i_),
+                }
+            )
+    out["model.norm.weight"] = (h,)
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, h)
+    return out
+
+
+def fused_expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """transformers 5 in-memory fused expert names -> shapes."""
+    e, h, i_ = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
+    out = {}
+    for layer in range(cfg.num_layers):
+        out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = (e, 2 * i_, h)
+        out[f"model.layers.{layer}.mlp.experts.down_proj"] = (e, h, i_)
+    return out
+
+
+def ignorable(name: str, cfg: ModelConfig) -> bool:
+    """Checkpoint entries that carry no weight of ours (tied lm_head, stale RoPE buffers)."""
+    return (cfg.tie_embeddings and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
+
+
+# -- the placement plan ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    """This rank's place in the TP and EP layouts (world 1: the defaults)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``megatron_param[dst] <- hf_tensor[src]`` (reshaped): one rectangular region of each."""
+
+    hf: str
+    mg: str
+    src: tuple[slice, ...]
+    dst: tuple[slice, ...]
+
+
+def _span(start: int, size: int) -> tuple[slice, ...]:
+    return (slice(start, start + size),)
+
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight")
+_REPLICATED = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",  # TE spec
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+}
+
+
+def _qkv(p: str, mg: str, cfg: ModelConfig, lay: Layout) -> list[Piece]:
+    d = cfg.head_dim
+    r = cfg.num_attention_heads // cfg.num_query_groups
+    groups = cfg.num_query_groups // lay.tp_size
+    out = []
+    for gl in range(groups):
+        g, base = lay.tp_rank * groups + gl, gl * (r + 2) * d
+        out += [
+            Piece(p + "self_attn.q_proj.weight", mg, _span(g * r * d, r * d), _span(base, r * d)),
+            Piece(p + "self_attn.k_proj.weight", mg, _span(g * d, d), _span(base + r * d, d)),
+            Piece(p + "self_attn.v_proj.weight", mg, _span(g * d, d), _span(base + (r + 1) * d, d)),
+        ]
+    return out
+
+
+def _expert(p: str, mg: str, j: int, fc: str, cfg: ModelConfig, lay: Layout, fused: bool) -> list[Piece]:
+    e = lay.ep_rank * (cfg.num_experts // lay.ep_size) + j
+    i_ = cfg.moe_ffn_hidden_size
+    if fused:
+        name = p + ("mlp.experts.gate_up_proj" if fc == "1" else "mlp.experts.down_proj")
+        return [Piece(name, mg, (slice(e, e + 1), slice(None), slice(None)), ALL)]
+    x = f"{p}mlp.experts.{e}."
+    if fc == "2":
+        return [Piece(x + "down_proj.weight", mg, ALL, ALL)]
+    return [
+        Piece(x + "gate_proj.weight", mg, ALL, _span(0, i_)),
+        Piece(x + "up_proj.weight", mg, ALL, _span(i_, i_)),
+    ]
+
+
+def param_pieces(mg: str, cfg: ModelConfig, lay: Layout = Layout(), *, fused: bool = False) -> list[Piece]:
+    """Where the local megatron parameter ``mg`` comes from in HF tensors (KeyError if unknown).
+
+    ``fused``: read experts from transformers 5's fused names instead of per-expert ones.
+    """
+    if mg in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        rows = cfg.vocab_size // lay.tp_size
+        hf = "model.embed_tokens.weight" if mg.startswith("embedding") else "lm_head.weight"
+        return [Piece(hf, mg, _span(lay.tp_rank * rows, rows), ALL)]
+    if mg == "decoder.final_layernorm.weight":
+        return [Piece("model.norm.weight", mg, ALL, ALL)]
+    m = _LAYER.fullmatch(mg)
+    if m is None:
+        raise KeyError(f"no Hugging Face mapping for megatron parameter {mg!r}")
+    p, rest = f"model.layers.{m[1]}.", m[2]
+    if rest in _REPLICATED:
+        return [Piece(p + _REPLICATED[rest], mg, ALL, ALL)]
+    if rest == "self_attention.linear_qkv.weight":
+        return _qkv(p, mg, cfg, lay)
+    if rest == "self_attention.linear_proj.weight":
+        cols = cfg.num_attention_heads * cfg.head_dim // lay.tp_size
+        return [
+            Piece(p + "self_attn.o_proj.weight", mg, (slice(None), *_span(lay.tp_rank * cols, cols)), ALL)
+        ]
+    ex = _EXPERT.fullmatch(rest)
+    if ex is None:
+        raise KeyError(f"no Hugging Face mapping for megatron parameter {mg!r}")
+    return _expert(p, mg, int(ex[1]), ex[2], cfg, lay, fused)
+
+
+def shard_kind(mg: str) -> tuple[str, int]:
+    """How a local megatron parameter is split: ("tp", dim), ("ep", local expert) or ("none", 0)."""
+    if mg in ("embedding.word_embeddings.weight", "output_layer.weight") or mg.endswith(
+        "self_attention.linear_qkv.weight"
+    ):
+        return "tp", 0
+    if mg.endswith("self_attention.linear_proj.weight"):
+        return "tp", 1
+    ex = _EXPERT.search(mg)
+    return ("ep", int(ex[1])) if ex else ("none", 0)
+
+
+def global_expert_name(mg: str, expert: int) -> str:
+    """The world-1 name of a local expert parameter, holding global expert ``expert``."""
+    return re.sub(r"local_experts\.\d+\.", f"local_experts.{expert}.", mg)
+
+
+def hf_from_full(
+    mg: str, full: torch.Tensor, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]] | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors held by one *full* (world-1 named) megatron parameter.
+
+    ``shapes`` is :func:`hf_shapes` ``(cfg)``, passed in by callers that loop over many params.
+    """
+    shapes = hf_shapes(cfg) if shapes is None else shapes
+    by_name: dict[str, list[Piece]] = {}
+    for pc in param_pieces(mg, cfg):
+        by_name.setdefault(pc.hf, []).append(pc)
+    out = []
+    for name, pieces in by_name.items():
+        if len(pieces) == 1:  # in the world-1 layout a single piece is the whole HF tensor
+            out.append((name, full[pieces[0].dst].reshape(shapes[name])))
+            continue
+        t = full.new_empty(shapes[name])
+        for pc in pieces:
+            t[pc.src] = full[pc.dst].reshape(t[pc.src].shape)
+        out.append((name, t))
+    return out

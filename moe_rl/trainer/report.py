@@ -1,0 +1,109 @@
+"""Side-by-side report of RL runs: a PNG of the curves and a table on the terminal."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from moe_rl.trainer.metrics import read_metrics
+
+PANELS = [
+    ("reward/mean", "reward (mean)"),
+    ("eval/accuracy", "held-out greedy accuracy"),
+    ("flip/step/rate", "expert flip rate per optimizer step"),
+    ("clip/token_frac", "clipped token fraction"),
+    ("clip/seq_frac", "clipped sequence fraction"),
+    ("ratio/seq_log_sum_abs", "max |sequence log-ratio|"),
+]
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in rows:
+        if key == "ratio/seq_log_sum_abs":
+            v = max(abs(r.get("ratio/seq_log_sum_min") or 0), abs(r.get("ratio/seq_log_sum_max") or 0))
+        else:
+            v = r.get(key)
+        if v is not None:
+            xs.append(r["step"])
+            ys.append(v)
+    return xs, ys
+
+
+def load_arm(run_dir: str | Path) -> dict:
+    rows = read_metrics(Path(run_dir) / "metrics.jsonl")
+    rl = [r for r in rows if r["stage"] == "rl"]
+    ev = [r for r in rows if r["stage"] == "rl_eval" or "eval/accuracy" in r]
+    return {"rl": rl, "eval": ev}
+
+
+def _mean(v: list[float]) -> float:
+    return sum(v) / len(v) if v else float("nan")
+
+
+def summarize(name: str, arm: dict) -> dict:
+    rl, ev = arm["rl"], arm["eval"]
+    acc = [r["eval/accuracy"] for r in ev if r.get("eval/accuracy") is not None]
+    _, lr = _series(rl, "ratio/seq_log_sum_abs")
+    return {
+        "arm": name,
+        "steps": len(rl),
+        "reward_first": rl[0].get("reward/mean", math.nan) if rl else math.nan,
+        "reward_last": _mean([r.get("reward/mean", math.nan) for r in rl[-5:]]),
+        "eval_start": acc[0] if acc else math.nan,
+        "eval_end": acc[-1] if acc else math.nan,
+        "flip_step": _mean([r["flip/step/rate"] for r in rl if r.get("flip/step/rate") is not None]),
+        "flip_drift": _mean([r["flip/drift/rate"] for r in rl if r.get("flip/drift/rate") is not None]),
+        "clip_token": _mean([r.get("clip/token_frac", math.nan) for r in rl]),
+        "clip_seq": _mean([r.get("clip/seq_frac", math.nan) for r in rl]),
+        "max_abs_seq_log_ratio": max(lr) if lr else math.nan,
+        "step_s": _mean([r.get("time/step", math.nan) for r in rl]),
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = [("arm", "{:<10}"), ("steps", "{:>5}"), ("reward_first", "{:>8.3f}"), ("reward_last", "{:>8.3f}"),
+            ("eval_start", "{:>8.3f}"), ("eval_end", "{:>8.3f}"), ("flip_step", "{:>9.4f}"),
+            ("flip_drift", "{:>9.4f}"), ("clip_token", "{:>10.5f}"), ("clip_seq", "{:>9.4f}"),
+            ("max_abs_seq_log_ratio", "{:>9.2f}"), ("step_s", "{:>7.2f}")]
+    heads = ["arm", "steps", "rew0", "rew_end", "acc0", "acc_end", "flip/step", "flip/drift",
+             "clip/token", "clip/seq", "|seqlogr|", "step_s"]
+    widths = [len(f.format(r[c])) if rows else 8 for (c, f), r in zip(cols, rows * len(cols))]
+    head = " ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(heads, widths)))
+    lines = [head, "-" * len(head)]
+    lines += [" ".join(f.format(r[c]) for c, f in cols) for r in rows]
+    return "\n".join(lines)
+
+
+def plot(arms: dict[str, dict], out_png: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, (key, title) in zip(axes.flat, PANELS):
+        for name, arm in arms.items():
+            rows = arm["eval"] if key == "eval/accuracy" else arm["rl"]
+            xs, ys = _series(rows, key)
+            ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=name)
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        if key.startswith("clip/"):
+            ax.set_yscale("symlog", linthresh=1e-4)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend()
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
+
+
+def report(runs: dict[str, str | Path], out_png: str | Path) -> tuple[str, list[dict]]:
+    """Plot and tabulate named run directories; return the table text and summary rows."""
+    arms = {name: load_arm(d) for name, d in runs.items()}
+    plot(arms, out_png)
+    rows = [summarize(n, a) for n, a in arms.items()]
+    return format_table(rows), rows

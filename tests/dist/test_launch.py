@@ -1,0 +1,254 @@
+"""The launchers: launch/torchrun.sh on two CPU ranks, and launch/slurm.sbatch's multi-node wiring.
+
+The Slurm script is run here outside Slurm with stand-in ``scontrol`` and ``srun`` on PATH: a
+three-node job with SGLANG_NODES=1 must start the server step on the last node, wait for its
+/health_generate, give the trainer step the first two nodes with c10d rendezvous and the
+sglang overrides, and stop the server afterwards. tests/dist/test_slurm.py runs the real thing.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.dist
+ROOT = Path(__file__).parents[2]
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+ENV.pop("NPROC", None)
+
+
+def test_torchrun_sh_trains_two_ranks(tmp_path):
+    out = tmp_path / "run"
+    res = subprocess.run(
+        [
+            str(ROOT / "launch/torchrun.sh"),
+            "recipes/tiny_ep2.yaml",
+            "train.sft_steps=3",
+            f"train.out_dir={out}",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["stage"], r["step"]) for r in rows] == [("sft", 0), ("sft", 1), ("sft", 2)]
+    logs = list((out / "logs").glob("torchrun-*.log"))
+    assert len(logs) == 1
+    text = logs[0].read_text()
+    assert "2 processes" in text and "[rank0]:" in text and "[rank1]:" in text
+    assert "sft step 3/3" in text
+    assert (out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()).is_dir()
+
+
+@pytest.mark.parametrize(
+    "recipe, nproc, needle",
+    [
+        ("recipes/tiny.yaml", "2", "= 1 processes, but the world has 2"),
+        ("recipes/tiny_ep2.yaml", "3", "= 2 processes, but the world has 3"),
+    ],
+)
+def test_torchrun_sh_fails_fast_on_a_layout_that_does_not_match(tmp_path, recipe, nproc, needle):
+    out = tmp_path / "run"
+    res = subprocess.run(
+        [str(ROOT / "launch/torchrun.sh"), recipe, f"train.out_dir={out}"],
+        cwd=ROOT,
+        env={**ENV, "NPROC": nproc},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2
+    assert "moe-rl: configuration error: parallel layout" in res.stderr and needle in res.stderr
+    assert not out.exists()  # nothing started
+
+
+def test_torchrun_sh_usage():
+    res = subprocess.run([str(ROOT / "launch/torchrun.sh")], env=ENV, capture_output=True, text=True)
+    assert res.returncode == 2 and "launch/torchrun.sh RECIPE" in res.stderr
+
+
+# --- slurm.sbatch with stand-in srun / scontrol ------------------------------------------------
+
+FAKE_SRUN = textwrap.dedent('''\
+    #!{python}
+    """Record argv; a server step serves 200 on 127.0.0.1:<port> until SIGTERM (node-rank 0 only)."""
+    import http.server, json, os, signal, sys
+    argv = sys.argv[1:]
+    with open(os.environ["FAKE_SRUN_LOG"], "a") as f:
+        f.write(json.dumps(argv) + "\\n")
+    if "--port" in argv:
+        if os.environ.get("FAKE_SGLANG_FAIL"):
+            sys.exit(1)
+        port = int(argv[argv.index("--port") + 1])
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *a):
+                pass
+
+        def stop(*_):
+            open(os.environ["FAKE_SRUN_LOG"] + ".stopped", "w").close()
+            sys.exit(0)
+
+        signal.signal(signal.SIGTERM, stop)
+        if "--node-rank" in argv and argv[argv.index("--node-rank") + 1] != "0":
+            signal.pause()  # only the first node of a multi-node SGLang server answers HTTP
+        http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+    ''')
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN.format(python=sys.executable))
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "%s\\n" $FAKE_NODES\n'
+    )
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    log = tmp_path / "srun.jsonl"
+    env = {
+        **ENV,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_SRUN_LOG": str(log),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "n[1-3]",
+        "SLURM_CPUS_ON_NODE": "16",
+        "SLURM_GPUS_PER_NODE": "8",
+        "FAKE_NODES": "n1 n2 127.0.0.1",
+        "SGLANG_STARTUP_TIMEOUT": "60",
+    }
+    for k in ("NPROC", "GPUS_PER_NODE", "SGLANG_NODES", "MASTER_PORT", "SGLANG_PORT"):
+        env.pop(k, None)
+
+    def run(args, **extra):
+        res = subprocess.run(
+            ["bash", str(ROOT / "launch/slurm.sbatch"), *args],
+            cwd=ROOT,
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        calls = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+        return res, calls, Path(str(log) + ".stopped").exists()
+
+    return run
+
+
+def _opt(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def test_sbatch_sglang_node_and_two_trainer_nodes(fake_slurm, tmp_path):
+    port = _free_port()
+    res, calls, stopped = fake_slurm(
+        [
+            "recipes/cluster/qwen3_30b_a3b_gspo.yaml",
+            f"train.out_dir={tmp_path / 'run'}",
+            "algo.routing=r3",
+            "--resume",
+        ],
+        SGLANG_NODES="1",
+        SGLANG_PORT=str(port),
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert len(calls) == 2
+    sg, tr = calls
+    # SGLang: one step on the last node, bound to its address, with the recipe's server options
+    assert "--nodelist=127.0.0.1" in sg and "--nodes=1" in sg and "--gpus-per-node=8" in sg
+    assert sg[sg.index("-m") + 1] == "sglang.launch_server"
+    assert (_opt(sg, "--host"), _opt(sg, "--port"), _opt(sg, "--tp-size"), _opt(sg, "--ep-size")) == (
+        "127.0.0.1",
+        str(port),
+        "8",
+        "8",
+    )
+    assert _opt(sg, "--model-path") == "/models/Qwen3-30B-A3B-Base" and _opt(sg, "--dtype") == "bfloat16"
+    assert "--enable-return-routed-experts" in sg and "--skip-tokenizer-init" in sg
+    assert "--nnodes" not in sg  # one server node
+    # trainers: the other two nodes, one torchrun each, c10d rendezvous on the first
+    assert "--nodes=2" in tr and "--nodelist=n1,n2" in tr and "--cpus-per-task=16" in tr
+    assert "--ntasks-per-node=1" in tr and "--gpus-per-node=8" in tr
+    assert tr[tr.index("torch.distributed.run") - 1] == "-m"
+    assert {
+        "--nnodes=2",
+        "--nproc-per-node=8",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=n1:24242",
+        "--rdzv-id=4242",
+    } <= set(tr)
+    cli = tr[tr.index("moe_rl.cli") :]
+    assert cli[1:3] == ["train", "recipes/cluster/qwen3_30b_a3b_gspo.yaml"]
+    assert cli[-3:] == ["rollout.engine=sglang", f"rollout.sglang_url=http://127.0.0.1:{port}", "--resume"]
+    assert stopped  # the server got SIGTERM when the trainer ended
+    assert "SGLang healthy" in res.stderr
+
+
+def test_sbatch_routes_off_and_multi_node_server(fake_slurm, tmp_path):
+    port = _free_port()
+    res, calls, _ = fake_slurm(
+        [
+            "recipes/cluster/qwen3_30b_a3b_gspo.yaml",
+            f"train.out_dir={tmp_path / 'run'}",
+            "parallel.data_parallel=4",
+            "parallel.expert_parallel=8",
+            "rollout.sglang_tp=16",
+        ],
+        SGLANG_NODES="2",
+        SGLANG_PORT=str(port),
+        FAKE_NODES="n1 127.0.0.1 n3",
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    servers = sorted((c for c in calls if "--port" in c), key=lambda c: _opt(c, "--node-rank"))
+    (tr,) = [c for c in calls if "torch.distributed.run" in c]
+    sg0, sg1 = servers  # started in the background: any order
+    assert "--enable-return-routed-experts" not in sg0  # GSPO: routes off
+    assert (_opt(sg0, "--node-rank"), _opt(sg1, "--node-rank"), _opt(sg0, "--nnodes")) == ("0", "1", "2")
+    assert _opt(sg0, "--dist-init-addr") == _opt(sg1, "--dist-init-addr") == "127.0.0.1:50000"
+    assert _opt(sg0, "--tp-size") == "16" and "--nodelist=n3" in sg1
+    assert "--nodes=1" in tr and "--nodelist=n1" in tr and "--nnodes=1" in tr
+
+
+@pytest.mark.parametrize(
+    "args, extra, needle",
+    [
+        (["recipes/cluster/qwen3_30b_a3b_gspo.yaml"], {"SGLANG_NODES": "3"}, "leaves no trainer node"),
+        (["recipes/cluster/qwen3_30b_a3b_gspo.yaml"], {}, "= 16 processes, but the world has 24"),
+        (["recipes/tiny_ep2.yaml"], {"GPUS_PER_NODE": "0", "FAKE_NODES": "localhost"}, "needs NPROC"),
+        (["--nproc", "3", "recipes/tiny_ep2.yaml"], {"FAKE_NODES": "localhost"}, "but the world has 3"),
+    ],
+)
+def test_sbatch_refuses_before_starting_anything(fake_slurm, args, extra, needle):
+    res, calls, _ = fake_slurm(args, **extra)
+    assert res.returncode == 2 and needle in res.stderr
+    assert calls == []
+
+
+def test_sbatch_reports_a_server_that_dies(fake_slurm, tmp_path):
+    res, calls, _ = fake_slurm(
+        ["recipes/cluster/qwen3_30b_a3b_gspo.yaml", f"train.out_dir={tmp_path / 'r'}"],
+        SGLANG_NODES="1",
+        SGLANG_PORT=str(_free_port()),
+        FAKE_SGLANG_FAIL="1",
+    )
+    assert res.returncode != 0 and "exited before becoming healthy" in res.stderr
+    assert len(calls) == 1  # the trainer never started

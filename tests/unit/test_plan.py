@@ -1,0 +1,158 @@
+"""moe_rl.plan: parameter counts against a built policy and published figures; memory; refusals."""
+
+from pathlib import Path
+
+import pytest
+
+from moe_rl.config import ConfigError, ParallelConfig, load_recipe, recipe_from_dict, to_dict
+from moe_rl.plan import PlanError, format_plan, main, param_counts, plan
+from moe_rl.routing.codec import route_bytes_per_token
+
+ROOT = Path(__file__).parents[2]
+CLUSTER = sorted((ROOT / "recipes" / "cluster").glob("*.yaml"))
+GSPO_30B = ROOT / "recipes" / "cluster" / "qwen3_30b_a3b_gspo.yaml"
+
+QWEN3_30B_A3B = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    num_layers=48,
+    num_attention_heads=32,
+    num_query_groups=4,
+    head_dim=128,
+    moe_ffn_hidden_size=768,
+    num_experts=128,
+    moe_router_topk=8,
+    tie_embeddings=False,
+    qk_norm=True,
+    max_seq_len=1024,
+)
+
+
+def component(name: str) -> str:
+    """Which plan component a megatron-core parameter name belongs to."""
+    if "word_embeddings" in name:
+        return "embedding"
+    if name.startswith("output_layer"):
+        return "output"
+    if "layernorm" in name:
+        return "norms"
+    if ".mlp.router." in name:
+        return "router"
+    if ".mlp.experts." in name:
+        return "experts"
+    assert ".self_attention.linear_" in name, name
+    return "attention"
+
+
+@pytest.mark.parametrize(
+    "variant", [{}, {"tie_embeddings": True, "qk_norm": False}], ids=["untied_qknorm", "tied_no_qknorm"]
+)
+def test_counts_equal_the_built_policy(parallel_info, tiny_model_cfg, variant):
+    from dataclasses import replace
+
+    from moe_rl.megatron.policy import build_policy
+
+    cfg = replace(tiny_model_cfg, **variant)
+    policy = build_policy(cfg, ParallelConfig(), parallel_info)
+    measured = dict.fromkeys(("embedding", "output", "attention", "router", "experts", "norms"), 0)
+    for name, p in policy.model.named_parameters():
+        measured[component(name)] += p.numel()
+    counts = param_counts(cfg)
+    assert counts["total"] == sum(p.numel() for p in policy.parameters())
+    assert {k: counts[k] for k in measured} == measured
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weight_memory_equals_the_measured_parameter_bytes(parallel_info, tiny_model_cfg, dtype):
+    from dataclasses import replace
+
+    from moe_rl.megatron.policy import build_policy
+
+    cfg = replace(tiny_model_cfg, dtype=dtype)
+    policy = build_policy(cfg, ParallelConfig(), parallel_info)
+    measured = sum(p.numel() * p.element_size() for p in policy.parameters())
+    pl = plan(recipe_from_dict({"model": to_dict(cfg)}))
+    assert pl["memory"]["terms"]["weights"] == measured
+    assert pl["memory"]["params_per_gpu"]["total"] == sum(p.numel() for p in policy.parameters())
+    per_param = 4 + (12 if dtype == "bfloat16" else 8)  # fp32 grads + Adam (+ fp32 master in bf16)
+    assert pl["memory"]["terms"]["gradients"] + pl["memory"]["terms"]["optimizer"] == per_param * sum(
+        p.numel() for p in policy.parameters()
+    )
+
+
+def test_qwen3_30b_a3b_matches_the_published_sizes():
+    # Qwen3-30B-A3B model card: 30.5B total, 3.3B activated, 29.9B non-embedding
+    cfg = recipe_from_dict({"model": QWEN3_30B_A3B}).model
+    pl = plan(recipe_from_dict({"model": QWEN3_30B_A3B}), allow_unfit=True)
+    total, active = pl["params"]["total"], pl["params"]["active"]
+    assert round(total / 1e9, 1) == 30.5
+    assert 3.3e9 <= active < 3.4e9
+    c = param_counts(cfg)
+    assert round((total - c["embedding"] - c["output"]) / 1e9, 1) == 29.9
+    assert c["experts"] / total > 0.94  # why EP, not TP, decides whether it fits
+
+
+def test_sharding_and_expert_dp_follow_the_layout():
+    r = recipe_from_dict(
+        {"model": QWEN3_30B_A3B, "parallel": {"tensor_parallel": 2, "expert_parallel": 4, "data_parallel": 4}}
+    )
+    pl = plan(r, allow_unfit=True)
+    assert pl["layout"] == {"world": 8, "tp": 2, "pp": 1, "dp": 4, "ep": 4, "expert_tp": 1, "expert_dp": 2}
+    full, shard = pl["params"], pl["memory"]["params_per_gpu"]
+    assert shard["experts"] * 4 == full["experts"]
+    assert shard["attention"] * 2 == full["attention"] and shard["embedding"] * 2 == full["embedding"]
+    assert shard["router"] == full["router"] and shard["norms"] == full["norms"]
+
+
+def test_per_step_bytes():
+    r = load_recipe(GSPO_30B)
+    pl = plan(r)
+    tokens = r.train.prompts_per_step * r.train.group_size * r.model.max_seq_len
+    assert (
+        pl["routing_replay_bytes_per_step"]
+        == tokens * 48 * 8 * 1
+        == tokens * route_bytes_per_token(48, 8, 128)
+    )
+    assert pl["weight_sync_bytes_per_update"] == 2 * pl["params"]["total"]
+
+
+def test_refuses_a_layout_that_cannot_fit():
+    # Qwen3-30B-A3B at TP=2 EP=8 on 16 GPUs: 4.4B parameters per GPU, 18 bytes each in bf16
+    with pytest.raises(PlanError) as e:
+        plan(load_recipe(GSPO_30B, ["parallel.expert_parallel=8"]))
+    msg = str(e.value)
+    assert "optimizer" in msg and "largest term" in msg
+    assert "raise parallel.expert_parallel to 16" in msg and "tensor_parallel" in msg
+    assert isinstance(e.value, ConfigError)
+    pl = plan(load_recipe(GSPO_30B, ["parallel.expert_parallel=8"]), allow_unfit=True)
+    assert not pl["fits"] and pl["memory"]["total"] > 0.9 * 80 * 2**30
+    assert "DOES NOT FIT" in format_plan(pl)
+
+
+def test_refusal_names_activations_when_rollouts_are_too_many():
+    with pytest.raises(PlanError, match=r"activations .* pi_old forward .*train.prompts_per_step"):
+        plan(load_recipe(GSPO_30B, ["train.prompts_per_step=64"]))
+    # the same batch fits once each forward holds 2 sequences (a micro-batching trainer)
+    assert plan(load_recipe(GSPO_30B, ["train.prompts_per_step=64"]), micro_batch=2)["fits"]
+
+
+def test_num_gpus_rederives_data_parallel():
+    pl = plan(load_recipe(GSPO_30B), num_gpus=32)
+    assert (pl["layout"]["dp"], pl["layout"]["world"], pl["layout"]["expert_dp"]) == (16, 32, 2)
+    with pytest.raises(ConfigError, match="multiple of tensor_parallel"):
+        plan(load_recipe(GSPO_30B), num_gpus=15)
+
+
+@pytest.mark.parametrize("path", CLUSTER, ids=lambda p: p.name)
+def test_cluster_recipes_fit_on_80gb(path):
+    pl = plan(load_recipe(path), gpu_mem_gib=80)
+    assert pl["fits"]
+
+
+def test_main_prints_the_plan_and_exits_nonzero_when_it_cannot_fit(capsys):
+    assert main([str(GSPO_30B)]) == 0
+    out = capsys.readouterr().out
+    assert "EP 16" in out and "expert-DP 1" in out and "30.53B total" in out and "fits" in out
+    assert main([str(GSPO_30B), "parallel.expert_parallel=8"]) == 1
+    assert "raise parallel.expert_parallel" in capsys.readouterr().err
+    assert main([str(GSPO_30B), "parallel.expert_parallel=7"]) == 2
