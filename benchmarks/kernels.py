@@ -401,9 +401,10 @@ def gspo_study(args) -> Path:
 def codegen(args) -> Path:
     """Compile both kernels for sm_90 and sm_80 without a GPU: shared memory, pipelining, registers."""
     import triton
-    from moe_rl.kernels import fused_logprob as F
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from moe_rl.kernels import fused_logprob as F
 
     sigs = {
         "fwd": (

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+
 from moe_rl.kernels.hidden_logprob_reference import hidden_logprobs_entropy
 
 LOGPROB_IMPLS = ("auto", "triton", "torch")

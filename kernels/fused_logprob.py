@@ -35,6 +35,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
 from moe_rl.kernels import hidden_logprob_reference as ref
 from moe_rl.kernels.hidden_logprob_reference import (
     DEFAULT_CHUNK_ELEMENTS,
@@ -42,7 +44,6 @@ from moe_rl.kernels.hidden_logprob_reference import (
     check_inputs,
     vocab_chunk_width,
 )
-from triton.runtime.interpreter import InterpretedFunction
 
 
 @triton.jit

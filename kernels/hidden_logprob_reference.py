@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
 from moe_rl.kernels.logprob_reference import _all_reduce
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 24

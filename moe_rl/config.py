@@ -78,6 +78,8 @@ class ModelConfig:
     "Parameter and compute dtype: float32 | bfloat16 (bfloat16 needs CUDA)."
     recompute: bool = False
     "Full activation recompute of every layer in backward (saves memory)."
+    logprob_impl: str = "auto"
+    "Log-prob pass: auto (fused vocab-chunked Triton kernel on CUDA, full logits elsewhere) | logits | torch (chunked reference) | triton."
     transformer_impl: str = "auto"
     "Layer spec: auto (transformer-engine when installed and CUDA present) | local | transformer_engine."
     seed: int = 1234
@@ -100,6 +102,8 @@ class ModelConfig:
                  f"model.dtype={self.dtype!r}: use float32 or bfloat16")
         _require(self.moe_token_dispatcher in ("alltoall", "allgather"),
                  f"model.moe_token_dispatcher={self.moe_token_dispatcher!r}: use alltoall or allgather")
+        _require(self.logprob_impl in ("auto", "logits", "torch", "triton"),
+                 f"model.logprob_impl={self.logprob_impl!r}: use auto, logits, torch or triton")
         _require(self.transformer_impl in ("auto", "local", "transformer_engine"),
                  f"model.transformer_impl={self.transformer_impl!r}: use auto, local or transformer_engine")
 

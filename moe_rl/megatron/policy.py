@@ -33,6 +33,24 @@ class LogProbOutput:
     "fp32 entropy of the predictive distribution at each position (0 at t = 0), or None."
 
 
+class _OutputLayerInput(torch.nn.Module):
+    """Stands in for the output layer during a hidden-state forward: returns its input mapped as
+    the column-parallel output layer maps it (all-gathered from sequence parallelism, or
+    copied into the TP region), so gradients flow back exactly as through the real layer."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.sequence_parallel = bool(getattr(layer, "sequence_parallel", False))
+        self.group = layer.tp_group
+
+    def forward(self, x, weight=None, runtime_gather_output=None):
+        from megatron.core.tensor_parallel import mappings
+
+        if self.sequence_parallel:
+            return mappings.gather_from_sequence_parallel_region(x, group=self.group), None
+        return mappings.copy_to_tensor_model_parallel_region(x, group=self.group), None
+
+
 class Policy:
     """megatron-core MoE GPTModel plus what RL needs from it."""
 
@@ -81,20 +99,53 @@ class Policy:
         out = self.model(input_ids=padded, position_ids=pos, attention_mask=None)
         return out[:, :s]
 
+    def hidden(self, inputs_BS: torch.Tensor) -> torch.Tensor:
+        """Final hidden states ``[B, S, H]`` (the output layer's input; no [B, S, V] logits)."""
+        real = self.model.output_layer
+        self.model.output_layer = _OutputLayerInput(real)
+        try:
+            return self.logits(inputs_BS)
+        finally:
+            self.model.output_layer = real
+
+    def output_weight(self) -> torch.Tensor:
+        """The (local vocab shard of the) output-layer weight ``[V, H]``."""
+        if self.cfg.tie_embeddings:
+            return self.model.shared_embedding_or_output_weight()
+        return self.model.output_layer.weight
+
+    def _impl(self) -> str:
+        impl = self.cfg.logprob_impl
+        if impl == "auto":
+            from moe_rl.kernels import triton_available
+
+            return "triton" if self.info.device.type == "cuda" and triton_available() else "logits"
+        return impl
+
     def logprobs(self, tokens_BT: torch.Tensor, *, temperature: float = 1.0,
                  with_entropy: bool = False) -> LogProbOutput:
         """Per-token log-probs (and entropy) of ``tokens_BT`` under the current weights.
 
         fp32 softmax of logits / temperature, vocab-parallel across TP ranks; identical on
-        every TP rank. Gradients flow when called with grad enabled.
+        every TP rank. Gradients flow when called with grad enabled. ``model.logprob_impl``
+        picks full logits or the vocab-chunked path from hidden states (Triton kernel or
+        its torch reference), which never materialises ``[B, T, V]``.
         """
         tokens_BT = tokens_BT.to(self.info.device)
         b, t = tokens_BT.shape
-        logits = self.logits(tokens_BT[:, :-1])
-        v = logits.shape[-1]
-        logp, ent = logprobs_entropy(logits.reshape(-1, v), tokens_BT[:, 1:].reshape(-1),
-                                     temperature=temperature, group=self.info.tp_group,
-                                     vocab_start=self.vocab_start, with_entropy=with_entropy)
+        target = tokens_BT[:, 1:].reshape(-1)
+        kw = dict(temperature=temperature, group=self.info.tp_group, vocab_start=self.vocab_start,
+                  with_entropy=with_entropy)
+        impl = self._impl()
+        if impl == "logits":
+            logits = self.logits(tokens_BT[:, :-1])
+            logp, ent = logprobs_entropy(logits.reshape(-1, logits.shape[-1]), target, **kw)
+        else:
+            from moe_rl.kernels import logprobs_from_hidden
+
+            h = self.hidden(tokens_BT[:, :-1])
+            logp, ent = logprobs_from_hidden(h.reshape(-1, h.shape[-1]), self.output_weight(), target,
+                                             impl=impl, **kw)
         zero = torch.zeros(b, 1, device=logp.device, dtype=logp.dtype)
         logp_BT = torch.cat([zero, logp.view(b, t - 1)], dim=1)
         ent_BT = torch.cat([zero, ent.view(b, t - 1)], dim=1) if with_entropy else None

@@ -1,4 +1,4 @@
-"""EP=2 and TP=2 give the same log-probs, loss and gradients as one process (dist tier).
+"""EP=2 and TP=2 give the same log-probs, loss, gradients and routing as one process (dist tier).
 
 One process saves the tiny policy; two-process runs load it (resharding 1 -> EP=2 and
 1 -> TP=2) and must reproduce the single-process log-probs, entropy, loss, every
@@ -50,6 +50,7 @@ def check_grads(ref_grads, rank_results):
 @pytest.mark.parametrize("layout", [
     ("--ep", "2", "--dp", "2"),
     ("--tp", "2"),
+    ("--tp", "2", "--logprob-impl", "torch", "--recompute"),  # vocab-chunked path + recompute
 ])
 def test_layout_matches_single_process(reference, tmp_path, layout):
     d, ref = reference
@@ -68,6 +69,14 @@ def test_layout_matches_single_process(reference, tmp_path, layout):
         torch.testing.assert_close(results[0]["loss"] + results[1]["loss"], ref["loss"],
                                    atol=1e-6, rtol=1e-6)
     check_grads(ref["grads"], results)
+    # routing: recorded routes, replay after a router perturbation, and the flip rate of the
+    # perturbed router's natural choice equal the single-process values
+    for res in results:
+        assert torch.equal(res["recorded"], ref["recorded"])
+        assert torch.equal(res["natural_after_perturb"], ref["natural_after_perturb"])
+        torch.testing.assert_close(res["replayed_logp"], ref["replayed_logp"], atol=1e-5, rtol=0)
+        assert res["flips"] == pytest.approx(ref["flips"], abs=1e-9)
+    assert ref["flips"]["flip/rate"] > 0.05  # the perturbation does move the natural routes
     # back to one process: the two-process checkpoint reproduces the post-step log-probs
     run(["--load", str(save_after), "--out", str(tmp_path / "back")])
     back = torch.load(tmp_path / "back" / "rank0.pt", weights_only=False)

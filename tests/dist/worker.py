@@ -31,6 +31,34 @@ def sharded_grads(model) -> dict:
     return out
 
 
+def routing_checks(policy, tokens) -> dict:
+    """Record routes, perturb the routers (identically on every rank), replay, and measure flips.
+
+    Leaves the weights as they were. Every rank returns full [B, S, L, K] routes.
+    """
+    from moe_rl.megatron.routing import RoutingSession
+    from moe_rl.routing import RouterAction
+    from moe_rl.routing.flip import flip_rate
+
+    b, s = tokens.shape[0], tokens.shape[1] - 1
+    with torch.no_grad(), RoutingSession(policy, RouterAction.RECORD) as rs:
+        policy.logprobs(tokens)
+    recorded = rs.recorded_BSLK(b, s)
+    saved = [r.weight.detach().clone() for r in policy.routers]
+    gen = torch.Generator().manual_seed(123)
+    with torch.no_grad():
+        for r in policy.routers:  # router weights are replicated on every rank: same noise everywhere
+            r.weight.mul_(1 + 0.3 * torch.randn(r.weight.shape, generator=gen))
+    with torch.no_grad(), RoutingSession(policy, RouterAction.REPLAY, routes_BSLK=recorded) as rs2:
+        replayed = policy.logprobs(tokens).logp_BT
+    natural = rs2.natural_BSLK(b, s)
+    flips = flip_rate(natural.reshape(b * s, *natural.shape[2:]), recorded.reshape(b * s, *recorded.shape[2:]))
+    with torch.no_grad():
+        for r, w in zip(policy.routers, saved):
+            r.weight.copy_(w)
+    return {"recorded": recorded, "natural_after_perturb": natural, "replayed_logp": replayed, "flips": flips}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
@@ -38,6 +66,7 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--dispatcher", default="alltoall")
     ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--logprob-impl", default="auto")
     ap.add_argument("--load", default=None)
     ap.add_argument("--save-init", default=None)
     ap.add_argument("--save-after", default=None)
@@ -51,7 +80,8 @@ def main() -> None:
     from moe_rl.megatron.policy import build_policy
 
     par = ParallelConfig(tensor_parallel=args.tp, expert_parallel=args.ep, data_parallel=args.dp)
-    mcfg = ModelConfig(moe_token_dispatcher=args.dispatcher, recompute=args.recompute)
+    mcfg = ModelConfig(moe_token_dispatcher=args.dispatcher, recompute=args.recompute,
+                       logprob_impl=args.logprob_impl)
     info = init_parallel(par, seed=3)
     policy = build_policy(mcfg, par, info)
     opt = Optimizer(policy.parameters(), OptimConfig(lr=1e-4, grad_clip=0.0), info)
@@ -62,6 +92,7 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, mcfg.vocab_size, (8, 33), generator=g)
+    routing = routing_checks(policy, tokens)
     mask = (torch.rand(8, 33, generator=g) < 0.8).float()
     mask[:, 0] = 0
     with torch.no_grad():
@@ -82,7 +113,7 @@ def main() -> None:
         opt.step_count = 1
         save_checkpoint(args.save_after, 1, policy.model, opt)
     os.makedirs(args.out, exist_ok=True)
-    torch.save({"logp": out.logp_BT, "entropy": out.entropy_BT, "loss": loss.detach(),
+    torch.save({**routing, "logp": out.logp_BT, "entropy": out.entropy_BT, "loss": loss.detach(),
                 "grad_norm": norm, "grads": grads, "after": after, "tokens": tokens},
                os.path.join(args.out, f"rank{info.rank}.pt"))
     destroy_parallel()
