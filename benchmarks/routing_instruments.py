@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import time
 import warnings
 
@@ -32,17 +33,19 @@ PRESETS = {
     "smoke": {"model": {"hidden_size": 64, "num_layers": 2, "num_attention_heads": 4, "num_query_groups": 2,
                         "head_dim": 16, "moe_ffn_hidden_size": 64, "num_experts": 4},
               "train": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 16}, "repeats": 1},
-    "cpu": {"model": {}, "train": {"prompts_per_step": 8, "group_size": 8, "max_new_tokens": 48}, "repeats": 5},
+    "cpu": {"model": {}, "train": {"prompts_per_step": 8, "group_size": 8, "max_new_tokens": 48}, "repeats": 9},
 }
 
 
-def _timed(fn, repeats):
-    best = float("inf")
+def _interleaved(fns: dict, repeats: int) -> dict:
+    """Median time of each function, run round-robin so that load drift hits all of them alike."""
+    times = {k: [] for k in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main(argv=None) -> dict:
@@ -115,10 +118,10 @@ def main(argv=None) -> dict:
             clips[algo] = {k: float(v) for k, v in mt.items() if k.startswith(("clip/", "ratio/seq_log"))}
         res["per_lr"][str(lr)] = {"flip": flips, "clip": clips}
     r.policy.model.load_state_dict(start)
-    reps = p["repeats"]
-    t_nat = _timed(lambda: (update("none"), r.optimizer.zero_grad()), reps)
-    t_r2 = _timed(lambda: (update("r2"), r.optimizer.zero_grad()), reps)
-    t_probe = _timed(lambda: (natural(), natural()), reps)
+    t = _interleaved({"natural": lambda: (update("none"), r.optimizer.zero_grad()),
+                      "r2": lambda: (update("r2"), r.optimizer.zero_grad()),
+                      "probe": lambda: (natural(), natural())}, p["repeats"])
+    t_nat, t_r2, t_probe = t["natural"], t["r2"], t["probe"]
     res["timing_s"] = {"train_fwd_bwd_natural": t_nat, "train_fwd_bwd_r2": t_r2, "flip_probe_pair_full_batch": t_probe}
     res["r2_overhead_ratio"] = t_r2 / t_nat
     res["probe_overhead_ratio_full_batch"] = t_probe / t_nat

@@ -1,4 +1,4 @@
-"""The ``moe-rl`` command: train | check | plan | export | demo | report. ``moe-rl -h`` lists them."""
+"""The ``moe-rl`` command: train | check | plan | export | bench | demo | report. ``moe-rl -h`` lists them."""
 
 from __future__ import annotations
 
@@ -83,6 +83,22 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    """Run benchmarks/<name>.py (a checkout's benchmarks package) with its own arguments."""
+    import importlib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "benchmarks" / f"{args.name}.py").exists():
+        names = sorted(p.stem for p in (root / "benchmarks").glob("*.py") if not p.stem.startswith("_"))
+        print(f"moe-rl bench: no benchmark {args.name!r}; available: {', '.join(names)}", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(root))
+    mod = importlib.import_module(f"benchmarks.{args.name}")
+    mod.main(args.args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-rl", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -107,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--recipe-dir", default="recipes/demo")
     d.add_argument("overrides", nargs="*")
     d.set_defaults(fn=cmd_demo)
+    b = sub.add_parser("bench", help="run a benchmark: moe-rl bench NAME --preset P (see benchmarks/)")
+    b.add_argument("name")
+    b.add_argument("args", nargs=argparse.REMAINDER)
+    b.set_defaults(fn=cmd_bench)
     sub.add_parser("plan", help="layout, parameter counts and per-GPU memory of a recipe (no GPU needed); "
                                 "moe-rl plan -h")
     rp = sub.add_parser("report", help="plot and tabulate run directories (NAME=DIR or DIR)")
