@@ -1,4 +1,4 @@
-"""The ``moe-rl`` command: train | check | plan | export | bench | demo | report. ``moe-rl -h`` lists them."""
+"""The ``moe-rl`` command: train | check | serve | plan | export | bench | demo | report. ``moe-rl -h`` lists them."""
 
 from __future__ import annotations
 
@@ -127,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("name")
     b.add_argument("args", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
+    sub.add_parser("serve", help="SGLang-protocol server around the embedded engine; moe-rl serve -h")
     sub.add_parser("plan", help="layout, parameter counts and per-GPU memory of a recipe (no GPU needed); "
                                 "moe-rl plan -h")
     rp = sub.add_parser("report", help="plot and tabulate run directories (NAME=DIR or DIR)")
@@ -144,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
         from moe_rl.plan import main as plan_main
 
         return plan_main(argv[1:])
+    if argv[:1] == ["serve"]:  # SGLang's launch_server flags: moe-rl serve --model-path P [--port N]
+        _setup_logging(False)
+        from moe_rl.rollout.serve_embedded import main as serve_main
+
+        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
     try:

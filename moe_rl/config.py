@@ -422,11 +422,15 @@ class RolloutConfig:
     sglang_ep: int = 1
     "Expert-parallel size of a launched SGLang server."
     sglang_port: int = 30000
-    "Port of a launched SGLang server (bound to sglang_host)."
+    "Port of a launched SGLang server (bound to sglang_host; 0: a free port)."
     sglang_host: str = "127.0.0.1"
     "Host a launched SGLang server binds to."
     sglang_mem_fraction: float = 0.8
     "SGLang --mem-fraction-static."
+    sglang_module: str = "sglang.launch_server"
+    "Server module the launcher runs (moe_rl.rollout.serve_embedded: our SGLang-protocol server, CPU)."
+    sglang_startup_timeout_s: float = 900.0
+    "How long a launched server may take to answer /health_generate."
     weight_sync: str = "distributed"
     "How new weights reach SGLang: distributed (NCCL/gloo broadcast) | disk (HF safetensors)."
     weight_sync_dir: str | None = None

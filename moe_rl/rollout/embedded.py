@@ -245,7 +245,8 @@ class EmbeddedEngine:
         return int(self.policy.cfg.max_seq_len)
 
     def stop_ids(self, sampling: SamplingParams) -> torch.Tensor:
-        ids = set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
+        eos = {self.eos_id} if self.eos_id is not None and not sampling.ignore_eos else set()
+        ids = set(sampling.stop_token_ids) | eos
         return torch.tensor(sorted(ids), dtype=torch.long)
 
     def token_logprobs(self, logits_NV: torch.Tensor, tok_N: torch.Tensor, temperature: float):

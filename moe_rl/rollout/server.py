@@ -159,6 +159,7 @@ def to_sampling(sp: dict, where: str) -> tuple[SamplingParams, int | None]:
             top_k=-1 if top_k >= _TOP_K_ALL else top_k,
             max_new_tokens=_field(sp, "max_new_tokens", "int", 128, where),
             stop_token_ids=tuple(_field(sp, "stop_token_ids", "list[int]", [], where)),
+            ignore_eos=bool(_field(sp, "ignore_eos", "bool", False, where)),
         )
     except ValueError as e:
         raise BadRequest(f"{where}: {e}") from e

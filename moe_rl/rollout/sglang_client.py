@@ -455,6 +455,8 @@ def to_sglang_sampling_params(sampling: SamplingParams, seed: int | None) -> dic
     }
     if sampling.stop_token_ids:
         sp["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.ignore_eos:
+        sp["ignore_eos"] = True
     if seed is not None:
         sp["sampling_seed"] = int(seed)
     return sp

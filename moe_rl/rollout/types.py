@@ -36,6 +36,8 @@ class SamplingParams:
     "Longest response."
     stop_token_ids: tuple[int, ...] = ()
     "Generation of a sequence ends after any of these tokens (it is kept in the response)."
+    ignore_eos: bool = False
+    "Keep generating past the engine's end-of-sequence token (stop_token_ids still stop)."
     seed: int | None = None
     "Base seed; sample j of the batch uses seed + j, so rollouts are reproducible."
     return_routes: bool = False

@@ -26,6 +26,7 @@ CASES = {"f32-T0.7": (torch.float32, 0.7), "bf16-T1": (torch.bfloat16, 1.0)}
 
 def worker(out: Path) -> None:
     import torch.distributed as dist
+
     from moe_rl.kernels.fused_logprob import fused_logprobs
     from moe_rl.kernels.hidden_logprob_reference import hidden_logprobs_entropy
 

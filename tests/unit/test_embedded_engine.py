@@ -267,3 +267,20 @@ def test_registry_is_lazy():
         "assert r.get_engine_class('embedded').__name__ == 'EmbeddedEngine'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_ignore_eos_keeps_generating_but_stop_tokens_still_stop(engine):
+    from moe_rl.rollout.types import SamplingParams
+
+    prompt = [[7, 8, 9]]
+    first = engine.generate(prompt, 1, SamplingParams(temperature=0.0, max_new_tokens=6))
+    eos = int(first.tokens_BT[0, 3])  # the greedy first response token becomes "eos"
+    eos_engine = type(engine)(engine.policy, pad_id=0, eos_id=eos)
+    stop = eos_engine.generate(prompt, 1, SamplingParams(temperature=0.0, max_new_tokens=6))
+    keep = eos_engine.generate(prompt, 1, SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))
+    assert stop.finish_reasons == ["stop"] and stop.response_mask_BT.sum().item() == 1
+    assert keep.finish_reasons == ["length"] and keep.response_mask_BT.sum().item() == 6
+    assert torch.equal(keep.tokens_BT, first.tokens_BT)
+    halt = eos_engine.generate(prompt, 1, SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True,
+                                                         stop_token_ids=(eos,)))
+    assert halt.response_mask_BT.sum().item() == 1  # explicit stop tokens still stop

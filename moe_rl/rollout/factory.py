@@ -1,0 +1,90 @@
+"""Build the SGLang rollout engine a recipe asks for: attach or launch, and wire weight sync.
+
+Every rank of the trainer gets a client to the same server (each generates its own share
+of the prompts); rank 0 alone pushes weights, the other ranks only take part in gathering
+the full tensors and then adopt the new version.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch.distributed as dist
+
+from moe_rl.rollout.sglang_client import SGLangClient, SGLangEngine
+from moe_rl.rollout.types import HFStateSource, Rollouts, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class RankedSGLangEngine:
+    """SGLangEngine on every rank; weight pushes from rank 0 only."""
+
+    def __init__(self, inner: SGLangEngine, rank: int):
+        self.inner, self.rank = inner, rank
+
+    @property
+    def weight_version(self) -> str:
+        return self.inner.weight_version
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
+        return self.inner.generate(prompts, n, sampling)
+
+    def update_weights(self, source: HFStateSource, version: str) -> str:
+        if self.rank == 0:
+            self.inner.update_weights(source, version)
+        else:
+            for _ in source.hf_tensors():  # the gathers are collective: take part, keep nothing
+                pass
+            self.inner.weight_version = version
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        return version
+
+    def close(self) -> None:
+        if self.rank == 0:
+            self.inner.close()
+
+
+def build_sglang_engine(r) -> RankedSGLangEngine:
+    """The engine for ``r`` (a trainer Run): launch a server (rank 0) or attach to rollout.sglang_url."""
+    from moe_rl.rollout.sglang_launcher import SGLangLauncher, SGLangServerConfig
+    from moe_rl.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
+
+    ro, m = r.recipe.rollout, r.recipe.model
+    launcher, url = None, ro.sglang_url
+    if url is None:
+        model_path = ro.sglang_model_path or str(r.out / "hf_init")
+        if not ro.sglang_model_path:  # the server starts from the policy as it is now
+            from moe_rl.megatron.hf import export_hf
+
+            export_hf(r.policy, model_path, tokenizer=r.tok)
+        if r.info.rank == 0:
+            cfg = SGLangServerConfig(model_path=model_path, tp_size=ro.sglang_tp, ep_size=ro.sglang_ep,
+                                     host=ro.sglang_host, port=ro.sglang_port or None,
+                                     enable_return_routed_experts=r.recipe.algo.routing == "r3",
+                                     mem_fraction_static=ro.sglang_mem_fraction, module=ro.sglang_module)
+            launcher = SGLangLauncher(cfg, log_path=r.out / "logs" / "sglang.log",
+                                      startup_timeout_s=ro.sglang_startup_timeout_s)
+            launcher.start()
+            url = launcher.url
+        url = _broadcast_str(url)
+    client = SGLangClient(url, timeout_s=ro.timeout_s, retries=ro.retries)
+    sync = None
+    if r.info.rank == 0:
+        if ro.weight_sync == "disk":
+            sync = DiskWeightSync(client, ro.weight_sync_dir or Path(r.out) / "weights")
+        else:
+            sync = DistributedWeightSync(client, world_size=1 + ro.sglang_tp)
+    inner = SGLangEngine(client, num_layers=m.num_layers, topk=m.moe_router_topk, num_experts=m.num_experts,
+                         pad_id=r.tok.pad_id, weight_sync=sync, launcher=launcher)
+    return RankedSGLangEngine(inner, r.info.rank)
+
+
+def _broadcast_str(s: str | None) -> str:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return s
+    box = [s]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
