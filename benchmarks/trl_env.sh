@@ -14,7 +14,8 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="${VENV:-$HERE/.venv-trl}"
 PY="${PY:-python3}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
-PINS=(trl==1.13.0 transformers==5.23.0 datasets==5.2.0 accelerate==1.15.0)
+# requests: trl 1.13.0 imports it (its vLLM client) without declaring it
+PINS=(trl==1.13.0 transformers==5.23.0 datasets==5.2.0 accelerate==1.15.0 requests==2.34.2)
 
 test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip)

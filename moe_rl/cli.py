@@ -89,8 +89,10 @@ def cmd_bench(args) -> int:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    if not (root / "benchmarks" / f"{args.name}.py").exists():
-        names = sorted(p.stem for p in (root / "benchmarks").glob("*.py") if not p.stem.startswith("_"))
+    helpers = {"common", "arms", "trl_peer"}  # modules the benchmarks share, not benchmarks
+    if args.name in helpers or not (root / "benchmarks" / f"{args.name}.py").exists():
+        names = sorted(p.stem for p in (root / "benchmarks").glob("*.py")
+                       if not p.stem.startswith("_") and p.stem not in helpers)
         print(f"moe-rl bench: no benchmark {args.name!r}; available: {', '.join(names)}", file=sys.stderr)
         return 2
     sys.path.insert(0, str(root))

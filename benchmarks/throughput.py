@@ -1,0 +1,851 @@
+"""RL-step throughput of moe-rl per phase, routing-replay and flip-probe overheads, world-size
+scaling, and Hugging Face TRL's GRPOTrainer (GSPO) on the same model, in one run.
+
+    .venv/bin/python benchmarks/throughput.py --preset smoke --no-trl   # < 60 s (the unit test)
+    bash benchmarks/trl_env.sh && .venv/bin/python benchmarks/throughput.py --preset cpu  # <= 20 min
+    .venv/bin/python benchmarks/throughput.py --preset gpu                # on a CUDA machine
+
+What one measured RL step is: the trainer's own functions, as ``moe_rl.trainer.loop`` calls
+them, on the arithmetic task of recipes/demo/base.yaml, from a random initialisation:
+
+- rollout: ``engine.generate`` (embedded engine, KV cache, routes captured);
+- old_logprob: the rest of ``collect`` (pi_old forward (+ R2 route recording), rewards, advantages);
+- train: ``train_on`` without its flip probes (M minibatch forward/backward + AdamW steps);
+- probe: the flip probes inside ``train_on`` (natural-routing forwards of the probe sequences);
+- sync: ``engine.update_weights`` as the loop calls it (embedded: a version bump, no copy);
+- sync_hf: what an out-of-process engine would receive, in process: every weight gathered to
+  its full HF tensor (``PolicyHFSource.hf_tensors``, collective over TP/EP) and copied into the
+  policy through ``load_hf_tensors``; not part of the step;
+- step: collect + train_on + sync, the loop's ``time/step``.
+
+Tokens are response tokens of the rollout batch (all data-parallel ranks); tokens/s of a phase
+is those tokens over the phase's seconds (median over the timed steps). Every phase records wall
+seconds and the CPU seconds of the process (summed over ranks in multi-process runs): on a
+machine shared with other jobs the wall time swings, CPU seconds at a fixed thread count do not.
+Peak memory per phase: CPU: peak RSS (Linux VmHWM, reset before each phase by writing 5 to
+/proc/self/clear_refs; ``ru_maxrss`` where that is unavailable); GPU:
+``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` (max over ranks).
+
+Every algorithm (grpo, gspo, gspo_token) x routing mode (none, r2, r3) runs interleaved on one
+policy, each repeat at the same step index (the same prompts and sampling seeds), so replay and
+probe overheads are ratios measured in the same run. World size: ``torchrun --nproc-per-node 2``
+runs this file as a worker with EP=2 (DP=2, full steps) and TP=2: the embedded engine refuses
+TP > 1, so the TP=2 worker replays the rollouts that the world-1 run generated at the same step
+(recorded to a file) and measures old_logprob, train, probe and syncs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `benchmarks` and `moe_rl` importable
+    sys.path.insert(0, str(ROOT))
+
+ALGOS = ("grpo", "gspo", "gspo_token")
+ROUTINGS = ("none", "r2", "r3")
+PHASES = ("rollout", "old_logprob", "train", "probe", "sync", "sync_hf", "step")
+# fmt: off
+MODELS = {
+    # the tiny CPU policy of recipes/demo/base.yaml (1.8M parameters), and a 20M-parameter MoE
+    "tiny": dict(hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2, head_dim=32,
+                 moe_ffn_hidden_size=128, num_experts=8, moe_router_topk=2),
+    "small": dict(hidden_size=256, num_layers=6, num_attention_heads=8, num_query_groups=4, head_dim=32,
+                  moe_ffn_hidden_size=256, num_experts=16, moe_router_topk=2),
+}
+MICRO = {  # the smoke preset's stand-ins, so that a test runs in seconds
+    "tiny": dict(hidden_size=32, num_layers=2, num_attention_heads=2, num_query_groups=2, head_dim=16,
+                 moe_ffn_hidden_size=32, num_experts=4, moe_router_topk=2),
+    "small": dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2, head_dim=16,
+                  moe_ffn_hidden_size=64, num_experts=8, moe_router_topk=2),
+}
+WORLD_COMBOS = (("gspo", "none"), ("gspo", "r2"), ("gspo", "r3"))
+PRESETS = {
+    "smoke": dict(models=MICRO, warmup=1, repeats=1, world=(), world_combos=(("gspo", "none"),),
+                  trl_models=("tiny",), train=dict(prompts_per_step=2, group_size=4, minibatches=2,
+                                                   max_new_tokens=8, flip_probe_sequences=4)),
+    "cpu": dict(models=MODELS, warmup=1, repeats=3, world=("ep2", "tp2"), world_combos=WORLD_COMBOS,
+                trl_models=("tiny", "small"), train=dict(prompts_per_step=8, group_size=8, minibatches=4,
+                                                         max_new_tokens=48, flip_probe_sequences=8)),
+    "gpu": dict(models=MODELS, warmup=2, repeats=5, world=("ep2", "tp2"), world_combos=WORLD_COMBOS,
+                trl_models=("tiny", "small"), train=dict(prompts_per_step=32, group_size=8, minibatches=4,
+                                                         max_new_tokens=256, flip_probe_sequences=8)),
+}
+LAYOUTS = {"ep2": dict(expert_parallel=2, data_parallel=2), "tp2": dict(tensor_parallel=2)}
+TRL_VENV = ROOT / "benchmarks" / ".venv-trl"
+NOTES = [
+    "On a machine shared with other jobs, compare CPU seconds (tokens_per_cpu_s, ratio_cpu): wall "
+    "seconds include time other processes held the cores (cpu_utilisation = CPU s / wall s of a step).",
+    "sync is the embedded engine's update_weights (a version bump: weights are shared in process); "
+    "sync_hf is the full HF-named gather + load an out-of-process engine would receive, not in the step.",
+    "old_logprob (moe-rl and TRL alike) is collect minus generate: pi_old forward, rewards, advantages.",
+    "CPU peak memory is peak RSS of the process during the phase: it includes ~0.5 GiB of libraries "
+    "and memory the allocator kept from earlier phases, so phase-to-phase differences are small.",
+    "TP=2 replays the world-1 run's rollouts of the same step (the embedded engine refuses TP > 1): "
+    "its step is old_logprob + train + probe + sync and is compared with the world-1 step less rollout.",
+    "World-size runs use 2 processes x --threads each; on a 2-core machine they compete with each other "
+    "and with other jobs, so scaling < 1 measures overhead of the layout, not a speedup ceiling.",
+]
+# fmt: on
+
+
+# -- meters ------------------------------------------------------------------------------------
+def _proc_kib(field: str) -> int | None:
+    try:
+        m = re.search(rf"{field}:\s+(\d+)\s+kB", Path("/proc/self/status").read_text())
+    except OSError:
+        return None
+    return int(m.group(1)) if m else None
+
+
+class PeakMemory:
+    """Peak memory of one phase in MiB: CUDA allocator peak, or peak RSS (VmHWM reset per phase)."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.cuda = torch.device(device).type == "cuda"
+        self.start_mib = 0.0
+        self.resettable = False
+        if not self.cuda:
+            try:
+                Path("/proc/self/clear_refs").write_text("5")
+                self.resettable = _proc_kib("VmHWM") is not None
+            except OSError:
+                pass
+        self.method = (
+            "torch.cuda.max_memory_allocated (reset per phase)"
+            if self.cuda
+            else "peak RSS: VmHWM reset per phase via /proc/self/clear_refs"
+            if self.resettable
+            else "peak RSS: ru_maxrss (process high-water, not reset per phase)"
+        )
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self.start_mib = torch.cuda.memory_allocated() / 2**20
+            return
+        if self.resettable:
+            Path("/proc/self/clear_refs").write_text("5")
+        self.start_mib = (_proc_kib("VmRSS") or 0) / 1024
+
+    def peak_mib(self) -> float:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated() / 2**20
+        if self.resettable:
+            return _proc_kib("VmHWM") / 1024
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Clock:
+    """Wall and CPU seconds since construction (CUDA synchronised at both ends)."""
+
+    def __init__(self):
+        _cuda_sync()
+        self.w, self.c = time.perf_counter(), time.process_time()
+
+    def read(self) -> tuple[float, float]:
+        _cuda_sync()
+        return time.perf_counter() - self.w, time.process_time() - self.c
+
+
+def _cuda_sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _phase(s: float, cpu_s: float, mem: PeakMemory | None) -> dict:
+    out = {"s": s, "cpu_s": cpu_s}
+    if mem is not None:
+        out.update(peak_mib=mem.peak_mib(), start_mib=mem.start_mib)
+    return out
+
+
+# -- engines wrapped for measurement ------------------------------------------------------------
+class TimedEngine:
+    """The run's engine with the rollout phase measured around ``generate`` (all else passes through)."""
+
+    def __init__(self, inner, mem: PeakMemory):
+        self.inner, self.mem, self.rec = inner, mem, {}
+        self.keep: list | None = None  # where set, (rollouts, prompt ids) of every call are appended
+
+    def generate(self, prompts, n, sampling):
+        self.mem.reset()
+        clock = Clock()
+        out = self.inner.generate(prompts, n, sampling)
+        self.rec["rollout"] = _phase(*clock.read(), self.mem)
+        self.mem.reset()  # the old_logprob phase starts here
+        if self.keep is not None:
+            self.keep.append((out, [list(p) for p in prompts]))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class RecordedEngine:
+    """Rollouts recorded by a world-1 run, served at the same step (TP > 1 has no embedded engine)."""
+
+    def __init__(self, path: str):
+        self.steps = torch.load(path, weights_only=False)
+        self.step = 0
+        self.weight_version = "0"
+
+    def generate(self, prompts, n, sampling):
+        ro, ids = self.steps[self.step]
+        if [list(p) for p in prompts] != ids:
+            raise RuntimeError(f"recorded rollouts of step {self.step} were made for other prompts")
+        return ro
+
+    def update_weights(self, source, version):
+        self.weight_version = str(version)
+        return self.weight_version
+
+    def close(self):
+        pass
+
+
+@contextmanager
+def probe_clock(acc: dict):
+    """Time every flip-probe forward inside ``train_on`` (``moe_rl.trainer.rl._natural``)."""
+    from moe_rl.trainer import rl
+
+    inner = rl._natural
+
+    def timed(r, tokens_BT):
+        clock = Clock()
+        try:
+            return inner(r, tokens_BT)
+        finally:
+            s, c = clock.read()
+            acc["s"] = acc.get("s", 0.0) + s
+            acc["cpu_s"] = acc.get("cpu_s", 0.0) + c
+
+    rl._natural = timed
+    try:
+        yield acc
+    finally:
+        rl._natural = inner
+
+
+# -- one RL step -------------------------------------------------------------------------------
+def rl_step(r, step: int, mem: PeakMemory) -> dict:
+    """One measured RL step on Run ``r`` (its engine a TimedEngine or RecordedEngine)."""
+    from moe_rl.megatron.hf import PolicyHFSource
+    from moe_rl.megatron.parallel import all_reduce
+    from moe_rl.trainer.rl import collect, train_on
+
+    eng = r.engine
+    rec = {}
+    if isinstance(eng, TimedEngine):
+        eng.rec = rec
+    if isinstance(eng, RecordedEngine):
+        eng.step = step
+    m, timing = {}, {}
+    mem.reset()
+    clock = Clock()
+    batch = collect(r, step, m, timing)
+    s, c = clock.read()
+    ro = rec.get("rollout", {"s": 0.0, "cpu_s": 0.0})
+    rec["old_logprob"] = _phase(s - ro["s"], c - ro["cpu_s"], mem)
+    mem.reset()
+    with probe_clock({}) as probe:
+        clock = Clock()
+        train_on(r, batch, m, timing)
+        s, c = clock.read()
+    rec["train"] = _phase(s - probe.get("s", 0.0), c - probe.get("cpu_s", 0.0), mem)
+    rec["probe"] = {"s": probe.get("s", 0.0), "cpu_s": probe.get("cpu_s", 0.0)}
+    mem.reset()
+    clock = Clock()
+    r.engine.update_weights(r.weight_source(), str(r.optimizer.step_count))
+    rec["sync"] = _phase(*clock.read(), mem)
+    mem.reset()
+    clock = Clock()
+    PolicyHFSource(r.policy).load_hf_tensors(PolicyHFSource(r.policy).hf_tensors())
+    rec["sync_hf"] = _phase(*clock.read(), mem)
+    rec["step"] = {
+        k: sum(rec[p][k] for p in ("rollout", "old_logprob", "train", "probe", "sync") if p in rec)
+        for k in ("s", "cpu_s")
+    }
+    tokens = all_reduce(batch.mask_BT.sum().double().cpu(), r.info.dp_group)
+    rec["tokens"] = float(tokens)
+    rec["reward_mean"] = m.get("reward/mean")
+    return rec
+
+
+def reduce_over_ranks(rec: dict) -> dict:
+    """Seconds and peaks: max over ranks; CPU seconds: summed over ranks (a no-op in a world of one)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return rec
+    keys = [(p, k) for p in PHASES if p in rec for k in rec[p]]
+    vals = torch.tensor([rec[p][k] for p, k in keys], dtype=torch.float64)
+    mx, sm = vals.clone(), vals.clone()
+    dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+    dist.all_reduce(sm, op=dist.ReduceOp.SUM)
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in rec.items()}
+    for i, (p, k) in enumerate(keys):
+        out[p][k] = float(sm[i] if k == "cpu_s" else mx[i])
+    return out
+
+
+# -- a model preset: every combo, interleaved --------------------------------------------------
+def build_recipe(model: dict, train: dict, parallel: dict | None = None, out_dir: str = "/tmp/moe_rl_tp"):
+    from moe_rl.config import load_recipe, recipe_from_dict, to_dict
+
+    data = to_dict(load_recipe(ROOT / "recipes/demo/base.yaml"))
+    data["model"].update(model, max_seq_len=max(128, 32 + train["max_new_tokens"]))
+    data["train"].update(train, stages=["rl"], out_dir=out_dir, eval_every=0)
+    data["optim"].update(lr=1e-5)
+    data["parallel"].update(parallel or {})
+    return recipe_from_dict(data)
+
+
+def measure(
+    recipe,
+    combos,
+    *,
+    warmup: int,
+    repeats: int,
+    rollouts_in: str | None = None,
+    rollouts_out: str | None = None,
+    export_dir: str | None = None,
+) -> dict:
+    """Run every (algo, routing) combo ``warmup + repeats`` times, interleaved; per-step records."""
+    from dataclasses import replace
+
+    from moe_rl.trainer.run import Run
+
+    r = Run(recipe)
+    try:
+        if export_dir:
+            from moe_rl.megatron.hf import export_hf
+
+            export_hf(r.policy, export_dir, tokenizer=r.tok)  # the TRL peer starts from these weights
+        r.make_optimizer("rl")
+        mem = PeakMemory(r.info.device)
+        if rollouts_in:
+            r.engine, r.engine_returns_routes = RecordedEngine(rollouts_in), True
+        else:
+            r.ensure_engine()
+            r.engine = TimedEngine(r.engine, mem)
+        recorded = [] if rollouts_out else None
+        steps: dict[str, list] = {f"{a}/{g}": [] for a, g in combos}
+        for rep in range(warmup + repeats):
+            for algo, routing in combos:
+                r.recipe = replace(recipe, algo=replace(recipe.algo, name=algo, routing=routing))
+                if isinstance(r.engine, TimedEngine):  # the TP=2 worker replays the first combo's
+                    r.engine.keep = recorded if (algo, routing) == combos[0] else None
+                rec = reduce_over_ranks(rl_step(r, rep, mem))
+                if rep >= warmup:
+                    steps[f"{algo}/{routing}"].append(rec)
+        if rollouts_out and r.info.rank == 0:
+            torch.save(recorded, rollouts_out)
+        params = sum(p.numel() for p in r.policy.parameters())
+        info = {
+            "world_size": r.info.world_size,
+            "tp": r.info.tp_size,
+            "ep": r.info.ep_size,
+            "dp": r.info.dp_size,
+            "parameters_per_rank": params,
+            "memory_meter": mem.method,
+        }
+    finally:
+        r.recipe = recipe
+        r.close()
+    return {"layout": info, "combos": {k: summarize(v) for k, v in steps.items()}}
+
+
+def summarize(steps: list[dict]) -> dict:
+    """Median seconds, tokens/s (wall and CPU) and peak memory per phase over the timed steps."""
+    med = statistics.median
+    out = {"steps": len(steps), "tokens": med([s["tokens"] for s in steps]), "phases": {}}
+    for p in PHASES:
+        if p not in steps[0]:
+            continue
+        d = {k: med([s[p][k] for s in steps]) for k in steps[0][p]}
+        d["tokens_per_s"] = med([s["tokens"] / s[p]["s"] for s in steps]) if d["s"] > 0 else None
+        d["tokens_per_cpu_s"] = med([s["tokens"] / s[p]["cpu_s"] for s in steps]) if d["cpu_s"] > 0 else None
+        if "peak_mib" in d:
+            d["delta_mib"] = d["peak_mib"] - d["start_mib"]
+        out["phases"][p] = d
+    out["wall_s_per_step"] = [s["step"]["s"] for s in steps]
+    out["cpu_utilisation"] = out["phases"]["step"]["cpu_s"] / out["phases"]["step"]["s"]
+    return out
+
+
+def overheads(combos: dict) -> dict:
+    """Routing-replay and flip-probe overheads, as ratios of medians from the same run."""
+    out = {"replay": {}, "probe": {}}
+
+    def sec(c, *ps, key="s"):
+        return sum(combos[c]["phases"][p][key] for p in ps)
+
+    for name in combos:
+        algo, routing = name.split("/")
+        out["probe"][name] = {
+            "probe_over_train": sec(name, "probe") / sec(name, "train"),
+            "probe_over_step": sec(name, "probe") / sec(name, "step"),
+            "probe_over_train_cpu": sec(name, "probe", key="cpu_s") / sec(name, "train", key="cpu_s"),
+        }
+        base = f"{algo}/none"
+        if routing != "none" and base in combos:
+            out["replay"][name] = {
+                "old_logprob": sec(name, "old_logprob") / sec(base, "old_logprob"),
+                "train": sec(name, "train") / sec(base, "train"),
+                "old_logprob_plus_train": sec(name, "old_logprob", "train")
+                / sec(base, "old_logprob", "train"),
+                "old_logprob_plus_train_cpu": (
+                    sec(name, "old_logprob", "train", key="cpu_s")
+                    / sec(base, "old_logprob", "train", key="cpu_s")
+                ),
+                "step": sec(name, "step") / sec(base, "step"),
+            }
+    return out
+
+
+# -- subprocesses: torchrun workers and the TRL peer -------------------------------------------
+def _env(threads: int) -> dict:
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "PYTHONWARNINGS": "ignore",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def _flags(**kw) -> list[str]:
+    """``--some-flag value`` pairs of keyword arguments."""
+    return [x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def run_world(layout: str, preset: str, threads: int, tmp: Path, rollouts: str | None) -> dict:
+    """``torchrun --nproc-per-node 2`` this file as a worker at ``layout``; its JSON (or an error)."""
+    out = tmp / f"world-{layout}.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(Path(__file__).resolve()),
+        *_flags(worker=layout, preset=preset, threads=threads, out=out),
+    ]
+    if layout == "tp2":
+        cmd += ["--rollouts", rollouts]
+    clock = Clock()
+    res = subprocess.run(cmd, cwd=ROOT, env=_env(threads), capture_output=True, text=True)
+    if res.returncode != 0 or not out.exists():
+        return {"error": f"exit {res.returncode}", "stderr_tail": res.stderr[-3000:]}
+    data = json.loads(out.read_text())
+    data["wall_s"] = clock.read()[0]
+    return data
+
+
+def worker(args) -> None:
+    """One rank of a world-size run: the tiny model at ``args.worker``'s layout."""
+    p = PRESETS[args.preset]
+    recipe = build_recipe(
+        p["models"]["tiny"], p["train"], LAYOUTS[args.worker], out_dir=tempfile.mkdtemp(prefix="tp_worker_")
+    )
+    res = measure(
+        recipe,
+        p["world_combos"],
+        warmup=p["warmup"],
+        repeats=p["repeats"],
+        rollouts_in=args.rollouts if args.worker == "tp2" else None,
+    )
+    if int(os.environ.get("RANK", "0")) == 0:
+        if args.worker == "tp2":
+            res["note"] = "rollouts replayed from the world-1 run's embedded engine (TP > 1 has none)"
+        Path(args.out).write_text(json.dumps(res))
+
+
+def run_trl(model: str, export_dir: str, recipe, p: dict, threads: int, tmp: Path, device: str) -> dict:
+    """The TRL peer in benchmarks/.venv-trl on the exported policy; its JSON (or an error)."""
+    from moe_rl.config import to_dict
+
+    out = tmp / f"trl-{model}.json"
+    t = recipe.train
+    flags = _flags(
+        model=export_dir,
+        out=out,
+        task=json.dumps(to_dict(recipe.task)),
+        prompts_per_step=t.prompts_per_step,
+        group_size=t.group_size,
+        minibatches=t.minibatches,
+        max_new_tokens=t.max_new_tokens,
+        temperature=t.temperature,
+        lr=recipe.optim.lr,
+        warmup=p["warmup"],
+        steps=p["repeats"],
+        threads=threads,
+        seed=t.seed,
+        device=device,
+    )
+    cmd = [str(TRL_VENV / "bin" / "python"), str(ROOT / "benchmarks" / "trl_peer.py"), *flags]
+    res = subprocess.run(cmd, cwd=ROOT, env=_env(threads), capture_output=True, text=True)
+    if res.returncode != 0 or not out.exists():
+        return {"error": f"exit {res.returncode}", "stderr_tail": res.stderr[-3000:]}
+    return json.loads(out.read_text())
+
+
+def trl_ratio(ours: dict, peer: dict) -> dict:
+    """moe-rl (gspo, no replay) over TRL: response tokens per second of a whole RL step."""
+    ph = ours["phases"]
+    ours_s, ours_cpu = ph["step"]["s"], ph["step"]["cpu_s"]
+    med = peer["median"]
+    out = {
+        "moe_rl_tokens_per_s": ours["tokens"] / ours_s,
+        "trl_tokens_per_s": med["tokens"] / med["step_s"],
+        "moe_rl_tokens_per_cpu_s": ours["tokens"] / ours_cpu,
+        "trl_tokens_per_cpu_s": med["tokens"] / med["step_cpu_s"],
+        "moe_rl_tokens_per_step": ours["tokens"],
+        "trl_tokens_per_step": med["tokens"],
+    }
+    out["ratio_wall"] = out["moe_rl_tokens_per_s"] / out["trl_tokens_per_s"]
+    out["ratio_cpu"] = out["moe_rl_tokens_per_cpu_s"] / out["trl_tokens_per_cpu_s"]
+    # CPU seconds / wall seconds of a step: below ~0.9 (one thread) other jobs took the cores
+    out["cpu_utilisation"] = {"moe_rl": ours_cpu / ours_s, "trl": med["step_cpu_s"] / med["step_s"]}
+    out["wall_ratio_reliable"] = min(out["cpu_utilisation"].values()) > 0.9
+    no_probe = ours_cpu - ph["probe"]["cpu_s"]
+    out["ratio_cpu_without_flip_probe"] = (ours["tokens"] / no_probe) / out["trl_tokens_per_cpu_s"]
+    out["seconds_per_step"] = {
+        "moe_rl": {p: ph[p]["s"] for p in ("rollout", "old_logprob", "train", "probe", "sync")},
+        "trl": {"rollout": med["rollout_s"], "old_logprob": med["old_logprob_s"], "train": med["train_s"]},
+    }
+    out["cpu_seconds_per_step"] = {
+        "moe_rl": {p: ph[p]["cpu_s"] for p in ("rollout", "old_logprob", "train", "probe", "sync")},
+        "trl": {
+            "rollout": med["rollout_cpu_s"],
+            "old_logprob": med["old_logprob_cpu_s"],
+            "train": med["train_cpu_s"],
+        },
+    }
+    return out
+
+
+def scaling(world: dict, ref: dict) -> dict:
+    """Tokens/s of a world-2 layout over the world-1 run's, per combo and phase (wall and CPU).
+
+    A layout without a rollout phase (TP=2 replays rollouts) compares its step with the world-1
+    step less its rollout."""
+    out = {}
+    for name, d in world.get("combos", {}).items():
+        if name not in ref:
+            continue
+        r, w, row = ref[name]["phases"], d["phases"], {}
+        for p in w:
+            if p not in r:
+                continue
+            rs, rc = r[p]["s"], r[p]["cpu_s"]
+            if p == "step" and "rollout" not in w:
+                rs, rc = rs - r["rollout"]["s"], rc - r["rollout"]["cpu_s"]
+            if min(rs, rc, w[p]["s"], w[p]["cpu_s"]) <= 0:
+                continue
+            # tokens/s ratio = (tokens_w / s_w) / (tokens_r / s_r)
+            tw, tr = d["tokens"], ref[name]["tokens"]
+            row[p] = {
+                "tokens_per_s": (tw / w[p]["s"]) / (tr / rs),
+                "tokens_per_cpu_s": (tw / w[p]["cpu_s"]) / (tr / rc),
+            }
+        out[name] = row
+    return out
+
+
+# -- plot --------------------------------------------------------------------------------------
+def plot(res: dict, path: Path) -> None:
+    """Bars per phase (tokens per CPU-second, peak memory), overhead ratios, moe-rl vs TRL."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(2, 2, figsize=(16, 10))
+    series = _phase_series(res)
+    phases = [p for p in PHASES if p != "sync"]
+    width = 0.85 / max(1, len(series))
+    for i, (name, ph) in enumerate(series):
+        xs = [j + i * width for j in range(len(phases))]
+        tps = [(ph.get(p) or {}).get("tokens_per_cpu_s") or 0 for p in phases]
+        mib = [(ph.get(p) or {}).get("peak_mib") or 0 for p in phases]
+        ax[0, 0].bar(xs, tps, width, label=name)
+        ax[0, 1].bar(xs, mib, width, label=name)
+    for a, title in (
+        (ax[0, 0], "response tokens per CPU-second per phase (gspo, no replay; log scale)"),
+        (
+            ax[0, 1],
+            f"peak memory per phase, MiB ({res['models'][next(iter(res['models']))]['layout']['memory_meter']})",
+        ),
+    ):
+        a.set_xticks([j + 0.425 - width / 2 for j in range(len(phases))], phases)
+        a.set_title(title, fontsize=10)
+        a.legend(fontsize=7)
+    ax[0, 0].set_yscale("log")
+    _plot_overheads(ax[1, 0], res)
+    _plot_trl(ax[1, 1], res)
+    fig.suptitle(
+        f"moe-rl throughput, preset {res['preset']}, {res['machine']}, {res['threads']} torch thread(s) per "
+        f"process, commit {res['commit']}",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _phase_series(res: dict) -> list[tuple[str, dict]]:
+    """(label, phase -> stats) of gspo/none for every model, world layout and TRL peer."""
+    out = [
+        (f"{m}", d["combos"]["gspo/none"]["phases"])
+        for m, d in res["models"].items()
+        if "gspo/none" in d["combos"]
+    ]
+    for k, d in res["world"].items():
+        if "gspo/none" in d.get("combos", {}):
+            out.append((f"tiny {k.upper()}", d["combos"]["gspo/none"]["phases"]))
+    for m, t in res["trl"].items():
+        med = t.get("peer", {}).get("median")
+        if med:
+            out.append(
+                (
+                    f"TRL {m}",
+                    {
+                        p: {
+                            "tokens_per_cpu_s": med["tokens"] / med[f"{p}_cpu_s"],
+                            "peak_mib": med.get(f"{p}_peak_mib"),
+                        }
+                        for p in ("rollout", "old_logprob", "train", "step")
+                    },
+                )
+            )
+    return out
+
+
+def _plot_overheads(a, res: dict) -> None:
+    labels, vals = [], []
+    for m, d in res["models"].items():
+        ov = d["overheads"]
+        for name, v in ov["replay"].items():
+            labels.append(f"{m} {name}\nreplay")
+            vals.append(v["old_logprob_plus_train_cpu"])
+        probe = [v["probe_over_train_cpu"] for v in ov["probe"].values()]
+        labels.append(f"{m}\nprobe/train")
+        vals.append(statistics.median(probe))
+    a.bar(range(len(vals)), vals, color=["C1" if "probe" in s else "C0" for s in labels])
+    a.axhline(1.0, color="k", lw=0.8)
+    a.set_xticks(range(len(vals)), labels, rotation=70, fontsize=7)
+    a.set_title("replay: (old_logprob + train) CPU s vs no replay; probe: probe / train CPU s", fontsize=10)
+
+
+def _plot_trl(a, res: dict) -> None:
+    bars = []
+    for m, t in res["trl"].items():
+        vs = t.get("vs")
+        if vs:
+            bars.append(
+                (f"moe-rl {m}", vs["cpu_seconds_per_step"]["moe_rl"], vs["moe_rl_tokens_per_step"], vs)
+            )
+            bars.append((f"TRL {m}", vs["cpu_seconds_per_step"]["trl"], vs["trl_tokens_per_step"], None))
+    if not bars:
+        a.text(0.5, 0.5, "TRL peer not run", ha="center")
+        return
+    colors = {"rollout": "C0", "old_logprob": "C1", "train": "C2", "probe": "C3", "sync": "C4"}
+    for i, (_, secs, tokens, vs) in enumerate(bars):
+        bottom = 0.0
+        for p, s in secs.items():
+            h = 1000 * s / tokens
+            a.bar(i, h, bottom=bottom, color=colors[p], label=p if i == 0 else None)
+            bottom += h
+        if vs:
+            a.text(
+                i,
+                bottom,
+                f"moe-rl/TRL tokens/s:\nx{vs['ratio_cpu']:.2f} (CPU s)\nx{vs['ratio_wall']:.2f} (wall)",
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
+    a.set_ylim(0, a.get_ylim()[1] * 1.25)
+    a.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=8)
+    a.set_ylabel("CPU seconds per 1000 response tokens")
+    a.set_title("moe-rl (gspo) vs TRL GRPOTrainer (GSPO): where an RL step's time goes", fontsize=10)
+    a.legend(fontsize=8)
+
+
+# -- main --------------------------------------------------------------------------------------
+def _parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of every process (default 1)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/throughput-...json)")
+    ap.add_argument("--models", nargs="*", default=None, help="model presets to run (default: all)")
+    ap.add_argument("--no-trl", action="store_true", help="skip the TRL peer")
+    ap.add_argument(
+        "--world",
+        nargs="*",
+        default=None,
+        choices=sorted(LAYOUTS),
+        help="world-size layouts to run with torchrun (default: the preset's; none: skip)",
+    )
+    ap.add_argument("--worker", choices=sorted(LAYOUTS), help=argparse.SUPPRESS)
+    ap.add_argument("--rollouts", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def _header(args, p: dict, device: str) -> dict:
+    import megatron.core
+
+    from benchmarks.common import commit, machine
+
+    return {
+        "bench": "throughput",
+        "preset": args.preset,
+        "machine": machine(),
+        "commit": commit(),
+        "torch": torch.__version__,
+        "megatron_core": megatron.core.__version__,
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "loadavg_1m_start": os.getloadavg()[0],
+        "settings": {
+            **p["train"],
+            "warmup_steps": p["warmup"],
+            "timed_steps": p["repeats"],
+            "algos": ALGOS,
+            "routings": ROUTINGS,
+            "world_combos": p["world_combos"],
+            "init": "random (model.seed)",
+            "lr": 1e-5,
+            "old_logprobs": "recompute",
+            "recipe": "recipes/demo/base.yaml",
+        },
+        "units": "seconds and CPU seconds are medians over timed steps; tokens = response tokens of the "
+        "rollout batch; peak_mib per phase (see memory_meter); sync_hf is not part of step",
+        "notes": NOTES,
+        "models": {},
+        "world": {},
+        "trl": {},
+    }
+
+
+def main(argv=None) -> dict:
+    import logging
+    import warnings
+
+    args = _parse(argv)
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    torch.set_num_threads(args.threads)
+    if args.worker:
+        worker(args)
+        return {}
+    from benchmarks.common import result_path
+
+    p = PRESETS[args.preset]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    res = _header(args, p, device)
+    path = result_path("throughput", args.preset, args.out)  # named by the commit measured, at the start
+    clock = Clock()
+    want_trl = not args.no_trl and (TRL_VENV / "bin" / "python").exists()
+    world = p["world"] if args.world is None else tuple(args.world)
+    if world and device == "cuda" and torch.cuda.device_count() < 2:
+        res["world_skipped"], world = "needs 2 GPUs", ()
+    combos = [(a, g) for a in ALGOS for g in ROUTINGS]
+    with tempfile.TemporaryDirectory(prefix="throughput_") as tmpdir:
+        tmp = Path(tmpdir)
+        for name, dims in p["models"].items():
+            if args.models and name not in args.models:
+                continue
+            export = str(tmp / f"hf-{name}") if want_trl and name in p["trl_models"] else None
+            rollouts = str(tmp / "rollouts.pt") if name == "tiny" and "tp2" in world else None
+            t0 = Clock()
+            d = measure(
+                build_recipe(dims, p["train"], out_dir=str(tmp / f"run-{name}")),
+                combos,
+                warmup=p["warmup"],
+                repeats=p["repeats"],
+                rollouts_out=rollouts,
+                export_dir=export,
+            )
+            d.update(config=dims, overheads=overheads(d["combos"]), wall_s=t0.read()[0])
+            res["models"][name] = d
+            print(f"[throughput] {name}: {d['wall_s']:.0f} s", flush=True)
+        if "tiny" in res["models"]:
+            for layout in world:
+                d = run_world(layout, args.preset, args.threads, tmp, str(tmp / "rollouts.pt"))
+                d["scaling_vs_world1"] = scaling(d, res["models"]["tiny"]["combos"])
+                res["world"][layout] = d
+                print(
+                    f"[throughput] world {layout}: {d.get('wall_s', 0):.0f} s {d.get('error', '')}",
+                    flush=True,
+                )
+        for name in p["trl_models"] if want_trl else ():
+            if name not in res["models"]:
+                continue
+            recipe = build_recipe(p["models"][name], p["train"])
+            t0 = Clock()
+            peer = run_trl(name, str(tmp / f"hf-{name}"), recipe, p, args.threads, tmp, device)
+            vs = trl_ratio(res["models"][name]["combos"]["gspo/none"], peer) if "median" in peer else None
+            res["trl"][name] = {"peer": peer, "vs": vs, "wall_s": t0.read()[0]}
+            print(
+                f"[throughput] TRL {name}: {res['trl'][name]['wall_s']:.0f} s {peer.get('error', '')}",
+                flush=True,
+            )
+    if not want_trl:
+        res["trl_skipped"] = (
+            "--no-trl" if args.no_trl else "no benchmarks/.venv-trl: bash benchmarks/trl_env.sh"
+        )
+    res["wall_s"], res["loadavg_1m_end"] = clock.read()[0], os.getloadavg()[0]
+    path.write_text(json.dumps(res, indent=1) + "\n")
+    plot(res, path.with_suffix(".png"))
+    print(table(res))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return res
+
+
+def table(res: dict) -> str:
+    """A plain-text summary: tokens/s (wall, CPU) and peak MiB per phase, overheads, TRL ratio."""
+    lines = [f"{'model':6} {'combo':18} " + " ".join(f"{p:>24}" for p in PHASES)]
+    runs = [(m, d) for m, d in res["models"].items()] + [(f"tiny-{k}", d) for k, d in res["world"].items()]
+    for m, d in runs:
+        for name, c in d.get("combos", {}).items():
+            cells = []
+            for p in PHASES:
+                x = c["phases"].get(p)
+                cells.append(
+                    f"{x['tokens_per_s'] or 0:9.0f}/{x['tokens_per_cpu_s'] or 0:7.0f}/"
+                    f"{x.get('peak_mib', 0):6.0f}"
+                    if x
+                    else f"{'-':>24}"
+                )
+            lines.append(f"{m:6} {name:18} " + " ".join(f"{s:>24}" for s in cells))
+    lines.append("cells: tokens/s wall / tokens/s CPU / peak MiB")
+    for m, t in res["trl"].items():
+        if t.get("vs"):
+            v = t["vs"]
+            lines.append(
+                f"TRL {m}: moe-rl/TRL response tokens per second of an RL step: CPU x{v['ratio_cpu']:.2f} "
+                f"(x{v['ratio_cpu_without_flip_probe']:.2f} without flip probes), wall x{v['ratio_wall']:.2f}"
+                + ("" if v["wall_ratio_reliable"] else " (wall unreliable: other jobs took the cores)")
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""benchmarks/throughput.py, smoke preset: every phase of every combo measured, JSON + PNG written.
+
+The TRL part runs only where ``benchmarks/.venv-trl`` exists (``bash benchmarks/trl_env.sh``).
+Each test runs the benchmark as a subprocess: it sets the process's torch threads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks" / "throughput.py"
+MEASURED = ("rollout", "old_logprob", "train", "probe", "sync", "sync_hf", "step")
+
+
+def _run(out: Path, *extra: str) -> dict:
+    cmd = [sys.executable, str(BENCH), "--preset", "smoke", "--world", "--out", str(out), *extra]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    return json.loads(out.read_text())
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_smoke_preset_measures_every_phase(tmp_path):
+    res = _run(tmp_path / "smoke.json", "--no-trl")
+    assert res["preset"] == "smoke" and res["threads"] == 1 and res["trl_skipped"] == "--no-trl"
+    assert set(res["models"]) == {"tiny", "small"}
+    for model, d in res["models"].items():
+        assert set(d["combos"]) == {
+            f"{a}/{g}" for a in ("grpo", "gspo", "gspo_token") for g in ("none", "r2", "r3")
+        }
+        for name, c in d["combos"].items():
+            assert c["tokens"] > 0, (model, name)
+            for p in MEASURED:
+                ph = c["phases"][p]
+                assert _positive(ph["tokens_per_s"]) and _positive(ph["tokens_per_cpu_s"]), (
+                    model,
+                    name,
+                    p,
+                    ph,
+                )
+                if p not in ("probe", "step"):
+                    assert _positive(ph["peak_mib"]) and ph["peak_mib"] >= ph["start_mib"] - 1, (
+                        model,
+                        name,
+                        p,
+                    )
+            # the step is the loop's: rollout + old_logprob + train + probe + sync (sync_hf is extra)
+            parts = sum(c["phases"][p]["s"] for p in ("rollout", "old_logprob", "train", "probe", "sync"))
+            assert c["phases"]["step"]["s"] == pytest.approx(parts, rel=1e-6)
+        ov = d["overheads"]
+        assert set(ov["replay"]) == {f"{a}/{g}" for a in ("grpo", "gspo", "gspo_token") for g in ("r2", "r3")}
+        assert all(_positive(v["old_logprob_plus_train_cpu"]) for v in ov["replay"].values())
+        assert all(_positive(v["probe_over_train"]) for v in ov["probe"].values())
+        # every combo of a repeat runs at the same step index: the same prompts and sampling seeds
+        assert len({c["tokens"] for c in d["combos"].values()}) == 1
+
+
+@pytest.mark.skipif(
+    not (ROOT / "benchmarks" / ".venv-trl" / "bin" / "python").exists(),
+    reason="no benchmarks/.venv-trl (bash benchmarks/trl_env.sh)",
+)
+def test_smoke_preset_with_the_trl_peer(tmp_path):
+    res = _run(tmp_path / "smoke_trl.json", "--models", "tiny")
+    t = res["trl"]["tiny"]
+    peer, vs = t["peer"], t["vs"]
+    assert "error" not in peer, peer.get("stderr_tail")
+    assert peer["settings"]["importance_sampling_level"] == "sequence"
+    assert peer["settings"]["num_generations"] == res["settings"]["group_size"]
+    assert peer["settings"]["steps_per_generation"] == res["settings"]["minibatches"]
+    assert peer["threads"] == res["threads"] == 1
+    for p in ("rollout_s", "old_logprob_s", "train_s", "step_s", "tokens"):
+        assert _positive(peer["median"][p]), p
+    assert _positive(vs["ratio_wall"]) and _positive(vs["ratio_cpu"])
