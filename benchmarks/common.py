@@ -10,6 +10,10 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
+TINY_MODEL = dict(vocab_size=104, hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
+                  head_dim=32, moe_ffn_hidden_size=128, num_experts=8, moe_router_topk=2, max_seq_len=512)
+"The tiny CPU policy the issues measure: hidden 128, 4 layers, 8 experts top-2, char vocab 104."
+
 
 def machine() -> str:
     """A short machine name: the GPU model when CUDA is present, else CPU count and arch."""

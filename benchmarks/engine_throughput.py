@@ -15,46 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
-PRESETS = {
-    # hidden 128, 4 layers, 8 experts top-2, vocab 104 (the tiny CPU policy)
-    "tiny": dict(
-        vocab_size=104,
-        hidden_size=128,
-        num_layers=4,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=32,
-        moe_ffn_hidden_size=128,
-        num_experts=8,
-        moe_router_topk=2,
-        max_seq_len=512,
-    ),
-}
+from benchmarks.common import TINY_MODEL, commit, machine
 
-
-def machine() -> str:
-    return f"{platform.node() or 'unknown'}-{os.cpu_count()}cpu"
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parent,
-            timeout=10,
-        )
-        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "nocommit"
-    except (OSError, subprocess.TimeoutExpired):
-        return "nocommit"
+PRESETS = {"tiny": TINY_MODEL}  # hidden 128, 4 layers, 8 experts top-2, vocab 104 (the tiny CPU policy)
 
 
 def timed(fn):
@@ -130,7 +98,7 @@ def main() -> None:
         "preset": args.preset,
         "model": PRESETS[args.preset],
         "machine": machine(),
-        "commit": git_commit(),
+        "commit": commit(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "batch": b,

@@ -26,31 +26,13 @@ def tokens():
 
 @pytest.fixture(scope="module")
 def hf_ckpt(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from tests.unit.test_hf import tiny_hf
+
     path = tmp_path_factory.mktemp("hf") / "tiny"
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=64,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(cfg).float().eval()
+    model = tiny_hf(path)
     with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if p.dim() == 1 else 0.1 * torch.randn_like(p))
         logits = model(tokens()).logits
-    model.save_pretrained(path)
     return path, logits
 
 
