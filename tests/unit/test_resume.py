@@ -27,8 +27,11 @@ KEYS = ("reward/mean", "loss/pg", "ratio/token_max", "grad_norm", "flip/step/rat
 
 def _train(recipe, *extra):
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    # its own process group, so that kill -9 takes its helper processes down with it (as a
+    # job scheduler does); megatron's checkpoint writer starts a multiprocessing Manager
     return subprocess.Popen([sys.executable, "-m", "moe_rl.cli", "train", str(recipe), *extra], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
 
 
 def _rl_rows(out):
@@ -54,7 +57,7 @@ def test_kill9_then_resume_continues_exactly(tmp_path):
             break
         assert cut.poll() is None, cut.stderr.read()[-3000:]
         time.sleep(0.2)
-    os.kill(cut.pid, signal.SIGKILL)
+    os.killpg(cut.pid, signal.SIGKILL)
     cut.wait()
     res = _train(tmp_path / "cut.yaml", "--resume")
     assert res.wait(timeout=600) == 0, res.stderr.read()[-3000:]
