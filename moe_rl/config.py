@@ -95,6 +95,10 @@ class ModelConfig:
         _require(self.moe_router_topk <= self.num_experts,
                  f"model.moe_router_topk={self.moe_router_topk} exceeds model.num_experts="
                  f"{self.num_experts}: choose topk <= num_experts")
+        _require(self.moe_router_topk >= 2 or not self.moe_norm_topk_prob,
+                 "model.moe_router_topk=1 with model.moe_norm_topk_prob=true gives every token gate weight 1, "
+                 "which megatron-core's router refuses: use moe_router_topk >= 2, or moe_norm_topk_prob=false "
+                 "(softmax over all experts)")
         _require(self.num_attention_heads % self.num_query_groups == 0,
                  f"model.num_attention_heads={self.num_attention_heads} must be a multiple of "
                  f"model.num_query_groups={self.num_query_groups}")

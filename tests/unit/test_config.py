@@ -76,3 +76,9 @@ def test_configs_are_frozen_and_keyword_only():
 def test_missing_recipe_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_recipe("/nonexistent/recipe.yaml")
+
+
+def test_top1_routing_with_renormalisation_is_refused():
+    with pytest.raises(ConfigError, match="moe_router_topk=1"):
+        recipe_from_dict({}, ["model.moe_router_topk=1"])
+    assert recipe_from_dict({}, ["model.moe_router_topk=1", "model.moe_norm_topk_prob=false"])

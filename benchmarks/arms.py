@@ -1,0 +1,268 @@
+"""Shared arm-running helpers of the benchmarks (volatility, collapse).
+
+An *arm* is a base recipe plus ``section.field=value`` overrides, exactly what ``moe-rl train``
+takes, so the same arm runs in this process on a laptop or through a launcher on a cluster
+(``launch/torchrun.sh``, ``sbatch --wait launch/slurm.sbatch``) with the recipe file unchanged.
+
+- :func:`flatten` turns a preset's nested settings into override strings;
+- :func:`warm_start` trains the SFT start of an architecture once and caches it under
+  ``runs/bench_cache/<hash>/`` (the hash covers everything SFT reads: model, task knobs, SFT
+  steps, batch, LR, seed, optimizer), and reuses a finished ``runs/demo/sft`` whose recipe
+  matches;
+- :func:`run_arm` runs one RL arm from a start, in process or launched, and notes how it ended;
+- :func:`read_arm` reads an arm's metrics back (``moe_rl.trainer.report.load_arm``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[1]
+"The repository (recipes and runs are found from here, whatever the working directory)."
+DEMO = ROOT / "recipes" / "demo" / "base.yaml"
+"The tiny policy and arithmetic task every CPU preset starts from."
+CACHE = ROOT / "runs" / "bench_cache"
+"Where SFT starts are cached, one directory per SFT signature."
+REUSABLE_SFT = (ROOT / "runs" / "demo" / "sft",)
+"Finished SFT runs (recipe.yaml + checkpoints/) reused when their SFT signature matches."
+SFT_TRAIN_KEYS = ("seed", "sft_steps", "sft_batch_size", "sft_lr")
+"The train fields the SFT stage reads (the rest of train is RL only)."
+
+_GRPO = {"name": "grpo", "eps_low": 0.2, "eps_high": 0.27}
+_GSPO = {"name": "gspo", "eps_low": 3e-4, "eps_high": 4e-4}
+ALGOS = {
+    "GRPO": {"algo": {**_GRPO, "routing": "none"}},
+    "GRPO+R2": {"algo": {**_GRPO, "routing": "r2"}},
+    "GRPO+R3": {"algo": {**_GRPO, "routing": "r3"}},
+    "GSPO": {"algo": {**_GSPO, "routing": "none"}},
+    "GSPO+R2": {"algo": {**_GSPO, "routing": "r2"}},
+}
+"The arms of the paper's comparison, with its clip bands, as recipe sections."
+
+SMOKE_BASE = {
+    "model": {
+        "hidden_size": 64,
+        "num_layers": 2,
+        "num_attention_heads": 4,
+        "num_query_groups": 2,
+        "head_dim": 16,
+        "moe_ffn_hidden_size": 64,
+        "num_experts": 4,
+        "max_seq_len": 64,
+    },
+    "task": {"arithmetic": {"min_operands": 2, "max_operands": 2}, "format_reward": 0.1},
+    "train": {
+        "sft_steps": 60,
+        "sft_batch_size": 16,
+        "sft_lr": 3e-3,
+        "prompts_per_step": 4,
+        "group_size": 4,
+        "minibatches": 2,
+        "max_new_tokens": 12,
+        "log_every": 100,
+    },
+}
+"The smoke presets' policy and task on top of recipes/demo/base.yaml: a seconds-long SFT start."
+
+
+def yaml_value(v) -> str:
+    """A value as a YAML scalar or flow sequence for an override: plain when YAML reads it back
+    unchanged (``grpo``), else JSON (``"+-"``, ``[sft, rl]`` as ``["sft", "rl"]``), which YAML reads."""
+    import yaml
+
+    if isinstance(v, str) and v and v.strip() == v and yaml.safe_load(v) == v and "," not in v:
+        return v
+    return json.dumps(list(v) if isinstance(v, tuple) else v)
+
+
+def flatten(tree: dict, prefix: str = "") -> list[str]:
+    """``{"model": {"num_layers": 8}}`` -> ``["model.num_layers=8"]`` (nested sections recurse)."""
+    out = []
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        out += flatten(v, key + ".") if isinstance(v, dict) else [f"{key}={yaml_value(v)}"]
+    return out
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and its finished children (comparable on a shared machine)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+# -- SFT warm starts -----------------------------------------------------------------------------
+def sft_signature(recipe) -> dict:
+    """Everything the SFT stage of ``recipe`` depends on, as plain data."""
+    from moe_rl.config import to_dict
+
+    d = to_dict(recipe)
+    optim = dict(d["optim"])
+    if recipe.train.sft_lr is not None:  # the SFT stage runs at sft_lr: the RL LR does not matter
+        optim.pop("lr")
+        optim.pop("min_lr")
+    task = {k: v for k, v in d["task"].items() if k not in ("seed", "format_reward")}
+    train = {k: d["train"][k] for k in SFT_TRAIN_KEYS}
+    return {"model": d["model"], "task": task, "optim": optim, "train": train}
+
+
+def sft_key(recipe) -> str:
+    """A short hash of :func:`sft_signature` (the cache directory name)."""
+    blob = json.dumps(sft_signature(recipe), sort_keys=True, default=str).encode()
+    return hashlib.blake2b(blob, digest_size=6).hexdigest()
+
+
+def _reusable(sig: dict) -> Path | None:
+    from moe_rl.config import load_recipe
+    from moe_rl.megatron.checkpoint import latest_checkpoint
+
+    for d in REUSABLE_SFT:
+        if not (d / "recipe.yaml").exists() or latest_checkpoint(d / "checkpoints") is None:
+            continue
+        try:
+            if sft_signature(load_recipe(d / "recipe.yaml")) == sig:
+                return d / "checkpoints"
+        except Exception as e:  # an older recipe layout: not a match
+            log.debug("cannot compare %s: %s", d, e)
+    return None
+
+
+def warm_start(
+    base: str | Path, overrides: list[str] = (), *, cache: Path = CACHE, launch: str | None = None
+) -> tuple[Path, dict]:
+    """The SFT checkpoint of ``base`` + ``overrides`` (trained now if not cached) and its info."""
+    from moe_rl.config import load_recipe
+    from moe_rl.megatron.checkpoint import latest_checkpoint
+    from moe_rl.trainer.metrics import read_metrics
+
+    recipe = load_recipe(base, [*overrides, "train.stages=[sft]"])
+    sig = sft_signature(recipe)
+    reuse = _reusable(sig)
+    if reuse is not None:
+        log.info("reusing the SFT start %s", reuse)
+        return reuse, {"checkpoint": str(reuse), "reused": True, "key": sft_key(recipe)}
+    root = cache / sft_key(recipe)
+    ckpt, info_file = root / "checkpoints", root / "sft.json"
+    if latest_checkpoint(ckpt) is not None and info_file.exists():
+        log.info("reusing the cached SFT start %s", ckpt)
+        return ckpt, {**json.loads(info_file.read_text()), "reused": True}
+    shutil.rmtree(root, ignore_errors=True)
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    run_recipe(
+        base,
+        [
+            *overrides,
+            "train.stages=[sft]",
+            f"train.out_dir={root}",
+            "checkpoint.dir=null",
+            "checkpoint.load=null",
+            "checkpoint.every=0",
+        ],
+        launch,
+    )
+    rows = read_metrics(root / "metrics.jsonl", "sft")
+    info = {
+        "checkpoint": str(ckpt),
+        "key": root.name,
+        "wall_s": time.perf_counter() - t0,
+        "cpu_s": cpu_seconds() - c0,
+        "steps": len(rows),
+        "final_loss": sum(r["loss"] for r in rows[-10:]) / max(1, len(rows[-10:])),
+        "signature": sig,
+    }
+    info_file.write_text(json.dumps(info, indent=1))
+    return ckpt, {**info, "reused": False}
+
+
+# -- running arms --------------------------------------------------------------------------------
+def ensure_parallel() -> None:
+    """A world-of-one process group for in-process runs (kept for every run of this process)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        from moe_rl.config import ParallelConfig
+        from moe_rl.megatron.parallel import init_parallel
+
+        init_parallel(ParallelConfig(), seed=0)
+
+
+def run_recipe(base: str | Path, overrides: list[str], launch: str | None = None) -> dict:
+    """``moe-rl train base overrides``: in this process (``launch`` None) or as ``launch base overrides``.
+
+    ``launch`` is a command prefix, e.g. ``".venv/bin/python -m moe_rl.cli train"`` (a fresh
+    process per arm), ``launch/torchrun.sh`` (one node) or ``"sbatch --wait --nodes=3
+    launch/slurm.sbatch"`` (Slurm; ``--wait`` makes the harness wait for each arm).
+    """
+    if launch:
+        cmd = [*shlex.split(launch), str(base), *overrides]
+        log.info("launching %s", shlex.join(cmd))
+        subprocess.run(cmd, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        return {}
+    from moe_rl.config import load_recipe
+    from moe_rl.trainer.run import run
+
+    recipe = load_recipe(base, overrides)
+    if recipe.parallel.world_size == 1:
+        ensure_parallel()
+    return run(recipe)
+
+
+def run_arm(
+    base: str | Path,
+    overrides: list[str],
+    out_dir: str | Path,
+    *,
+    start: Path | None = None,
+    launch: str | None = None,
+) -> dict:
+    """One RL arm into a fresh ``out_dir`` (from SFT checkpoint ``start`` when given).
+
+    Returns ``{"status": "done" | "stopped", "reason", "wall_s", "cpu_s"}``; a run the trainer
+    stops on purpose (repeated non-finite steps, a sentinel set to stop) is ``stopped``.
+    """
+    from moe_rl.trainer.loop import TrainingStopped
+
+    out_dir = Path(out_dir)
+    shutil.rmtree(out_dir, ignore_errors=True)  # metrics.jsonl appends: start clean
+    ov = [*overrides, f"train.out_dir={out_dir}"]
+    if start is not None:
+        ov += ["train.stages=[rl]", f"checkpoint.load={start}"]
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    status, reason = "done", None
+    try:
+        run_recipe(base, ov, launch)
+    except TrainingStopped as e:
+        status, reason = "stopped", str(e)
+    except subprocess.CalledProcessError as e:
+        status, reason = "failed", f"exit status {e.returncode}"
+    return {
+        "status": status,
+        "reason": reason,
+        "wall_s": time.perf_counter() - t0,
+        "cpu_s": cpu_seconds() - c0,
+        "out_dir": str(out_dir),
+    }
+
+
+def read_arm(out_dir: str | Path) -> dict:
+    """``{"rl": rows, "eval": rows}`` of a finished (or stopped) arm; empty when it wrote nothing."""
+    from moe_rl.trainer.report import load_arm
+
+    if not (Path(out_dir) / "metrics.jsonl").exists():
+        return {"rl": [], "eval": []}
+    return load_arm(out_dir)
+
+
+def mean(xs) -> float:
+    """Mean of the finite numbers in ``xs`` (nan when there are none)."""
+    v = [float(x) for x in xs if x is not None and x == x and abs(float(x)) != float("inf")]
+    return sum(v) / len(v) if v else float("nan")

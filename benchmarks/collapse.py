@@ -1,0 +1,527 @@
+"""Collapse reproduction: matched A/B arms from one SFT start under a stress setting.
+
+Arms (``benchmarks.arms.ALGOS``): GRPO (clip 0.2 / 0.27), GRPO + R2, GRPO + R3, GSPO (clip
+3e-4 / 4e-4), GSPO + R2. Every arm starts from the same SFT checkpoint; replicate ``s`` sets the
+same ``train.seed`` (sampling) and ``task.seed`` (prompt order) in every arm, so arms differ only
+in the ``algo`` section.
+
+Stress setting: what the GSPO paper's mechanism says hurts token-level ratios most on an MoE:
+several minibatch updates per rollout batch (M = 8: the later updates are off-policy, and the
+routes of pi_theta have drifted from pi_old's), long responses (arithmetic with 3 to 7
+operands, every step written out: about twice the demo's), and a deeper MoE than the demo's
+(8 layers), at the demo's learning rate.
+
+Collapse is decided by :func:`collapse_verdict`, with constants fixed in :data:`CRITERION`
+before any run (see its docstring); a run the trainer stops (non-finite steps) counts as
+collapsed too. Reported per arm: collapsed runs / runs, final and best reward, held-out accuracy,
+clip fractions at both granularities, flip rates, the sequence log-ratio range; curves in a PNG.
+
+    python -m benchmarks.collapse --preset smoke|cpu-short|cpu|gpu [--jobs 2] [--arms GRPO,GSPO]
+        [--set optim.lr=1e-3 ...] [--tag NAME]
+    # a paper-scale recipe, unchanged (arms are overrides), each arm launched and waited for:
+    python -m benchmarks.collapse --recipe recipes/cluster/qwen3_30b_a3b_gspo.yaml --seeds 1 \\
+        --launch "sbatch --wait --nodes=3 launch/slurm.sbatch"      # SGLANG_NODES=1 in the env
+    python -m benchmarks.collapse --recipe ... --dry-run             # print the arm commands
+    python -m benchmarks.collapse --recipe ... --report-only         # tabulate finished arm dirs
+
+Writes benchmarks/results/collapse-<machine>-<preset>-<commit>.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import shlex
+import sys
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from benchmarks.arms import (
+    ALGOS,
+    CACHE,
+    DEMO,
+    ROOT,
+    SMOKE_BASE,
+    cpu_seconds,
+    flatten,
+    mean,
+    read_arm,
+    run_arm,
+    warm_start,
+)
+from benchmarks.common import commit, machine, result_path
+
+log = logging.getLogger("benchmarks.collapse")
+
+
+# -- the collapse criterion (fixed before the runs) -----------------------------------------------
+@dataclass(frozen=True)
+class Criterion:
+    """Constants of :func:`collapse_verdict`."""
+
+    smooth: int = 5
+    "Trailing mean over this many RL steps (full windows only) before anything is compared."
+    drop_frac: float = 0.5
+    "A run falls when its smoothed reward drops below this fraction of its best so far ..."
+    window: int = 10
+    "... and it has collapsed when it stays below for this many consecutive steps (no recovery)."
+    min_best: float = 0.05
+    "A run whose best smoothed reward never exceeds this was never good: it cannot collapse."
+
+
+CRITERION = Criterion()
+"The criterion every reported verdict uses; fixed in code before any run."
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What :func:`collapse_verdict` found in one reward curve."""
+
+    state: str
+    "collapsed | fine | never_good | unresolved (below the threshold at the end, for < window steps)."
+    step: int | None
+    "First step (index into the curve) of the sustained drop; None unless collapsed or unresolved."
+    best: float
+    "Best smoothed reward."
+    best_step: int | None
+    "Step at which the best smoothed reward was reached (the last step of its window)."
+    final: float
+    "Smoothed reward at the last step."
+
+    @property
+    def collapsed(self) -> bool:
+        return self.state == "collapsed"
+
+
+def smoothed(xs: list[float], k: int) -> list[float]:
+    """Trailing means over full windows: element i is the mean of ``xs[i : i + k]`` (step i + k - 1)."""
+    return [sum(xs[i : i + k]) / k for i in range(len(xs) - k + 1)]
+
+
+def collapse_verdict(rewards: list[float], c: Criterion = CRITERION) -> Verdict:
+    """Did the run with per-step mean rewards ``rewards`` collapse?
+
+    The curve is smoothed by a trailing mean over ``c.smooth`` steps (full windows only, so one
+    lucky first batch cannot set the best). Step t *falls* when its smoothed reward is below
+    ``c.drop_frac`` x the best smoothed reward up to t. The run has **collapsed** when it falls
+    at some t and stays below that threshold for ``c.window`` consecutive smoothed steps
+    (t .. t + window - 1), i.e. it did not recover within the window. A run whose best smoothed
+    reward never exceeds ``c.min_best`` is **never_good** (nothing to collapse from); a run that
+    falls and stays below until its last step, but for fewer than ``window`` steps, is
+    **unresolved**; every other run is **fine**. Non-finite rewards count as 0. Steps in the
+    verdict are indices into ``rewards`` (the last step of the smoothing window).
+    """
+    xs = [float(x) if x is not None and math.isfinite(float(x)) else 0.0 for x in rewards]
+    s = smoothed(xs, c.smooth)
+    if not s:
+        return Verdict("never_good", None, math.nan, None, math.nan)
+    off = c.smooth - 1
+    best_i = max(range(len(s)), key=s.__getitem__)
+    if s[best_i] <= c.min_best:
+        return Verdict("never_good", None, s[best_i], best_i + off, s[-1])
+    best, run_start = -math.inf, None
+    for t, v in enumerate(s):
+        if run_start is None:
+            best = max(best, v)
+            if best > c.min_best and v < c.drop_frac * best:
+                run_start = t
+        elif v >= c.drop_frac * best:  # recovered: the threshold stays the one it fell below
+            run_start = None
+            best = max(best, v)
+        if run_start is not None and t - run_start + 1 >= c.window:
+            return Verdict("collapsed", run_start + off, s[best_i], best_i + off, s[-1])
+    state = "unresolved" if run_start is not None else "fine"
+    return Verdict(state, None if run_start is None else run_start + off, s[best_i], best_i + off, s[-1])
+
+
+def held_out_drop(evals: list[float], c: Criterion = CRITERION) -> bool:
+    """Secondary check: final held-out greedy accuracy below ``drop_frac`` x the SFT start's."""
+    if len(evals) < 2 or not evals[0] > c.min_best:
+        return False
+    return evals[-1] < c.drop_frac * evals[0]
+
+
+# -- presets -------------------------------------------------------------------------------------
+STRESS = {  # the demo policy (width 128, 8 experts top-2) at twice its depth, the demo's LR
+    "model": {"num_layers": 8},
+    "task": {"arithmetic": {"min_operands": 3, "max_operands": 7}},  # responses ~2x the demo's
+    "optim": {"lr": 2e-4},
+    "train": {
+        "sft_steps": 500,
+        "prompts_per_step": 8,
+        "group_size": 8,
+        "minibatches": 8,  # 8 updates per rollout batch (the demo: 4)
+        "max_new_tokens": 64,
+        "eval_every": 5,
+        "eval_prompts": 64,
+        "flip_probe_sequences": 8,
+        "log_every": 100,
+    },
+}
+PRESETS = {
+    "smoke": {
+        "base": {**SMOKE_BASE, "train": {**SMOKE_BASE["train"], "eval_prompts": 4}},
+        "steps": 3,
+        "seeds": 1,
+    },
+    "cpu-short": {"base": STRESS, "steps": 30, "seeds": 2},
+    "cpu": {"base": STRESS, "steps": 80, "seeds": 3},
+    "gpu": {
+        "base": {
+            "model": {
+                "hidden_size": 256,
+                "head_dim": 64,
+                "moe_ffn_hidden_size": 256,
+                "num_layers": 12,
+                "num_experts": 16,
+            },
+            "task": {"arithmetic": {"min_operands": 3, "max_operands": 8}},
+            "optim": {"lr": 3e-4},
+            "train": {
+                "sft_steps": 600,
+                "sft_batch_size": 64,
+                "prompts_per_step": 16,
+                "group_size": 8,
+                "minibatches": 8,
+                "max_new_tokens": 80,
+                "eval_every": 5,
+                "eval_prompts": 128,
+                "flip_probe_sequences": 16,
+                "log_every": 100,
+            },
+        },
+        "steps": 50,
+        "seeds": 2,
+    },
+}
+
+
+def arm_overrides(arm: str, seed: int, steps: int | None) -> list[str]:
+    """The overrides that make replicate ``seed`` of ``arm`` (the same seeds in every arm)."""
+    ov = [*flatten(ALGOS[arm]), f"train.seed={1234 + seed}", f"task.seed={seed}"]
+    return ov + ([f"train.rl_steps={steps}"] if steps else [])
+
+
+# -- analysis ------------------------------------------------------------------------------------
+def _vals(rows: list[dict], key: str) -> list[float]:
+    return [r[key] for r in rows if r.get(key) is not None]
+
+
+def analyse_run(arm: str, seed: int, status: dict) -> dict:
+    """Verdict and summary numbers of one finished (or stopped) run."""
+    from moe_rl.trainer.report import summarize
+
+    data = read_arm(status["out_dir"])
+    rl = data["rl"]
+    rewards = [r.get("reward/mean") for r in rl]
+    evals = [(r["step"], r["eval/accuracy"]) for r in data["eval"] if r.get("eval/accuracy") is not None]
+    v = collapse_verdict(rewards)
+    clipped_own = (
+        "clip/token_frac_of_clipped_seqs" if ALGOS[arm]["algo"]["name"] == "gspo" else "clip/token_frac"
+    )
+    out = {
+        "arm": arm,
+        "seed": seed,
+        **{k: status[k] for k in ("status", "reason", "wall_s", "cpu_s", "out_dir")},
+        "verdict": asdict(v),
+        "collapsed": v.collapsed or status["status"] != "done",
+        "held_out_drop": held_out_drop([a for _, a in evals]),
+        "reward": rewards,
+        "eval": evals,
+        "clip_token_own_granularity": mean(_vals(rl, clipped_own)),
+        "clip_token_of_clipped_seqs": mean(_vals(rl, "clip/token_frac_of_clipped_seqs")),
+        "seq_log_ratio_min": min(_vals(rl, "ratio/seq_log_sum_min"), default=math.nan),
+        "seq_log_ratio_max": max(_vals(rl, "ratio/seq_log_sum_max"), default=math.nan),
+        "token_ratio_outside_0.5_2": mean(_vals(rl, "ratio/token_frac_outside_0.5_2")),
+        "entropy": mean(_vals(rl, "entropy/mean")),
+    }
+    if rl:
+        out["summary"] = summarize(f"{arm}-s{seed}", data)
+    return out
+
+
+ARM_KEYS = (
+    "final_reward",
+    "best_reward",
+    "eval_start",
+    "eval_end",
+    "clip_token",
+    "clip_seq",
+    "clip_token_own_granularity",
+    "clip_token_of_clipped_seqs",
+    "flip_step",
+    "flip_drift",
+    "token_ratio_outside_0.5_2",
+    "step_s",
+)
+
+
+def analyse_arms(runs: list[dict]) -> dict:
+    """Per arm: collapsed / runs and the means over its runs."""
+    out = {}
+    for arm in dict.fromkeys(r["arm"] for r in runs):
+        rs = [r for r in runs if r["arm"] == arm]
+        sm = [r.get("summary", {}) for r in rs]
+        a = {
+            "runs": len(rs),
+            "collapsed": sum(r["collapsed"] for r in rs),
+            "held_out_drop": sum(r["held_out_drop"] for r in rs),
+            "states": [r["verdict"]["state"] for r in rs],
+            "final_reward": mean(s.get("reward_last") for s in sm),
+            "best_reward": mean(r["verdict"]["best"] for r in rs),
+            "eval_start": mean(s.get("eval_start") for s in sm),
+            "eval_end": mean(s.get("eval_end") for s in sm),
+            "clip_token": mean(s.get("clip_token") for s in sm),
+            "clip_seq": mean(s.get("clip_seq") for s in sm),
+            "flip_step": mean(s.get("flip_step") for s in sm),
+            "flip_drift": mean(s.get("flip_drift") for s in sm),
+            "step_s": mean(s.get("step_s") for s in sm),
+            "seq_log_ratio_min": min((r["seq_log_ratio_min"] for r in rs), default=math.nan),
+            "seq_log_ratio_max": max((r["seq_log_ratio_max"] for r in rs), default=math.nan),
+        }
+        for k in ("clip_token_own_granularity", "clip_token_of_clipped_seqs", "token_ratio_outside_0.5_2"):
+            a[k] = mean(r[k] for r in rs)
+        out[arm] = a
+    return out
+
+
+def format_table(arms: dict) -> str:
+    head = (
+        f"{'arm':<9} {'collapsed':>9} {'acc-drop':>8} {'rew_best':>8} {'rew_end':>8} {'acc0':>6} {'acc_end':>7} "
+        f"{'clip/tok':>9} {'clip/seq':>9} {'tok_in_clipseq':>14} {'flip/step':>9} {'flip/drift':>10} "
+        f"{'seq log-ratio':>15} {'step_s':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for name, a in arms.items():
+        lines.append(
+            f"{name:<9} {a['collapsed']:>4}/{a['runs']:<4} {a['held_out_drop']:>3}/{a['runs']:<4} "
+            f"{a['best_reward']:>8.3f} {a['final_reward']:>8.3f} {a['eval_start']:>6.3f} {a['eval_end']:>7.3f} "
+            f"{a['clip_token']:>9.5f} {a['clip_seq']:>9.4f} {a['clip_token_of_clipped_seqs']:>14.4f} "
+            f"{a['flip_step']:>9.4f} {a['flip_drift']:>10.4f} "
+            f"{a['seq_log_ratio_min']:>7.1f}..{a['seq_log_ratio_max']:<6.1f} {a['step_s']:>6.2f}"
+        )
+    return "\n".join(lines)
+
+
+def observations(arms: dict) -> list[str]:
+    """Plain statements the numbers support (no interpretation beyond them)."""
+    out = [
+        f"{n}: {a['collapsed']}/{a['runs']} collapsed ({', '.join(a['states'])}); best smoothed reward "
+        f"{a['best_reward']:.3f}, last-5-step reward {a['final_reward']:.3f}; held-out accuracy "
+        f"{a['eval_start']:.3f} -> {a['eval_end']:.3f}"
+        for n, a in arms.items()
+    ]
+    g, s = arms.get("GRPO"), arms.get("GSPO")
+    if g and s and g["clip_token"] > 0:
+        out.append(
+            f"clipped tokens, each at its own granularity: GSPO {100 * s['clip_token_own_granularity']:.2f}% "
+            f"(tokens of clipped sequences) vs GRPO {100 * g['clip_token']:.3f}% (token ratio), "
+            f"{s['clip_token_own_granularity'] / g['clip_token']:.0f}x (paper: ~15% vs 0.13%, ~100x)"
+        )
+    return out
+
+
+# -- plot ----------------------------------------------------------------------------------------
+PANELS = [
+    ("reward/mean", "reward (trailing mean of 5 steps)"),
+    ("eval/accuracy", "held-out greedy accuracy"),
+    ("flip/step/rate", "expert flip rate per optimizer step"),
+    ("clipped_own", "clipped tokens (GRPO: token ratio; GSPO: tokens of clipped seqs)"),
+    ("ratio/seq_log_sum_abs", "max |sequence log-ratio| (sum_t d)"),
+    ("entropy/mean", "token entropy"),
+]
+
+
+def plot(runs: list[dict], out_png: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from moe_rl.trainer.report import _series
+
+    fig, axes = plt.subplots(2, 3, figsize=(17, 9))
+    colors = {a: plt.get_cmap("tab10")(i) for i, a in enumerate(dict.fromkeys(r["arm"] for r in runs))}
+    for ax, (key, title) in zip(axes.flat, PANELS):
+        for r in runs:
+            data = read_arm(r["out_dir"])
+            gspo = ALGOS[r["arm"]]["algo"]["name"] == "gspo"
+            k = (
+                key
+                if key != "clipped_own"
+                else ("clip/token_frac_of_clipped_seqs" if gspo else "clip/token_frac")
+            )
+            xs, ys = _series(data["eval"] if k == "eval/accuracy" else data["rl"], k)
+            if k == "reward/mean" and len(ys) >= CRITERION.smooth:
+                ys, xs = smoothed(ys, CRITERION.smooth), xs[CRITERION.smooth - 1 :]
+            label = r["arm"] if r["seed"] == min(x["seed"] for x in runs if x["arm"] == r["arm"]) else None
+            ax.plot(
+                xs,
+                ys,
+                color=colors[r["arm"]],
+                alpha=0.8,
+                lw=1.2,
+                ls="-" if r["seed"] % 2 == 0 else "--",
+                label=label,
+                marker="x" if r["collapsed"] and xs and k == "reward/mean" else None,
+                markevery=[len(xs) - 1] if xs else None,
+            )
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("RL step")
+        if key == "clipped_own":
+            ax.set_yscale("symlog", linthresh=1e-4)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle("matched arms from one SFT start (line style = seed; x = collapsed by the fixed criterion)")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png
+
+
+# -- driver --------------------------------------------------------------------------------------
+def parse(argv):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.collapse", description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="cpu-short", choices=PRESETS)
+    ap.add_argument(
+        "--recipe", default=None, help="base recipe used unchanged (default: the demo + the preset)"
+    )
+    ap.add_argument(
+        "--sft",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="warm-start every arm from one cached SFT run (default: on for presets, off for --recipe)",
+    )
+    ap.add_argument("--arms", default=",".join(ALGOS), help=f"comma-separated subset of {','.join(ALGOS)}")
+    ap.add_argument("--seeds", type=int, default=None, help="replicates per arm (default: the preset's)")
+    ap.add_argument(
+        "--steps", type=int, default=None, help="RL steps per run (default: the preset's / recipe's)"
+    )
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for every arm")
+    ap.add_argument(
+        "--launch",
+        default=None,
+        help="command prefix that runs 'RECIPE overrides' per arm (default: in this process)",
+    )
+    ap.add_argument("--jobs", type=int, default=1, help="arms at once (> 1 launches each in its own process)")
+    ap.add_argument(
+        "--runs-dir", default=str(ROOT / "runs" / "collapse"), help="arm output directories go under here"
+    )
+    ap.add_argument("--cache", default=str(CACHE), help="SFT start cache directory")
+    ap.add_argument(
+        "--tag", default=None, help="name of this variant in the result file (default: the preset)"
+    )
+    ap.add_argument(
+        "--out", default=None, help="result JSON (default: benchmarks/results/...); PNG beside it"
+    )
+    ap.add_argument("--dry-run", action="store_true", help="print the arm commands and stop")
+    ap.add_argument("--report-only", action="store_true", help="analyse the arm directories already there")
+    ap.add_argument("--replot", default=None, metavar="JSON", help="redraw the PNG of a result file")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    if args.replot:
+        doc = json.loads(Path(args.replot).read_text())
+        plot(doc["runs"], Path(args.replot).with_suffix(".png"))
+        return doc
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    p = PRESETS[args.preset]
+    name = args.tag or (f"recipe-{Path(args.recipe).stem}" if args.recipe else args.preset)
+    base = Path(args.recipe) if args.recipe else DEMO
+    common = ([] if args.recipe else flatten(p["base"])) + list(args.set)
+    seeds = args.seeds or (1 if args.recipe else p["seeds"])
+    steps = args.steps or (None if args.recipe else p["steps"])
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ALGOS]
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {unknown}: use {', '.join(ALGOS)}")
+    launch = args.launch or (f"{shlex.quote(sys.executable)} -m moe_rl.cli train" if args.jobs > 1 else None)
+    use_sft = args.sft if args.sft is not None else not args.recipe
+    root = Path(args.runs_dir) / name
+    plan = [(a, s, arm_overrides(a, s, steps), root / f"{a}-s{s}") for s in range(seeds) for a in arms]
+    if args.dry_run:
+        for _, _, ov, out in plan:
+            print(
+                shlex.join(
+                    [
+                        *(shlex.split(args.launch) if args.launch else ["moe-rl", "train"]),
+                        str(base),
+                        *common,
+                        *ov,
+                        f"train.out_dir={out}",
+                    ]
+                )
+            )
+        return {}
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    start, sft_info = None, None
+    if use_sft and not args.report_only:
+        start, sft_info = warm_start(base, common, cache=Path(args.cache), launch=args.launch)
+        sft_info = {k: v for k, v in sft_info.items() if k != "signature"}
+
+    def one(item):
+        a, s, ov, out = item
+        if args.report_only:
+            return {
+                "status": "done",
+                "reason": None,
+                "wall_s": math.nan,
+                "cpu_s": math.nan,
+                "out_dir": str(out),
+            }
+        st = run_arm(base, [*common, *ov], out, start=start, launch=launch)
+        log.info("%s seed %d: %s in %.0fs", a, s, st["status"], st["wall_s"])
+        return st
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        statuses = list(pool.map(one, plan))
+    runs = [analyse_run(a, s, st) for (a, s, _, _), st in zip(plan, statuses)]
+    arms_out = analyse_arms(runs)
+    table = format_table(arms_out)
+    path = result_path("collapse", name, args.out)
+    png = plot(runs, path.with_suffix(".png"))
+    doc = {
+        "bench": "collapse",
+        "preset": name,
+        "machine": machine(),
+        "commit": commit(),
+        "wall_s": time.perf_counter() - t0,
+        "cpu_s": cpu_seconds() - c0,
+        "criterion": {
+            **asdict(CRITERION),
+            "doc": collapse_verdict.__doc__.strip(),
+            "also_collapsed": "runs the trainer stopped (repeated non-finite steps)",
+        },
+        "setting": {
+            "base": str(base),
+            "overrides": common,
+            "arms": {a: flatten(ALGOS[a]) for a in arms},
+            "seeds": seeds,
+            "steps": steps,
+            "sft": use_sft,
+        },
+        "sft_start": sft_info,
+        "arms": arms_out,
+        "table": table,
+        "observations": observations(arms_out),
+        "runs": runs,
+        "plot": png.name,
+    }
+    path.write_text(json.dumps(doc, indent=1, default=str))
+    print(table)
+    print("\n".join(doc["observations"]))
+    print(f"wrote {path} and {png} in {doc['wall_s']:.0f}s")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
