@@ -127,11 +127,3 @@ class Optimizer:
             self.step_count += 1
         self.zero_grad()
         return {"grad_norm": float(norm), "lr": lr, "skipped": 0.0 if finite else 1.0}
-
-    def state_dict(self) -> dict:
-        return {"opt": self.opt.state_dict(), "step_count": self.step_count, "lr_scale": self.lr_scale}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.opt.load_state_dict(state["opt"])
-        self.step_count = int(state["step_count"])
-        self.lr_scale = float(state.get("lr_scale", 1.0))

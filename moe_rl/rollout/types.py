@@ -116,12 +116,6 @@ class RolloutEngine(Protocol):
         ...
 
 
-def iter_named(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Helper for sources built from a list: yield detached contiguous CPU tensors."""
-    for name, t in tensors:
-        yield name, t.detach().contiguous()
-
-
 class WeightSink(Protocol):
     """An engine-side model that can take new weights by HF name (used by the server)."""
 

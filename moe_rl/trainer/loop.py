@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from moe_rl.megatron.parallel import all_reduce
 from moe_rl.trainer.rl import collect, encode_pair, local_prompts, rewards_of, sampling_for, train_on
 from moe_rl.trainer.sentinel import Sentinel
 
@@ -23,8 +24,6 @@ def evaluate(r, step: int) -> dict[str, float]:
     ids = [encode_pair(r.tok, p.text, None, r.recipe.model.max_seq_len)[0] for p in prompts]
     ro = r.engine.generate(ids, 1, sampling_for(r, step, greedy=True))
     acc = torch.tensor([float((rewards_of(r, prompts, ro, 1) >= 1.0).sum()), float(len(prompts))])
-    from moe_rl.megatron.parallel import all_reduce
-
     all_reduce(acc, r.info.dp_group)
     return {"eval/accuracy": float(acc[0] / acc[1])}
 

@@ -11,6 +11,13 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+def _jsonable(v):
+    """Numbers as floats (non-finite ones as null, which JSON can hold); anything else as is."""
+    if isinstance(v, (int, float)):
+        return float(v) if math.isfinite(v) else None
+    return v
+
+
 class MetricsSink:
     """Append ``{"step", "stage", "time", **metrics}`` to ``metrics.jsonl`` and TensorBoard."""
 
@@ -34,8 +41,7 @@ class MetricsSink:
     def log(self, step: int, stage: str, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        clean = {k: (float(v) if isinstance(v, (int, float)) and math.isfinite(float(v)) else
-                     (None if isinstance(v, (int, float)) else v)) for k, v in metrics.items()}
+        clean = {k: _jsonable(v) for k, v in metrics.items()}
         self._f.write(json.dumps({"step": step, "stage": stage, "time": time.time(), **clean}) + "\n")
         self._f.flush()
         if self._tb is not None:

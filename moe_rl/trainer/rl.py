@@ -162,16 +162,18 @@ def _global_counts(r, mb_masks: list[torch.Tensor]) -> list[tuple[float, float]]
 
 
 def _reduce_loss_metrics(r, per_mb: list[dict]) -> dict[str, float]:
-    """Average sum-type metrics over the M updates, min/max the rest, across DP ranks too."""
+    """Average sum-type metrics over the M updates, min/max the rest; one all-reduce per op across DP."""
+    ops = {"sum": torch.distributed.ReduceOp.SUM, "min": torch.distributed.ReduceOp.MIN,
+           "max": torch.distributed.ReduceOp.MAX}
     out = {}
-    for k in per_mb[0]:
-        op = METRIC_REDUCTIONS.get(k, "sum")
-        v = torch.stack([mb[k].detach().float() for mb in per_mb])
-        v = v.mean() if op == "sum" else (v.min() if op == "min" else v.max())
-        all_reduce(v, r.info.dp_group, {"sum": torch.distributed.ReduceOp.SUM,
-                                        "min": torch.distributed.ReduceOp.MIN,
-                                        "max": torch.distributed.ReduceOp.MAX}[op])
-        out[k] = float(v)
+    for op, reduce_op in ops.items():
+        keys = [k for k in per_mb[0] if METRIC_REDUCTIONS.get(k, "sum") == op]
+        if not keys:
+            continue
+        v = torch.stack([torch.stack([mb[k].detach().float().reshape(()) for k in keys]) for mb in per_mb])
+        v = v.mean(0) if op == "sum" else (v.amin(0) if op == "min" else v.amax(0))
+        all_reduce(v, r.info.dp_group, reduce_op)
+        out.update(zip(keys, v.tolist()))
     return out
 
 
