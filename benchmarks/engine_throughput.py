@@ -1,10 +1,12 @@
-"""Generated tokens/s of the embedded engine (KV cache) vs a naive full-recompute loop.
+"""Generated tokens/s of the embedded engine (KV cache), with each of its two forwards (the lean
+decoder and megatron-core's static-inference path), vs a naive full-recompute loop.
 
-Both sample with the same function and per-row generators; the greedy runs must produce the
-same tokens (checked and recorded). Every measurement records wall seconds and the CPU
+All sample with the same function and per-row generators; the greedy runs of the engine and
+the naive loop must produce the same tokens (checked and recorded). Every measurement records wall seconds and the CPU
 seconds of this process: on a machine shared with other jobs the wall time swings by 10x,
 while CPU seconds at one torch thread (the default here) stay comparable, so the speedup is
-reported on both. Writes ``benchmarks/results/engine_throughput-<machine>-<preset>-<commit>.json``.
+reported on both. Writes ``benchmarks/results/engine_throughput-<machine>-<preset>-<commit>.json``
+and a ``.png`` beside it.
 
     .venv/bin/python benchmarks/engine_throughput.py                 # tiny preset, batch 64 x 128
     .venv/bin/python benchmarks/engine_throughput.py --batch 8 --new-tokens 16 --no-naive
@@ -83,7 +85,8 @@ def main() -> None:
     info = init_parallel(ParallelConfig(), seed=1)
     cfg = ModelConfig(**PRESETS[args.preset])
     policy = build_policy(cfg, ParallelConfig(), info)
-    eng = EmbeddedEngine(policy, pad_id=0)
+    engines = {d: EmbeddedEngine(policy, pad_id=0, decoder=d) for d in ("lean", "megatron")}
+    eng = engines["lean"]
     g = torch.Generator().manual_seed(0)
     b, p, m = args.batch, args.prompt_len, args.new_tokens
     prompts = torch.randint(1, cfg.vocab_size, (b, p), generator=g).tolist()
@@ -92,7 +95,8 @@ def main() -> None:
     mixed = [(q * 2)[:n] for q, n in zip(prompts, lens)]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=m)
     sampled = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=m, seed=1)
-    eng.generate(prompts[:2], 1, SamplingParams(temperature=0.0, max_new_tokens=2))  # warm up
+    for e in engines.values():  # warm up
+        e.generate(prompts[:2], 1, SamplingParams(temperature=0.0, max_new_tokens=2))
 
     result = {
         "preset": args.preset,
@@ -105,17 +109,26 @@ def main() -> None:
         "prompt_len": p,
         "mixed_prompt_lens": [min(lens), max(lens)],
         "new_tokens": m,
-        "kv_cache": "megatron-core StaticInferenceContext",
+        "decoders": {d: e.impl.name for d, e in engines.items()},
         "loadavg_1m_start": os.getloadavg()[0],
     }
-    cases = {"engine_greedy": (prompts, greedy), "engine_sampled": (prompts, sampled)}
-    cases["engine_greedy_mixed_prompt_lens"] = (mixed, greedy)
+    cases = {}
+    for d, e in engines.items():
+        pre = "engine" if d == "lean" else "megatron_engine"
+        cases[f"{pre}_greedy"] = (e, prompts, greedy)
+        cases[f"{pre}_sampled"] = (e, prompts, sampled)
+        cases[f"{pre}_greedy_mixed_prompt_lens"] = (e, mixed, greedy)
     runs = {name: [] for name in cases}
     for _ in range(args.repeats):  # interleaved, so load swings hit every case alike
-        for name, (ps, sp) in cases.items():
-            runs[name].append(timed(lambda ps=ps, sp=sp: eng.generate(ps, 1, sp)))
+        for name, (e, ps, sp) in cases.items():
+            runs[name].append(timed(lambda e=e, ps=ps, sp=sp: e.generate(ps, 1, sp)))
     for name in cases:
         result[name] = summary(runs[name])
+    for kind in ("greedy", "sampled", "greedy_mixed_prompt_lens"):
+        lean, meg = result[f"engine_{kind}"], result[f"megatron_engine_{kind}"]
+        result[f"speedup_lean_vs_megatron_{kind}_cpu"] = lean["tokens_per_cpu_s"] / meg["tokens_per_cpu_s"]
+    result["same_greedy_tokens_lean_vs_megatron"] = bool(torch.equal(
+        runs["engine_greedy"][0][0].tokens_BT, runs["megatron_engine_greedy"][0][0].tokens_BT))
     if not args.no_naive:
         seq, wall, cpu = timed(lambda: naive_generate(policy, eng, prompts, greedy))
         naive = summary([(seq[:, p:], wall, cpu)])
@@ -129,8 +142,31 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"engine_throughput-{result['machine']}-{args.preset}-{result['commit']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, path.with_suffix(".png"))
     print(json.dumps({k: v for k, v in result.items() if k != "model"}, indent=2))
-    print(f"wrote {path}")
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def plot(result: dict, path: Path) -> None:
+    """Generated tokens per CPU second of every case, one bar each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [k for k, v in result.items() if isinstance(v, dict) and "tokens_per_cpu_s" in v]
+    vals = [result[k]["tokens_per_cpu_s"] for k in names]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.barh(names, vals, color=["C0" if n.startswith("engine") else "C1" if n.startswith("megatron")
+                                else "C7" for n in names])
+    for i, v in enumerate(vals):
+        ax.text(v, i, f" {v:,.0f}", va="center", fontsize=8)
+    ax.set_xlabel("generated tokens per CPU second (1 thread)")
+    ax.set_title(f"embedded engine, {result['preset']} model, batch {result['batch']} x "
+                 f"{result['new_tokens']} new tokens ({result['machine']}, {result['commit']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ Peak memory per phase: CPU: peak RSS (Linux VmHWM, reset before each phase by wr
 Every algorithm (grpo, gspo, gspo_token) x routing mode (none, r2, r3) runs interleaved on one
 policy, each repeat at the same step index (the same prompts and sampling seeds), so replay and
 probe overheads are ratios measured in the same run. World size: ``torchrun --nproc-per-node 2``
-runs this file as a worker with EP=2 (DP=2, full steps) and TP=2: the embedded engine refuses
+runs this file as a worker with DP=2 (each rank its own lean-decoder engine and half the
+prompts; gradients all-reduced), EP=2 (DP=2, experts split: the engine runs megatron-core's
+decode path with all-to-alls; full steps) and TP=2: the embedded engine refuses
 TP > 1, so the TP=2 worker replays the rollouts that the world-1 run generated at the same step
 (recorded to a file) and measures old_logprob, train, probe and syncs only.
 """
@@ -76,14 +78,15 @@ PRESETS = {
     "smoke": dict(models=MICRO, warmup=1, repeats=1, world=(), world_combos=(("gspo", "none"),),
                   trl_models=("tiny",), train=dict(prompts_per_step=2, group_size=4, minibatches=2,
                                                    max_new_tokens=8, flip_probe_sequences=4)),
-    "cpu": dict(models=MODELS, warmup=1, repeats=3, world=("ep2", "tp2"), world_combos=WORLD_COMBOS,
+    "cpu": dict(models=MODELS, warmup=1, repeats=3, world=("dp2", "ep2", "tp2"), world_combos=WORLD_COMBOS,
                 trl_models=("tiny", "small"), train=dict(prompts_per_step=8, group_size=8, minibatches=4,
                                                          max_new_tokens=48, flip_probe_sequences=8)),
-    "gpu": dict(models=MODELS, warmup=2, repeats=5, world=("ep2", "tp2"), world_combos=WORLD_COMBOS,
+    "gpu": dict(models=MODELS, warmup=2, repeats=5, world=("dp2", "ep2", "tp2"), world_combos=WORLD_COMBOS,
                 trl_models=("tiny", "small"), train=dict(prompts_per_step=32, group_size=8, minibatches=4,
                                                          max_new_tokens=256, flip_probe_sequences=8)),
 }
-LAYOUTS = {"ep2": dict(expert_parallel=2, data_parallel=2), "tp2": dict(tensor_parallel=2)}
+LAYOUTS = {"ep2": dict(expert_parallel=2, data_parallel=2), "tp2": dict(tensor_parallel=2),
+           "dp2": dict(data_parallel=2)}
 TRL_VENV = ROOT / "benchmarks" / ".venv-trl"
 NOTES = [
     "On a machine shared with other jobs, compare CPU seconds (tokens_per_cpu_s, ratio_cpu): wall "
@@ -315,6 +318,12 @@ def build_recipe(model: dict, train: dict, parallel: dict | None = None, out_dir
     return recipe_from_dict(data)
 
 
+def combo_name(combo: tuple) -> str:
+    """``algo/routing``; ``algo/none+rollout_logp`` for pi_old taken from the engine's log-probs."""
+    algo, routing, old = (*combo, "recompute")[:3]
+    return f"{algo}/{routing}" + ("+rollout_logp" if old == "rollout" else "")
+
+
 def measure(
     recipe,
     combos,
@@ -344,15 +353,17 @@ def measure(
             r.ensure_engine()
             r.engine = TimedEngine(r.engine, mem)
         recorded = [] if rollouts_out else None
-        steps: dict[str, list] = {f"{a}/{g}": [] for a, g in combos}
+        steps: dict[str, list] = {combo_name(c): [] for c in combos}
         for rep in range(warmup + repeats):
-            for algo, routing in combos:
-                r.recipe = replace(recipe, algo=replace(recipe.algo, name=algo, routing=routing))
+            for combo in combos:
+                algo, routing, old = (*combo, "recompute")[:3]
+                r.recipe = replace(recipe, algo=replace(recipe.algo, name=algo, routing=routing,
+                                                        old_logprobs=old))
                 if isinstance(r.engine, TimedEngine):  # the TP=2 worker replays the first combo's
-                    r.engine.keep = recorded if (algo, routing) == combos[0] else None
+                    r.engine.keep = recorded if combo == combos[0] else None
                 rec = reduce_over_ranks(rl_step(r, rep, mem))
                 if rep >= warmup:
-                    steps[f"{algo}/{routing}"].append(rec)
+                    steps[combo_name(combo)].append(rec)
         if rollouts_out and r.info.rank == 0:
             torch.save(recorded, rollouts_out)
         params = sum(p.numel() for p in r.policy.parameters())
@@ -403,7 +414,7 @@ def overheads(combos: dict) -> dict:
             "probe_over_train_cpu": sec(name, "probe", key="cpu_s") / sec(name, "train", key="cpu_s"),
         }
         base = f"{algo}/none"
-        if routing != "none" and base in combos:
+        if routing in ROUTINGS and routing != "none" and base in combos:
             out["replay"][name] = {
                 "old_logprob": sec(name, "old_logprob") / sec(base, "old_logprob"),
                 "train": sec(name, "train") / sec(base, "train"),
@@ -732,7 +743,7 @@ def _header(args, p: dict, device: str) -> dict:
             "world_combos": p["world_combos"],
             "init": "random (model.seed)",
             "lr": 1e-5,
-            "old_logprobs": "recompute",
+            "old_logprobs": "recompute (every combo but gspo/none+rollout_logp: the engine's log-probs)",
             "recipe": "recipes/demo/base.yaml",
         },
         "units": "seconds and CPU seconds are medians over timed steps; tokens = response tokens of the "
@@ -766,7 +777,9 @@ def main(argv=None) -> dict:
     world = p["world"] if args.world is None else tuple(args.world)
     if world and device == "cuda" and torch.cuda.device_count() < 2:
         res["world_skipped"], world = "needs 2 GPUs", ()
-    combos = [(a, g) for a in ALGOS for g in ROUTINGS]
+    # + GSPO with pi_old = the embedded engine's own log-probs (algo.old_logprobs=rollout: same
+    # weights, same arithmetic, no old-policy forward)
+    combos = [(a, g) for a in ALGOS for g in ROUTINGS] + [("gspo", "none", "rollout")]
     with tempfile.TemporaryDirectory(prefix="throughput_") as tmpdir:
         tmp = Path(tmpdir)
         for name, dims in p["models"].items():
@@ -801,7 +814,10 @@ def main(argv=None) -> dict:
             recipe = build_recipe(p["models"][name], p["train"])
             t0 = Clock()
             peer = run_trl(name, str(tmp / f"hf-{name}"), recipe, p, args.threads, tmp, device)
-            vs = trl_ratio(res["models"][name]["combos"]["gspo/none"], peer) if "median" in peer else None
+            ours = res["models"][name]["combos"]
+            vs = trl_ratio(ours["gspo/none"], peer) if "median" in peer else None
+            if vs is not None:
+                vs["with_rollout_logprobs"] = trl_ratio(ours["gspo/none+rollout_logp"], peer)
             res["trl"][name] = {"peer": peer, "vs": vs, "wall_s": t0.read()[0]}
             print(
                 f"[throughput] TRL {name}: {res['trl'][name]['wall_s']:.0f} s {peer.get('error', '')}",
@@ -844,6 +860,10 @@ def table(res: dict) -> str:
                 f"(x{v['ratio_cpu_without_flip_probe']:.2f} without flip probes), wall x{v['ratio_wall']:.2f}"
                 + ("" if v["wall_ratio_reliable"] else " (wall unreliable: other jobs took the cores)")
             )
+            if "with_rollout_logprobs" in v:
+                w = v["with_rollout_logprobs"]
+                lines.append(f"TRL {m}: with pi_old = the engine's log-probs: CPU x{w['ratio_cpu']:.2f} "
+                             f"(x{w['ratio_cpu_without_flip_probe']:.2f} without flip probes)")
     return "\n".join(lines)
 
 

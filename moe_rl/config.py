@@ -417,6 +417,8 @@ class RolloutConfig:
 
     engine: str = "embedded"
     "Engine in moe_rl.rollout.ROLLOUT_ENGINES: embedded (in-process, every machine) | sglang."
+    embedded_decoder: str = "auto"
+    "Forward of the embedded engine: lean (moe_rl.megatron.decode; TP=EP=1) | megatron | auto (lean where it runs)."
     sglang_url: str | None = None
     "Attach to a running SGLang server at this URL (None with engine=sglang: launch one)."
     sglang_model_path: str | None = None
@@ -447,6 +449,8 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         _require(self.engine in ("embedded", "sglang"),
                  f"rollout.engine={self.engine!r} is unknown: use embedded or sglang")
+        _require(self.embedded_decoder in ("auto", "lean", "megatron"),
+                 f"rollout.embedded_decoder={self.embedded_decoder!r}: use auto, lean or megatron")
         _require(self.weight_sync in ("distributed", "disk"),
                  f"rollout.weight_sync={self.weight_sync!r}: use distributed or disk")
         _require(self.sglang_tp >= 1 and self.sglang_ep >= 1, "rollout.sglang_tp and sglang_ep must be >= 1")

@@ -105,8 +105,10 @@ def transformer_config(cfg: ModelConfig, par: ParallelConfig):
     )
 
 
-def layer_spec(cfg: ModelConfig, config):
-    """Transformer-engine block spec on GPU when available, else the local spec with our norm."""
+def layer_spec(cfg: ModelConfig, config, *, stock_local: bool = False):
+    """Transformer-engine block spec on GPU when available, else the local spec with our norm,
+    SDPA attention and grouped experts (``stock_local``: megatron's own local modules, the
+    reference the tests compare them with)."""
     if use_transformer_engine(cfg):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -120,13 +122,18 @@ def layer_spec(cfg: ModelConfig, config):
     sub = spec.submodules
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
+    if not stock_local:
+        from moe_rl.megatron.local_layers import GroupedExperts, SDPAttention
+
+        sub.self_attention.submodules.core_attention = SDPAttention
+        sub.mlp.submodules.experts.module = GroupedExperts
     if cfg.qk_norm:
         sub.self_attention.submodules.q_layernorm = RMSNorm
         sub.self_attention.submodules.k_layernorm = RMSNorm
     return TransformerBlockSubmodules(layer_specs=[spec] * cfg.num_layers, layer_norm=RMSNorm)
 
 
-def build_gpt(cfg: ModelConfig, par: ParallelConfig):
+def build_gpt(cfg: ModelConfig, par: ParallelConfig, *, stock_local: bool = False):
     """Build the megatron-core GPTModel (after :func:`moe_rl.megatron.parallel.init_parallel`)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
@@ -137,7 +144,7 @@ def build_gpt(cfg: ModelConfig, par: ParallelConfig):
     config = transformer_config(cfg, par)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(cfg, config),
+        transformer_layer_spec=layer_spec(cfg, config, stock_local=stock_local),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_seq_len,
         position_embedding_type="rope",

@@ -109,7 +109,8 @@ def _shim_alltoall_splits() -> None:
 
 def _shim_causal_mask() -> None:
     # get_default_causal_mask builds its mask on device="cuda" when attention_mask is None,
-    # as in inference (megatron-core 0.16.1, 0.19.2).
+    # as in inference (megatron-core 0.16.1, 0.19.2). Only megatron's DotProductAttention
+    # (the stock local spec, build_gpt(stock_local=True)) calls it; SDPAttention does not.
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils
 

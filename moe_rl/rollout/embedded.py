@@ -4,18 +4,20 @@ Shape legend: B = sequences of one generate() call (prompts x samples), b = rows
 chunk, T = padded prompt+response length, V = vocabulary, L = MoE layers, K = top-k,
 N = rows sampled in one step.
 
-KV cache: megatron-core's ``StaticInferenceContext`` passed as ``inference_context=`` to
-``policy.model`` (the piece of its legacy static engine that megatron-core 0.16.1 and 0.19
-share; no InferenceWrapperConfig, no engine, no controller). That context applies RoPE by
-its ``sequence_len_offset``: every row of a batch sits at the *same* position. So prompts of
-different lengths are right-padded and handled the way megatron's own static controller
-does: one prefill forward over the shortest prompt length, then one token per step for
-every row, where a row still inside its prompt is fed its own next prompt token (its logits
-are ignored). Every row therefore sees exactly tokens[:t] of its own sequence at position
-t, causally, with no padding in any attention window: the cached computation is the same
-computation as the trainer's right-padded, causal, mask-free recompute (measured equal to
-1e-6 in the tests). Rows that finish stay in the batch (fed ``pad_id``) until at most half
-of it is live; then the cache is compacted to the live rows.
+Two forwards compute the same model (``decoder=``, recipe ``rollout.embedded_decoder``):
+``lean`` (:mod:`moe_rl.megatron.decode`: a cache of rotated keys, folded GQA, grouped
+experts; TP = EP = 1, local spec; the default where it runs) and ``megatron``
+(megatron-core's ``StaticInferenceContext`` passed as ``inference_context=`` to
+``policy.model``: the piece of its legacy static engine that 0.16.1 and 0.19 share; any
+layout, expert parallelism included). Both place every row of a batch at the *same*
+position. So prompts of different lengths are right-padded and handled the way megatron's
+own static controller does: one prefill forward over the shortest prompt length, then one
+token per step for every row, where a row still inside its prompt is fed its own next prompt
+token (its logits are ignored). Every row therefore sees exactly tokens[:t] of its own
+sequence at position t, causally, with no padding in any attention window: the cached
+computation is the same computation as the trainer's right-padded, causal, mask-free
+recompute (measured equal to 1e-6 in the tests). Rows that finish stay in the batch (fed
+``pad_id``) until at most half of it is live; then the cache is compacted to the live rows.
 
 Sampling follows SGLang: temperature, then top-k, then top-p over the renormalised top-k
 mass, from one uniform draw per sampled token out of the row's own ``torch.Generator``
@@ -23,8 +25,8 @@ mass, from one uniform draw per sampled token out of the row's own ``torch.Gener
 Log-probs are log_softmax(logits / temperature) in fp32 before any top-k/top-p filtering
 (temperature 1 for greedy), computed by the trainer's own function.
 
-Multi-rank: under expert parallelism every forward is an all-to-all, so all ranks run the
-same number of forwards: before each step the ranks all-reduce (over the world group) whether
+Multi-rank: under expert parallelism (megatron forward) every forward is an all-to-all, so
+all ranks run the same number of forwards: before each step the ranks all-reduce (over the world group) whether
 any of them still has live rows; a rank without work runs a one-token forward without the
 cache. Tensor parallelism with sequence parallelism cannot feed one token per step, so
 TP > 1 is refused.
@@ -102,6 +104,7 @@ class _Chunk:
         sampling: SamplingParams,
     ):
         self.engine, self.sampling, self.gens = engine, sampling, gens
+        self.want_routes = False
         b = len(prompts)
         self.prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         width = int(self.prompt_len.max()) + sampling.max_new_tokens
@@ -114,8 +117,9 @@ class _Chunk:
         self.finish = ["length"] * b
         self.live = torch.arange(b)  # chunk rows in the cache, in cache order
         self.cur = 0  # tokens fed so far (= the static context's sequence_len_offset)
-        self.ctx = engine.policy.kv_cache(b, width)
+        self.ctx = engine.impl.new_cache(b, width)
         self.log: list[tuple[torch.Tensor, int, int] | None] = []  # (rows, start, n) per forward
+        self.route_steps: list[list[torch.Tensor] | None] = []  # per forward: [n * rows, K] per layer
         self.prefill_s = self.decode_s = 0.0
         self.forwards = self.compactions = 0
 
@@ -130,21 +134,12 @@ class _Chunk:
         n = int(self.prompt_len.min()) if start == 0 else 1
         dev = self.engine.device
         inp = self.tokens_bT[self.live, start : start + n].to(dev)
-        pos = torch.arange(start, start + n, device=dev).expand_as(inp)
-        self.ctx.sequence_len_offset = start
-        if start > 0:
-            self.ctx.enable_decode_mode()
-        logits = self.engine.policy.model(
-            input_ids=inp,
-            position_ids=pos,
-            attention_mask=None,
-            inference_context=self.ctx,
-            runtime_gather_output=True,
-        )
+        logits, routes = self.engine.impl.forward(self.ctx, inp, start, self.want_routes)
         self.log.append((self.live.clone(), start, n))
+        self.route_steps.append(routes)
         self.cur = start + n
         self.forwards += 1
-        self._sample(logits[:, -1])
+        self._sample(logits)
         if start == 0:
             self.prefill_s += time.perf_counter() - t0
         else:
@@ -184,10 +179,7 @@ class _Chunk:
         n_live = int(keep.sum())
         if n_live > len(self.live) // 2:
             return
-        pos = keep.nonzero().squeeze(1).to(self.engine.device)
-        mem = self.ctx.key_value_memory_dict
-        for layer, (k, v) in list(mem.items()):
-            mem[layer] = (k[:, pos].contiguous(), v[:, pos].contiguous())
+        self.engine.impl.keep_rows(self.ctx, keep.nonzero().squeeze(1).to(self.engine.device))
         self.live = self.live[keep]
         self.compactions += 1
 
@@ -206,12 +198,117 @@ class _Chunk:
         return out * valid[:, :, None, None]
 
 
+# -- the forward: megatron-core's inference path, or the lean decoder -------------------------
+class MegatronForward:
+    """``policy.model(inference_context=StaticInferenceContext)``: every layout the policy has
+    (expert parallelism included); routes are captured by a RoutingSession."""
+
+    name = "megatron-core StaticInferenceContext"
+    collective = True  # expert all-to-alls: every rank runs every forward
+    routes_by_session = True
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def new_cache(self, batch: int, width: int):
+        return self.policy.kv_cache(batch, width)
+
+    def forward(self, ctx, inp: torch.Tensor, start: int, want_routes: bool):
+        pos = torch.arange(start, start + inp.shape[1], device=inp.device).expand_as(inp)
+        ctx.sequence_len_offset = start
+        if start > 0:
+            ctx.enable_decode_mode()
+        logits = self.policy.model(input_ids=inp, position_ids=pos, attention_mask=None,
+                                   inference_context=ctx, runtime_gather_output=True)
+        return logits[:, -1], None
+
+    def idle(self) -> None:
+        """A one-token forward without the cache: keeps expert all-to-alls in lock-step."""
+        tok = torch.zeros(1, 1, dtype=torch.long, device=self.policy.info.device)
+        self.policy.model(input_ids=tok, position_ids=tok, attention_mask=None)
+
+    @staticmethod
+    def keep_rows(ctx, rows: torch.Tensor) -> None:
+        mem = ctx.key_value_memory_dict
+        for layer, (k, v) in list(mem.items()):
+            mem[layer] = (k[:, rows].contiguous(), v[:, rows].contiguous())
+
+    @staticmethod
+    def activate(ctx, on: bool) -> None:
+        if on and hasattr(ctx, "set_active"):  # megatron-core >= 0.17
+            ctx.set_active()
+        elif not on and hasattr(ctx, "unset_active"):
+            ctx.unset_active()
+
+    @staticmethod
+    def release(ctx) -> None:
+        ctx.key_value_memory_dict.clear()
+
+
+class LeanForward:
+    """:class:`moe_rl.megatron.decode.Decoder` (TP = EP = 1, local spec): no collectives, routes
+    returned by the forward itself."""
+
+    name = "moe_rl.megatron.decode (rotated-key cache, folded GQA, grouped experts)"
+    collective = False
+    routes_by_session = False
+
+    def __init__(self, policy):
+        from moe_rl.megatron.decode import Decoder
+
+        self.decoder = Decoder(policy)
+
+    def new_cache(self, batch: int, width: int):
+        return self.decoder.new_cache(batch, width)
+
+    def forward(self, cache, inp: torch.Tensor, start: int, want_routes: bool):
+        return self.decoder.forward(cache, inp, start, want_routes)
+
+    def idle(self) -> None:
+        """Nothing to keep in step with."""
+
+    @staticmethod
+    def keep_rows(cache, rows: torch.Tensor) -> None:
+        cache.keep_rows(rows)
+
+    @staticmethod
+    def activate(cache, on: bool) -> None:
+        """No global state."""
+
+    @staticmethod
+    def release(cache) -> None:
+        cache.k.clear()
+        cache.v.clear()
+
+
+DECODERS = ("auto", "lean", "megatron")
+
+
+def pick_forward(policy, decoder: str):
+    """The forward for ``rollout.embedded_decoder``: auto = lean where it can run, else megatron."""
+    from moe_rl.megatron.decode import unsupported_reason
+
+    if decoder not in DECODERS:
+        raise ValueError(f"rollout.embedded_decoder={decoder!r}: use one of {DECODERS}")
+    if decoder == "megatron":
+        return MegatronForward(policy)
+    reason = unsupported_reason(policy)
+    if reason is None:
+        return LeanForward(policy)
+    if decoder == "lean":
+        raise ValueError(f"rollout.embedded_decoder=lean cannot run this policy: {reason}; "
+                         "use auto or megatron")
+    log.info("embedded engine: megatron-core decode path (%s)", reason)
+    return MegatronForward(policy)
+
+
 # -- the engine -------------------------------------------------------------------------------
 class EmbeddedEngine:
     """RolloutEngine on the in-process megatron-core policy (weights shared, no copy).
 
     ``pad_id`` fills padding; ``eos_id`` (optional) ends a row like a stop token;
-    ``max_batch`` caps the rows of one KV cache (None: all rows of a call at once).
+    ``max_batch`` caps the rows of one KV cache (None: all rows of a call at once);
+    ``decoder`` picks the forward (see :func:`pick_forward`).
     """
 
     def __init__(
@@ -222,6 +319,7 @@ class EmbeddedEngine:
         eos_id: int | None = None,
         max_batch: int | None = None,
         weight_version: str = "0",
+        decoder: str = "auto",
     ):
         if policy.info.tp_size > 1:
             raise NotImplementedError(
@@ -236,6 +334,7 @@ class EmbeddedEngine:
         self.pad_id, self.eos_id, self.max_batch = int(pad_id), eos_id, max_batch
         self.weight_version = weight_version
         self.device = policy.info.device
+        self.impl = pick_forward(policy, decoder)
         self._hf_sink = None
         self.world = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
 
@@ -276,7 +375,7 @@ class EmbeddedEngine:
         gens = row_generators(len(rows), sampling.seed)
         size = self.max_batch or max(1, len(rows))
         spans = [(i, min(i + size, len(rows))) for i in range(0, len(rows), size)]
-        n_chunks = self._max_over_world(len(spans))
+        n_chunks = self._max_over_world(len(spans)) if self.impl.collective else len(spans)
         model = self.policy.model
         was_training = model.training
         model.eval()
@@ -299,33 +398,34 @@ class EmbeddedEngine:
         from moe_rl.megatron.routing import RoutingSession
         from moe_rl.routing import RouterAction
 
-        session = RoutingSession(self.policy, RouterAction.NATURAL) if want_routes and chunk else None
+        impl = self.impl
+        by_session = want_routes and chunk is not None and impl.routes_by_session
+        session = RoutingSession(self.policy, RouterAction.NATURAL) if by_session else None
+        if chunk is not None:
+            chunk.want_routes = want_routes and not impl.routes_by_session
         ctx = chunk.ctx if chunk is not None else None
+        busy = lambda: chunk is not None and not chunk.finished  # noqa: E731
         with session or contextlib.nullcontext():
-            if ctx is not None and hasattr(ctx, "set_active"):  # megatron-core >= 0.17
-                ctx.set_active()
+            if ctx is not None:
+                impl.activate(ctx, True)
             try:
-                while self._any_over_world(chunk is not None and not chunk.finished):
-                    if chunk is not None and not chunk.finished:
+                while self._any_over_world(busy()) if impl.collective else busy():
+                    if busy():
                         chunk.step()
                     else:
-                        self._idle_forward(chunk)
+                        impl.idle()
+                        if chunk is not None:
+                            chunk.log.append(None)
+                            chunk.route_steps.append(None)
             finally:
-                if ctx is not None and hasattr(ctx, "unset_active"):
-                    ctx.unset_active()
-                if chunk is not None:
-                    ctx.key_value_memory_dict.clear()
-        if session is None:
+                if ctx is not None:
+                    impl.activate(ctx, False)
+                    impl.release(ctx)
+        if not want_routes or chunk is None:
             return None
         cfg = self.policy.cfg
-        return chunk.routes_bTLK(session.natural_steps(), self.policy.num_moe_layers, cfg.moe_router_topk)
-
-    def _idle_forward(self, chunk: _Chunk | None) -> None:
-        """A one-token forward without the cache: keeps expert all-to-alls in lock-step."""
-        tok = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        self.policy.model(input_ids=tok, position_ids=tok, attention_mask=None)
-        if chunk is not None:
-            chunk.log.append(None)
+        steps = session.natural_steps() if session is not None else chunk.route_steps
+        return chunk.routes_bTLK(steps, self.policy.num_moe_layers, cfg.moe_router_topk)
 
     def _any_over_world(self, flag: bool) -> bool:
         if self.world is None:
@@ -399,7 +499,7 @@ class EmbeddedEngine:
             "forwards": sum(c.forwards for c in chunks),
             "chunks": len(chunks),
             "compactions": sum(c.compactions for c in chunks),
-            "kv_cache": "megatron-core StaticInferenceContext",
+            "decoder": self.impl.name,
         }
         return Rollouts(
             tokens_BT=tokens,

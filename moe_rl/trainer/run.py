@@ -97,7 +97,8 @@ class Run:
         ro = self.recipe.rollout
         if ro.engine == "embedded":
             self.engine = get_engine_class("embedded")(self.policy, pad_id=self.tok.pad_id,
-                                                       eos_id=self.tok.eos_id)
+                                                       eos_id=self.tok.eos_id,
+                                                       decoder=ro.embedded_decoder)
             self.engine_returns_routes = True  # free: captured during generation
         else:
             from moe_rl.rollout.factory import build_sglang_engine

@@ -27,6 +27,10 @@ def main() -> None:
                       recompute=op == "recompute")
     policy = build_policy(cfg, par, info)
     tok = torch.randint(0, 32, (2, 9))
+    if op == "stock_forward":  # megatron-core's own local modules (DotProductAttention, SequentialMLP)
+        from moe_rl.megatron.model import build_gpt
+
+        policy.model = build_gpt(cfg, par, stock_local=True)
     out = policy.logprobs(tok)
     if op == "recompute":
         out.logp_BT.sum().backward()

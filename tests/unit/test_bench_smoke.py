@@ -109,3 +109,22 @@ def test_collapse_smoke(tmp_path, cache, parallel_info):
     for a in doc["arms"].values():
         assert a["runs"] == 1 and 0 <= a["clip_token"] <= 1 and 0 <= a["clip_seq"] <= 1
     assert doc["criterion"]["window"] == 10 and doc["table"]
+
+
+def test_engine_throughput_smoke(tmp_path):
+    """benchmarks/engine_throughput.py at a smoke size: both decoders, the naive loop, JSON + PNG."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "benchmarks/engine_throughput.py", "--batch", "4", "--new-tokens", "4",
+           "--prompt-len", "4", "--repeats", "1", "--out", str(tmp_path)]
+    res = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    (path,) = tmp_path.glob("engine_throughput-*.json")
+    data = json.loads(path.read_text())
+    assert path.with_suffix(".png").exists()
+    assert data["naive_recompute_greedy"]["same_tokens_as_engine"]
+    assert set(data["decoders"]) == {"lean", "megatron"}
+    for case in ("engine_greedy", "megatron_engine_greedy", "engine_sampled"):
+        assert data[case]["generated_tokens"] == 16 and data[case]["tokens_per_cpu_s"] > 0

@@ -38,7 +38,7 @@ def test_smoke_preset_measures_every_phase(tmp_path):
     for model, d in res["models"].items():
         assert set(d["combos"]) == {
             f"{a}/{g}" for a in ("grpo", "gspo", "gspo_token") for g in ("none", "r2", "r3")
-        }
+        } | {"gspo/none+rollout_logp"}
         for name, c in d["combos"].items():
             assert c["tokens"] > 0, (model, name)
             for p in MEASURED:

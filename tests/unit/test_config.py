@@ -42,6 +42,7 @@ def test_overrides_parse_yaml_scalars():
     (["model.vocab_size=105", "parallel.tensor_parallel=2"], "vocab_size=105 is not divisible"),
     (["optim.lr=-1"], "optim.lr must be positive"),
     (["model.dtype=float16"], "model.dtype"),
+    (["rollout.embedded_decoder=fast"], "rollout.embedded_decoder='fast': use auto, lean or megatron"),
     (["bad"], "must look like section.field=value"),
 ])
 def test_bad_values_name_the_field(overrides, needle):

@@ -43,11 +43,12 @@ def policy():
     return build_policy(cfg, ParallelConfig(), info)
 
 
-@pytest.fixture(scope="module")
-def engine(policy):
+@pytest.fixture(scope="module", params=["lean", "megatron"])
+def engine(policy, request):
+    """Every engine test runs on both forwards (the lean decoder and megatron-core's path)."""
     from moe_rl.rollout.embedded import EmbeddedEngine
 
-    return EmbeddedEngine(policy, pad_id=0)
+    return EmbeddedEngine(policy, pad_id=0, decoder=request.param)
 
 
 def recompute(policy, ro, temperature):

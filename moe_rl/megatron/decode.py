@@ -1,0 +1,178 @@
+"""A lean KV-cache decoder over the megatron-core policy's own parameters (rollout only).
+
+megatron-core's static inference path is built for GPUs with flash-decode: without it,
+every decode step re-applies RoPE to the whole key cache and (local spec) repeats GQA
+keys/values, so a step costs O(context) copies on top of the layer's ~50 module calls.
+This module runs the same Qwen3-MoE computation as :func:`moe_rl.megatron.model.build_gpt`'s
+local spec, reading the *live* parameter tensors (no copy: the engine still shares the
+trainer's weights), with:
+
+- a preallocated cache of rotated keys and values, ``[b, groups, T, head_dim]`` per layer,
+  written in place;
+- decode attention with the query heads of a group folded into the query dimension
+  (``[b, g, heads_per_group, d] @ [b, g, d, T]``: no repeated keys), prefill by SDPA;
+- the router and experts as in megatron-core (fp32 router logits, top-k then softmax over
+  the chosen logits, or softmax then top-k; tokens sorted by expert into the layer's own
+  :class:`~moe_rl.megatron.local_layers.GroupedExperts`);
+- the output layer applied to the last position only.
+
+It returns each layer's top-k expert indices of every fed token, so routing capture (R3)
+needs no hooks. :func:`unsupported_reason` says when it cannot serve a policy (expert or
+tensor parallelism, the transformer-engine spec); the engine then uses megatron-core's
+path. ``tests/unit/test_decode.py`` pins it to megatron-core's forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moe_rl.megatron.local_layers import GroupedExperts, SDPAttention
+
+
+def unsupported_reason(policy) -> str | None:
+    """Why :class:`Decoder` cannot run ``policy`` (None when it can)."""
+    info = policy.info
+    if info.tp_size > 1 or info.ep_size > 1:
+        return f"tensor_parallel={info.tp_size}, expert_parallel={info.ep_size} (needs 1 and 1)"
+    layers = policy.model.decoder.layers
+    for layer in layers:
+        if not isinstance(layer.self_attention.core_attention, SDPAttention):
+            return "the policy was not built with the local spec (transformer-engine layers)"
+        if not isinstance(layer.mlp.experts, GroupedExperts):
+            return "the policy's experts are not GroupedExperts"
+        if getattr(layer.mlp, "shared_experts", None) is not None:
+            return "shared experts"
+    cfg = policy.model.config
+    if cfg.rotary_interleaved or getattr(policy.model, "position_embedding_type", "rope") != "rope":
+        return "only non-interleaved RoPE is implemented"
+    return None
+
+
+@dataclass
+class KVCache:
+    """Rotated keys / values per layer, ``[b, groups, T, head_dim]``; ``length`` tokens filled."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    length: int = 0
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows ``rows`` (in that order)."""
+        self.k = [t.index_select(0, rows) for t in self.k]
+        self.v = [t.index_select(0, rows) for t in self.v]
+
+
+class Decoder:
+    """Prefill / decode forward of a megatron-core GPTModel (local spec, TP = EP = 1)."""
+
+    def __init__(self, policy):
+        reason = unsupported_reason(policy)
+        if reason is not None:
+            raise ValueError(f"Decoder cannot run this policy: {reason}")
+        self.policy = policy
+        m, cfg = policy.model, policy.cfg
+        self.heads, self.groups, self.hd = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
+        self.rep = self.heads // self.groups
+        self.topk, self.num_experts = cfg.moe_router_topk, cfg.num_experts
+        self.pre_softmax = not cfg.moe_norm_topk_prob
+        self.scale = m.decoder.layers[0].self_attention.core_attention.softmax_scale
+        freqs = m.rotary_pos_emb(cfg.max_seq_len)  # [S, 1, 1, hd], megatron's own table
+        self.cos = torch.cos(freqs).reshape(cfg.max_seq_len, self.hd)
+        self.sin = torch.sin(freqs).reshape(cfg.max_seq_len, self.hd)
+        self._experts: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    # -- cache ------------------------------------------------------------------------------
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty cache; also snapshots each layer's stacked expert weights (the weights do
+        not change while a cache is in use: one generate() call)."""
+        layers = self.policy.model.decoder.layers
+        with torch.no_grad():
+            self._experts = [layer.mlp.experts.stacked_weights() for layer in layers]
+        p = self.policy.model.embedding.word_embeddings.weight
+        shape = (batch, self.groups, max_len, self.hd)
+        n = len(self.policy.model.decoder.layers)
+        return KVCache(k=[p.new_empty(shape) for _ in range(n)], v=[p.new_empty(shape) for _ in range(n)])
+
+    # -- forward ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, cache: KVCache, tokens_bn: torch.Tensor, start: int,
+                want_routes: bool = False) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Feed ``tokens_bn`` at positions ``start ..``; logits of the last position ``[b, V]``.
+
+        ``start`` must equal ``cache.length``; several tokens only at ``start == 0`` (the
+        prefill). Routes: per layer ``[n * b, K]`` top-k indices, sequence-major (row
+        ``s * b + r``, megatron's token order).
+        """
+        b, n = tokens_bn.shape
+        if start != cache.length:
+            raise ValueError(f"start={start} but the cache holds {cache.length} tokens")
+        if n > 1 and start != 0:
+            raise ValueError("several tokens per row only for the prefill (start 0)")
+        m = self.policy.model
+        x = F.embedding(tokens_bn, m.embedding.word_embeddings.weight)  # [b, n, H]
+        cos, sin = self.cos[start:start + n].to(x.dtype), self.sin[start:start + n].to(x.dtype)
+        routes = [] if want_routes else None
+        for i, layer in enumerate(m.decoder.layers):
+            x = x + self._attention(layer, layer.input_layernorm(x), cache, i, start, cos, sin)
+            y, idx = self._moe(layer, i, layer.pre_mlp_layernorm(x))
+            x = x + y
+            if routes is not None:
+                routes.append(idx.view(b, n, -1).transpose(0, 1).reshape(n * b, -1))
+        cache.length = start + n
+        h = m.decoder.final_layernorm(x[:, -1])
+        return F.linear(h, self.policy.output_weight()), routes
+
+    def _attention(self, layer, x, cache: KVCache, i: int, start: int, cos, sin):
+        att = layer.self_attention
+        b, n, _ = x.shape
+        g, rep, hd = self.groups, self.rep, self.hd
+        qkv = F.linear(x, att.linear_qkv.weight).view(b, n, g, (rep + 2) * hd)
+        q, k, v = torch.split(qkv, [rep * hd, hd, hd], dim=-1)
+        q = q.reshape(b, n, g * rep, hd)
+        if att.q_layernorm is not None:
+            q, k = att.q_layernorm(q), att.k_layernorm(k)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)  # [b, n, heads, hd]
+        end = start + n
+        cache.k[i][:, :, start:end] = k.transpose(1, 2)
+        cache.v[i][:, :, start:end] = v.transpose(1, 2)
+        keys, values = cache.k[i][:, :, :end], cache.v[i][:, :, :end]
+        if n == 1:  # one query per row: fold the group's heads into the query dimension
+            qg = q.view(b, g, rep, hd)
+            s = torch.matmul(qg, keys.transpose(2, 3)) * self.scale  # [b, g, rep, T]
+            p = torch.softmax(s.float(), dim=-1).to(values.dtype)
+            out = torch.matmul(p, values).reshape(b, 1, g * rep * hd)
+        else:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=True,
+                                                 scale=self.scale, enable_gqa=rep > 1)
+            out = out.transpose(1, 2).reshape(b, n, g * rep * hd)
+        return F.linear(out, att.linear_proj.weight)
+
+    def _moe(self, layer, i: int, x):
+        """Routed experts of ``x [b, n, H]`` -> (output [b, n, H], top-k indices [b*n, K])."""
+        mlp = layer.mlp
+        shape = x.shape
+        t = x.reshape(-1, shape[-1])
+        logits = F.linear(t.float(), mlp.router.weight.float())  # [N, E], fp32 like the router
+        if self.pre_softmax:
+            probs, idx = torch.topk(torch.softmax(logits, dim=-1), self.topk, dim=-1)
+        else:
+            top, idx = torch.topk(logits, self.topk, dim=-1)
+            probs = torch.softmax(top, dim=-1)
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # token-major slots sorted by expert
+        token = order // self.topk
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        ys = mlp.experts.grouped(t.index_select(0, token), counts, probs.reshape(-1)[order],
+                                 *self._experts[i])
+        out = torch.zeros_like(t).index_add_(0, token, ys)
+        return out.view(shape), idx
+
+
+def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """megatron's non-interleaved rotary embedding of ``t [b, n, heads, d]`` (cos/sin ``[n, d]``)."""
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    x1, x2 = torch.chunk(t, 2, dim=-1)
+    return t * c + torch.cat((-x2, x1), dim=-1) * s

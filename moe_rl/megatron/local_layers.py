@@ -1,0 +1,121 @@
+"""Faster drop-ins for two modules of megatron-core's local (non transformer-engine) layer spec.
+
+Without transformer-engine (CPU, or a GPU without the package) megatron-core builds
+``DotProductAttention`` and ``SequentialMLP``. Both are correct and slow at RL's small
+per-call sizes: the first materialises GQA's repeated keys/values (``repeat_interleave``
+copies the whole KV cache on every decode step) and runs an unfused baddbmm / mask /
+softmax / bmm; the second runs each expert through megatron's linear wrappers, ~10 ops
+per expert per layer. The subclasses below keep their parents' parameters, names,
+sharded state dicts and constructor (so checkpoints, HF mapping, routing replay and the
+optimizer see the same model) and change only ``forward``:
+
+- :class:`SDPAttention`: ``torch.nn.functional.scaled_dot_product_attention`` with
+  ``enable_gqa`` (no repeated keys) and the parent's masking rule (causal when
+  ``sq > 1``, none for a one-token decode step against a KV cache);
+- :class:`GroupedExperts`: the local experts' weights stacked into ``[E, ...]`` and
+  run by ``torch._grouped_mm`` over the dispatcher's expert-sorted tokens (per-expert
+  ``F.linear`` where that op is missing); probabilities applied after the GLU and
+  before ``linear_fc2``, in the same dtypes as megatron's MLP.
+
+``tests/unit/test_local_layers.py`` checks both against the stock modules (values and
+gradients of every parameter) on the same weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+_HAVE_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+class SDPAttention(DotProductAttention):
+    """DotProductAttention computed by torch SDPA (same parameters, same masking rule)."""
+
+    def __init__(self, config, *args, **kwargs):
+        unsupported = {
+            "attention_dropout": config.attention_dropout != 0.0,
+            "apply_query_key_layer_scaling": bool(config.apply_query_key_layer_scaling),
+            "softmax_type": getattr(config, "softmax_type", "vanilla") != "vanilla",
+            "window_size": getattr(config, "window_size", None) is not None,
+        }
+        bad = [k for k, v in unsupported.items() if v]
+        if bad:
+            raise ValueError(f"SDPAttention does not implement {bad}; build the stock local spec")
+        super().__init__(config, *args, **kwargs)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        """[sq, b, np, hn] queries, [sk, b, ng, hn] keys/values -> [sq, b, np * hn]."""
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SDPAttention: packed sequences and attention bias need the "
+                                      "transformer-engine spec")
+        sq, b, heads, hn = query.shape
+        sk, groups = key.shape[0], key.shape[2]
+        mask, causal = None, False
+        if attention_mask is not None:
+            mask = ~attention_mask  # megatron: True = masked out; SDPA: True = attend
+        elif self.attn_mask_type == AttnMaskType.causal and sq > 1:
+            # the parent's rule: a causal mask only for self-attention of a whole sequence;
+            # one query against a KV cache attends to every cached key
+            if sq != sk:
+                raise ValueError(f"causal attention needs sq == sk, got {sq} and {sk}")
+            causal = True
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                             scale=self.softmax_scale, enable_gqa=groups != heads)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+
+
+class GroupedExperts(SequentialMLP):
+    """SequentialMLP whose forward runs all local experts as one grouped matmul per projection."""
+
+    def __init__(self, num_local_experts, config, submodules, **kwargs):
+        unsupported = {
+            "add_bias_linear": config.add_bias_linear,
+            "gated_linear_unit must be true": not config.gated_linear_unit,
+            "moe_apply_probs_on_input": config.moe_apply_probs_on_input,
+            "fp8/fp4": bool(config.fp8 or getattr(config, "fp4", None)),
+            "activation_func_clamp_value": getattr(config, "activation_func_clamp_value", None)
+            is not None,
+            "expert_tensor_parallel_size > 1": (config.expert_tensor_parallel_size or 1) > 1,
+        }
+        bad = [k for k, v in unsupported.items() if v]
+        if bad:
+            raise ValueError(f"GroupedExperts does not implement {bad}; build the stock local spec")
+        super().__init__(num_local_experts, config, submodules, **kwargs)
+        self._act = config.activation_func
+        self._offset = getattr(config, "glu_linear_offset", 0.0)
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        """Tokens sorted by local expert ([N, H], counts [E], probs [N]) -> ([N, H], None)."""
+        return self.grouped(permuted_local_hidden_states, tokens_per_expert, permuted_probs,
+                            *self.stacked_weights()), None
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``linear_fc1`` weights ``[E, 2F, H]`` and ``linear_fc2`` weights ``[E, H, F]`` (copies
+        that carry gradients back to each expert's parameters)."""
+        w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])
+        w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])
+        return w1, w2
+
+    def grouped(self, x, tokens_per_expert, probs, w1, w2) -> torch.Tensor:
+        """The experts' SwiGLU MLPs over expert-sorted tokens ``x`` with stacked weights."""
+        if _HAVE_GROUPED_MM and x.shape[0] > 0:
+            offs = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
+            h = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)
+            h = (self._glu(h) * probs.unsqueeze(-1)).to(x.dtype)
+            return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+        parts = []
+        counts = tokens_per_expert.tolist()
+        for e, (xe, pe) in enumerate(zip(torch.split(x, counts), torch.split(probs, counts))):
+            h = (self._glu(F.linear(xe, w1[e])) * pe.unsqueeze(-1)).to(xe.dtype)
+            parts.append(F.linear(h, w2[e]))
+        return torch.cat(parts, dim=0)
+
+    def _glu(self, h):
+        gate, lin = torch.chunk(h, 2, dim=-1)
+        return self._act(gate) * (lin + self._offset)
