@@ -285,6 +285,10 @@ def rl_step(r, step: int, mem: PeakMemory) -> dict:
     }
     tokens = all_reduce(batch.mask_BT.sum().double().cpu(), r.info.dp_group)
     rec["tokens"] = float(tokens)
+    # every input position of every sequence (prompt + response - 1): the forward work of one pass
+    rec["positions"] = float(all_reduce(batch.valid_BS.sum().double().cpu(), r.info.dp_group))
+    rec["sequences"] = float(all_reduce(torch.tensor(float(batch.tokens_BT.shape[0]), dtype=torch.float64),
+                                        r.info.dp_group))
     rec["reward_mean"] = m.get("reward/mean")
     return rec
 
@@ -385,6 +389,8 @@ def summarize(steps: list[dict]) -> dict:
     """Median seconds, tokens/s (wall and CPU) and peak memory per phase over the timed steps."""
     med = statistics.median
     out = {"steps": len(steps), "tokens": med([s["tokens"] for s in steps]), "phases": {}}
+    for k in ("positions", "sequences"):
+        out[k] = med([s[k] for s in steps])
     for p in PHASES:
         if p not in steps[0]:
             continue
@@ -491,7 +497,7 @@ def run_trl(model: str, export_dir: str, recipe, p: dict, threads: int, tmp: Pat
     """The TRL peer in benchmarks/.venv-trl on the exported policy; its JSON (or an error)."""
     from moe_rl.config import to_dict
 
-    out = tmp / f"trl-{model}.json"
+    out = tmp / f"trl-{model}-{threads}t.json"
     t = recipe.train
     flags = _flags(
         model=export_dir,
@@ -548,6 +554,58 @@ def trl_ratio(ours: dict, peer: dict) -> dict:
             "train": med["train_cpu_s"],
         },
     }
+    return out
+
+
+def matmul_peak_flops(threads: int, device: str) -> dict:
+    """The best fp32 matmul rate this process reaches (square-ish GEMMs, best of the sizes)."""
+    best = {"flops_per_s": 0.0}
+    for n, k, m in ((1024, 512, 2048), (2048, 1024, 2048), (4096, 2048, 4096)):
+        a = torch.randn(n, k, device=device)
+        b = torch.randn(k, m, device=device)
+        reps = 5 if device == "cpu" else 50
+        for _ in range(2):
+            a @ b
+        _cuda_sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        _cuda_sync()
+        rate = 2 * n * k * m * reps / (time.perf_counter() - t0)
+        if rate > best["flops_per_s"]:
+            best = {"flops_per_s": rate, "shape": [n, k, m]}
+    return {**best, "threads": threads, "dtype": "float32"}
+
+
+def forward_flops_per_position(dims: dict, vocab: int, context: float) -> float:
+    """Matmul FLOPs of one token's forward through the policy (attending to ``context`` keys)."""
+    h, layers, heads, groups, hd = (dims[k] for k in ("hidden_size", "num_layers", "num_attention_heads",
+                                                      "num_query_groups", "head_dim"))
+    f, e, k = dims["moe_ffn_hidden_size"], dims["num_experts"], dims["moe_router_topk"]
+    per_layer = (2 * h * (heads + 2 * groups) * hd  # QKV
+                 + 2 * heads * hd * h  # output projection
+                 + 2 * 2 * heads * hd * context  # QK^T and PV
+                 + 2 * h * e  # router
+                 + k * 2 * 3 * h * f)  # top-k SwiGLU experts (fc1 is 2F wide, fc2 F -> H)
+    return layers * per_layer + 2 * h * vocab
+
+
+def step_floor(combo: dict, dims: dict, vocab: int, peak: dict, peer_median: dict | None) -> dict:
+    """The step's matmul work at the measured matmul peak: the fastest any framework could run it.
+
+    Work of one RL step without padding, flip probes or recomputation: every position of every
+    sequence forwarded once by the rollout, once for pi_old, and forward + backward (3x) in
+    training: 5 forwards. Attention context: half the mean sequence length (causal).
+    """
+    positions = combo["positions"]
+    seqs = combo.get("sequences") or 1
+    per = forward_flops_per_position(dims, vocab, context=0.5 * positions / seqs)
+    flops = 5 * positions * per
+    floor_s = flops / peak["flops_per_s"]
+    out = {"positions": positions, "forward_flops_per_position": per, "step_flops": flops,
+           "floor_s": floor_s, "moe_rl_step_s_over_floor": combo["phases"]["step"]["cpu_s"] / floor_s}
+    if peer_median:  # also the highest moe-rl/TRL ratio that equal work at this peak allows
+        out["trl_step_s_over_floor"] = peer_median["step_cpu_s"] / floor_s
     return out
 
 
@@ -773,6 +831,7 @@ def main(argv=None) -> dict:
     res = _header(args, p, device)
     path = result_path("throughput", args.preset, args.out)  # named by the commit measured, at the start
     clock = Clock()
+    res["matmul_peak"] = matmul_peak_flops(torch.get_num_threads(), device)
     want_trl = not args.no_trl and (TRL_VENV / "bin" / "python").exists()
     world = p["world"] if args.world is None else tuple(args.world)
     if world and device == "cuda" and torch.cuda.device_count() < 2:
@@ -818,11 +877,21 @@ def main(argv=None) -> dict:
             vs = trl_ratio(ours["gspo/none"], peer) if "median" in peer else None
             if vs is not None:
                 vs["with_rollout_logprobs"] = trl_ratio(ours["gspo/none+rollout_logp"], peer)
+                vs["floor"] = step_floor(ours["gspo/none"], p["models"][name], recipe.model.vocab_size,
+                                         res["matmul_peak"], peer["median"])
             res["trl"][name] = {"peer": peer, "vs": vs, "wall_s": t0.read()[0]}
             print(
                 f"[throughput] TRL {name}: {res['trl'][name]['wall_s']:.0f} s {peer.get('error', '')}",
                 flush=True,
             )
+        if want_trl and "dp2" in res["world"] and "combos" in res["world"]["dp2"] and "tiny" in res["models"]:
+            # the whole machine: moe-rl DP=2 (2 processes x --threads) vs TRL at 2 x --threads
+            recipe = build_recipe(p["models"]["tiny"], p["train"])
+            peer = run_trl("tiny", str(tmp / "hf-tiny"), recipe, p, 2 * args.threads, tmp, device)
+            dp2 = res["world"]["dp2"]["combos"]["gspo/none"]
+            vs = trl_ratio(dp2, peer) if "median" in peer else None
+            res["trl_whole_machine"] = {"peer": peer, "moe_rl": "dp2 (2 processes)", "vs": vs}
+            print(f"[throughput] TRL tiny at {2 * args.threads} threads {peer.get('error', '')}", flush=True)
     if not want_trl:
         res["trl_skipped"] = (
             "--no-trl" if args.no_trl else "no benchmarks/.venv-trl: bash benchmarks/trl_env.sh"
@@ -860,10 +929,20 @@ def table(res: dict) -> str:
                 f"(x{v['ratio_cpu_without_flip_probe']:.2f} without flip probes), wall x{v['ratio_wall']:.2f}"
                 + ("" if v["wall_ratio_reliable"] else " (wall unreliable: other jobs took the cores)")
             )
+            if "floor" in v:
+                f = v["floor"]
+                lines.append(f"TRL {m}: matmul floor of the step {f['floor_s']:.3f} s at "
+                             f"{res['matmul_peak']['flops_per_s'] / 1e9:.0f} GFLOP/s: moe-rl x"
+                             f"{f['moe_rl_step_s_over_floor']:.1f}, TRL x{f['trl_step_s_over_floor']:.1f} of it; "
+                             f"moe-rl/TRL cannot exceed x{f['trl_step_s_over_floor']:.1f} at equal work")
             if "with_rollout_logprobs" in v:
                 w = v["with_rollout_logprobs"]
                 lines.append(f"TRL {m}: with pi_old = the engine's log-probs: CPU x{w['ratio_cpu']:.2f} "
                              f"(x{w['ratio_cpu_without_flip_probe']:.2f} without flip probes)")
+    whole = res.get("trl_whole_machine", {}).get("vs")
+    if whole:
+        lines.append(f"whole machine: moe-rl DP=2 (2 processes) / TRL (2 threads) tokens per second of "
+                     f"an RL step: wall x{whole['ratio_wall']:.2f}")
     return "\n".join(lines)
 
 
