@@ -8,8 +8,8 @@ while CPU seconds at one torch thread (the default here) stay comparable, so the
 reported on both. Writes ``benchmarks/results/engine_throughput-<machine>-<preset>-<commit>.json``
 and a ``.png`` beside it.
 
-    .venv/bin/python benchmarks/engine_throughput.py                 # tiny preset, batch 64 x 128
-    .venv/bin/python benchmarks/engine_throughput.py --batch 8 --new-tokens 16 --no-naive
+    .venv/bin/python -m benchmarks.engine_throughput                 # tiny preset, batch 64 x 128
+    .venv/bin/python -m benchmarks.engine_throughput --batch 8 --new-tokens 16 --no-naive
 """
 
 from __future__ import annotations
