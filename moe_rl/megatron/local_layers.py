@@ -13,8 +13,8 @@ optimizer see the same model) and change only ``forward``:
   ``enable_gqa`` (no repeated keys) and the parent's masking rule (causal when
   ``sq > 1``, none for a one-token decode step against a KV cache);
 - :class:`GroupedExperts`: the local experts' weights stacked into ``[E, ...]`` and
-  run by ``torch._grouped_mm`` over the dispatcher's expert-sorted tokens (per-expert
-  ``F.linear`` where that op is missing); probabilities applied after the GLU and
+  run by ``torch._grouped_mm`` over the dispatcher's expert-sorted tokens on CPU (per-expert
+  ``F.linear`` elsewhere); probabilities applied after the GLU and
   before ``linear_fc2``, in the same dtypes as megatron's MLP.
 
 ``tests/unit/test_local_layers.py`` checks both against the stock modules (values and
@@ -29,7 +29,23 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-_HAVE_GROUPED_MM = hasattr(torch, "_grouped_mm")
+_GROUPED_MM_CPU: dict[torch.dtype, bool] = {}
+
+
+def grouped_mm_ok(x: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` serves ``x``: on CPU, where this torch implements it for
+    ``x``'s dtype (probed once). CUDA builds restrict it (bf16, sm90, 16-byte strides); GPUs
+    run transformer-engine's grouped GEMM instead, or the per-expert loop here."""
+    if x.device.type != "cpu" or not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.dtype not in _GROUPED_MM_CPU:
+        try:
+            a, b = torch.ones(4, 8, dtype=x.dtype), torch.ones(2, 8, 8, dtype=x.dtype)
+            torch._grouped_mm(a, b, offs=torch.tensor([1, 4], dtype=torch.int32))
+            _GROUPED_MM_CPU[x.dtype] = True
+        except (RuntimeError, NotImplementedError):
+            _GROUPED_MM_CPU[x.dtype] = False
+    return _GROUPED_MM_CPU[x.dtype]
 
 
 class SDPAttention(DotProductAttention):
@@ -104,7 +120,7 @@ class GroupedExperts(SequentialMLP):
 
     def grouped(self, x, tokens_per_expert, probs, w1, w2) -> torch.Tensor:
         """The experts' SwiGLU MLPs over expert-sorted tokens ``x`` with stacked weights."""
-        if _HAVE_GROUPED_MM and x.shape[0] > 0:
+        if x.shape[0] > 0 and grouped_mm_ok(x):
             offs = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
             h = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)
             h = (self._glu(h) * probs.unsqueeze(-1)).to(x.dtype)

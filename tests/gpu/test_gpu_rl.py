@@ -66,11 +66,12 @@ def test_replay_on_cuda_uses_the_recorded_experts(bf16_policy):
         assert torch.equal(m, want), i
 
 
-def test_embedded_engine_on_cuda_matches_recompute(bf16_policy):
+@pytest.mark.parametrize("decoder", ["auto", "megatron"])
+def test_embedded_engine_on_cuda_matches_recompute(bf16_policy, decoder):
     from moe_rl.rollout.embedded import EmbeddedEngine
     from moe_rl.rollout.types import SamplingParams
 
-    eng = EmbeddedEngine(bf16_policy, pad_id=0)
+    eng = EmbeddedEngine(bf16_policy, pad_id=0, decoder=decoder)
     ro = eng.generate([[5, 6, 7, 8], [9, 10]], 2, SamplingParams(temperature=1.0, max_new_tokens=16, seed=3,
                                                                   return_routes=True))
     with torch.no_grad():

@@ -130,3 +130,22 @@ def test_unsupported_options_are_refused(parallel_info, tiny_model_cfg):
         GroupedExperts(4, replace(config, add_bias_linear=True), None)
     with pytest.raises(ValueError, match="attention_dropout"):
         SDPAttention(replace(config, attention_dropout=0.1), layer_number=1, attn_mask_type=None)
+
+
+def test_per_expert_loop_equals_grouped_mm(parallel_info, tiny_model_cfg, monkeypatch):
+    """The fallback (CUDA, or a torch without CPU grouped_mm) computes the same experts."""
+    from moe_rl.megatron import local_layers
+    from moe_rl.megatron.local_layers import GroupedExperts
+
+    ours, _ = _pair(tiny_model_cfg)
+    experts = next(m for m in ours.modules() if isinstance(m, GroupedExperts))
+    x = torch.randn(9, tiny_model_cfg.hidden_size, requires_grad=True)
+    cnt, probs = torch.tensor([2, 0, 4, 3]), torch.rand(9)
+    assert local_layers.grouped_mm_ok(x)
+    a, _ = experts(x, cnt, probs)
+    ga = torch.autograd.grad(a.square().sum(), x)[0]
+    monkeypatch.setattr(local_layers, "grouped_mm_ok", lambda x: False)
+    b, _ = experts(x, cnt, probs)
+    gb = torch.autograd.grad(b.square().sum(), x)[0]
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ga, gb, atol=1e-5, rtol=1e-5)
