@@ -49,3 +49,32 @@ def result_path(bench: str, preset: str, out: str | None = None, suffix: str = "
         p = RESULTS / f"{bench}-{machine()}-{preset}-{commit()}{suffix}"
     p.parent.mkdir(parents=True, exist_ok=True)
     return p
+
+
+def gemm_rate(device, dtype, shapes=((1024, 1024, 1024),), reps: int = 5) -> dict:
+    """The best measured dense GEMM rate (flop/s) of this process over ``shapes`` (n, k, m)."""
+    import time
+
+    import torch
+
+    dev = torch.device(device)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    best = {"flops_per_s": 0.0, "dtype": str(dtype).replace("torch.", "")}
+    for n, k, m in shapes:
+        a = torch.randn(n, k, device=dev, dtype=dtype)
+        b = torch.randn(k, m, device=dev, dtype=dtype)
+        for _ in range(2):
+            torch.mm(a, b)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b)
+        sync()
+        rate = 2 * n * k * m * reps / (time.perf_counter() - t0)
+        if rate > best["flops_per_s"]:
+            best.update(flops_per_s=rate, shape=[n, k, m])
+    return best

@@ -28,7 +28,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -38,6 +37,10 @@ from pathlib import Path
 
 import torch
 
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import commit, gemm_rate, machine  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent
 PRESETS = {
     "smoke": dict(ns=[64, 160], hs=[48], v=512, dtype="bfloat16", warmup=1, iters=2, gspo_t=64),
@@ -46,24 +49,6 @@ PRESETS = {
     ),
 }
 TARGETS = {"speedup_vs_naive": 2.0, "memory_ratio_vs_naive": 4.0, "floor_fraction": 0.6}
-
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-    else:
-        name = f"{platform.node() or 'unknown'}-{os.cpu_count()}cpu"
-    return re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-")
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, timeout=10
-        )
-        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "nocommit"
-    except (OSError, subprocess.TimeoutExpired):
-        return "nocommit"
 
 
 def sync(device) -> None:
@@ -103,10 +88,7 @@ def peak_bytes(fn, device) -> int | None:
 def bf16_rate(device) -> float:
     """Measured dense bf16 GEMM rate in flop/s (8192^3 on CUDA, 1024^3 on CPU)."""
     n = 8192 if device.type == "cuda" else 1024
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    ms = timed(lambda: torch.mm(a, b), device, 3, 10 if device.type == "cuda" else 3)
-    return 2 * n**3 / (ms / 1e3)
+    return gemm_rate(device, torch.bfloat16, ((n, n, n),), reps=10 if device.type == "cuda" else 3)["flops_per_s"]
 
 
 def naive_logprobs(h, w, tgt, temperature: float = 1.0):
@@ -295,12 +277,12 @@ def run_preset(args) -> Path:
     import triton  # after TRITON_INTERPRET is settled (main)
 
     rate = bf16_rate(device)
-    stem = f"kernels-{machine()}-{args.preset}-{git_commit()}"
+    stem = f"kernels-{machine()}-{args.preset}-{commit()}"
     out_json, out_png = args.out / f"{stem}.json", args.out / f"{stem}.png"
     result = {
         "preset": args.preset,
         "machine": machine(),
-        "commit": git_commit(),
+        "commit": commit(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "device": str(device),
@@ -386,13 +368,13 @@ def gspo_study(args) -> Path:
             print(rows[-1], flush=True)
     res = {
         "machine": machine(),
-        "commit": git_commit(),
+        "commit": commit(),
         "device": str(device),
         "dense_tflops": rate / 1e12,
         "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"kernels-{machine()}-gspo-{git_commit()}.json"
+    path = args.out / f"kernels-{machine()}-gspo-{commit()}.json"
     path.write_text(json.dumps(res, indent=1))
     print(f"wrote {path}")
     return path
@@ -462,7 +444,7 @@ def codegen(args) -> Path:
                 print(row, flush=True)
                 rows.append(row)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"kernels-codegen-{triton.__version__}-{git_commit()}.json"
+    path = args.out / f"kernels-codegen-{triton.__version__}-{commit()}.json"
     path.write_text(json.dumps(rows, indent=1))
     print(f"wrote {path}")
     return path

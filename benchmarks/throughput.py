@@ -559,22 +559,10 @@ def trl_ratio(ours: dict, peer: dict) -> dict:
 
 def matmul_peak_flops(threads: int, device: str) -> dict:
     """The best fp32 matmul rate this process reaches (square-ish GEMMs, best of the sizes)."""
-    best = {"flops_per_s": 0.0}
-    for n, k, m in ((1024, 512, 2048), (2048, 1024, 2048), (4096, 2048, 4096)):
-        a = torch.randn(n, k, device=device)
-        b = torch.randn(k, m, device=device)
-        reps = 5 if device == "cpu" else 50
-        for _ in range(2):
-            a @ b
-        _cuda_sync()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        _cuda_sync()
-        rate = 2 * n * k * m * reps / (time.perf_counter() - t0)
-        if rate > best["flops_per_s"]:
-            best = {"flops_per_s": rate, "shape": [n, k, m]}
-    return {**best, "threads": threads, "dtype": "float32"}
+    from benchmarks.common import gemm_rate
+
+    shapes = ((1024, 512, 2048), (2048, 1024, 2048), (4096, 2048, 4096))
+    return {**gemm_rate(device, torch.float32, shapes, reps=5 if device == "cpu" else 50), "threads": threads}
 
 
 def forward_flops_per_position(dims: dict, vocab: int, context: float) -> float:
