@@ -93,8 +93,7 @@ class Decoder:
             self._experts = [layer.mlp.experts.stacked_weights() for layer in layers]
         p = self.policy.model.embedding.word_embeddings.weight
         shape = (batch, self.groups, max_len, self.hd)
-        n = len(self.policy.model.decoder.layers)
-        return KVCache(k=[p.new_empty(shape) for _ in range(n)], v=[p.new_empty(shape) for _ in range(n)])
+        return KVCache(k=[p.new_empty(shape) for _ in layers], v=[p.new_empty(shape) for _ in layers])
 
     # -- forward ----------------------------------------------------------------------------
     @torch.no_grad()
