@@ -30,8 +30,8 @@ Every algorithm (grpo, gspo, gspo_token) x routing mode (none, r2, r3) runs inte
 policy, each repeat at the same step index (the same prompts and sampling seeds), so replay and
 probe overheads are ratios measured in the same run. World size: ``torchrun --nproc-per-node 2``
 runs this file as a worker with DP=2 (each rank its own lean-decoder engine and half the
-prompts; gradients all-reduced), EP=2 (DP=2, experts split: the engine runs megatron-core's
-decode path with all-to-alls; full steps) and TP=2: the embedded engine refuses
+prompts; gradients all-reduced), EP=2 (DP=2, experts split; the lean decoder all-gathers
+them once per rollout; full steps) and TP=2: the embedded engine refuses
 TP > 1, so the TP=2 worker replays the rollouts that the world-1 run generated at the same step
 (recorded to a file) and measures old_logprob, train, probe and syncs only.
 """

@@ -418,7 +418,7 @@ class RolloutConfig:
     engine: str = "embedded"
     "Engine in moe_rl.rollout.ROLLOUT_ENGINES: embedded (in-process, every machine) | sglang."
     embedded_decoder: str = "auto"
-    "Forward of the embedded engine: lean (moe_rl.megatron.decode; TP=EP=1) | megatron | auto (lean where it runs)."
+    "Forward of the embedded engine: lean (moe_rl.megatron.decode; TP=1) | megatron | auto (lean where it runs)."
     sglang_url: str | None = None
     "Attach to a running SGLang server at this URL (None with engine=sglang: launch one)."
     sglang_model_path: str | None = None

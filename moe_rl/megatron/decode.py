@@ -17,8 +17,12 @@ trainer's weights), with:
 - the output layer applied to the last position only.
 
 It returns each layer's top-k expert indices of every fed token, so routing capture (R3)
-needs no hooks. :func:`unsupported_reason` says when it cannot serve a policy (expert or
-tensor parallelism, the transformer-engine spec); the engine then uses megatron-core's
+needs no hooks. Under expert parallelism :meth:`Decoder.begin` all-gathers every layer's
+expert weights over the EP group once per ``generate`` call (collective; the stacked copy
+lives until the next call), so decoding itself needs no all-to-all and ranks decode their
+own prompts independently: the memory of all experts on every rank, in exchange for no
+per-token collectives. :func:`unsupported_reason` says when it cannot serve a policy
+(tensor parallelism, the transformer-engine spec); the engine then uses megatron-core's
 path. ``tests/unit/test_decode.py`` pins it to megatron-core's forward.
 """
 
@@ -35,8 +39,8 @@ from moe_rl.megatron.local_layers import GroupedExperts, SDPAttention
 def unsupported_reason(policy) -> str | None:
     """Why :class:`Decoder` cannot run ``policy`` (None when it can)."""
     info = policy.info
-    if info.tp_size > 1 or info.ep_size > 1:
-        return f"tensor_parallel={info.tp_size}, expert_parallel={info.ep_size} (needs 1 and 1)"
+    if info.tp_size > 1:
+        return f"tensor_parallel={info.tp_size} (sequence parallelism cannot feed one token per step)"
     layers = policy.model.decoder.layers
     for layer in layers:
         if not isinstance(layer.self_attention.core_attention, SDPAttention):
@@ -66,7 +70,7 @@ class KVCache:
 
 
 class Decoder:
-    """Prefill / decode forward of a megatron-core GPTModel (local spec, TP = EP = 1)."""
+    """Prefill / decode forward of a megatron-core GPTModel (local spec, TP = 1, any EP)."""
 
     def __init__(self, policy):
         reason = unsupported_reason(policy)
@@ -84,13 +88,26 @@ class Decoder:
         self.sin = torch.sin(freqs).reshape(cfg.max_seq_len, self.hd)
         self._experts: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    # -- cache ------------------------------------------------------------------------------
+    # -- weights and cache ------------------------------------------------------------------
+    @torch.no_grad()
+    def begin(self) -> None:
+        """Snapshot every layer's stacked expert weights ``[E, ...]`` for one generate() call
+        (the weights do not change during it). Under EP: all-gathered over the EP group in
+        rank order (megatron's global expert id = ep_rank * local_experts + i): every rank of
+        the group must call this together."""
+        info = self.policy.info
+        self._experts = []
+        for layer in self.policy.model.decoder.layers:
+            w1, w2 = layer.mlp.experts.stacked_weights()
+            if info.ep_size > 1:
+                w1, w2 = (_gather_experts(w, info.ep_group, info.ep_size) for w in (w1, w2))
+            self._experts.append((w1, w2))
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        """An empty cache; also snapshots each layer's stacked expert weights (the weights do
-        not change while a cache is in use: one generate() call)."""
+        """An empty cache for ``batch`` rows of up to ``max_len`` tokens."""
+        if not self._experts:
+            raise RuntimeError("Decoder.begin() must run before the first cache of a generate call")
         layers = self.policy.model.decoder.layers
-        with torch.no_grad():
-            self._experts = [layer.mlp.experts.stacked_weights() for layer in layers]
         p = self.policy.model.embedding.word_embeddings.weight
         shape = (batch, self.groups, max_len, self.hd)
         return KVCache(k=[p.new_empty(shape) for _ in layers], v=[p.new_empty(shape) for _ in layers])
@@ -168,6 +185,15 @@ class Decoder:
                                  *self._experts[i])
         out = torch.zeros_like(t).index_add_(0, token, ys)
         return out.view(shape), idx
+
+
+def _gather_experts(w_E: torch.Tensor, group, size: int) -> torch.Tensor:
+    """Concatenate the EP ranks' local expert stacks along dim 0, in rank order."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(w_E) for _ in range(size)]
+    dist.all_gather(parts, w_E.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
 
 
 def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ N = rows sampled in one step.
 
 Two forwards compute the same model (``decoder=``, recipe ``rollout.embedded_decoder``):
 ``lean`` (:mod:`moe_rl.megatron.decode`: a cache of rotated keys, folded GQA, grouped
-experts; TP = EP = 1, local spec; the default where it runs) and ``megatron``
+experts, all experts gathered on every rank under EP; TP = 1, local spec; the default where
+it runs) and ``megatron``
 (megatron-core's ``StaticInferenceContext`` passed as ``inference_context=`` to
 ``policy.model``: the piece of its legacy static engine that 0.16.1 and 0.19 share; any
 layout, expert parallelism included). Both place every row of a batch at the *same*
@@ -25,8 +26,9 @@ mass, from one uniform draw per sampled token out of the row's own ``torch.Gener
 Log-probs are log_softmax(logits / temperature) in fp32 before any top-k/top-p filtering
 (temperature 1 for greedy), computed by the trainer's own function.
 
-Multi-rank: under expert parallelism (megatron forward) every forward is an all-to-all, so
-all ranks run the same number of forwards: before each step the ranks all-reduce (over the world group) whether
+Multi-rank: the lean forward runs no collectives while decoding (its expert all-gather, once
+per call, needs every rank to call generate). Under expert parallelism the megatron forward
+is an all-to-all, so all ranks run the same number of forwards: before each step the ranks all-reduce (over the world group) whether
 any of them still has live rows; a rank without work runs a one-token forward without the
 cache. Tensor parallelism with sequence parallelism cannot feed one token per step, so
 TP > 1 is refused.
@@ -210,6 +212,9 @@ class MegatronForward:
     def __init__(self, policy):
         self.policy = policy
 
+    def begin(self) -> None:
+        """Nothing to prepare."""
+
     def new_cache(self, batch: int, width: int):
         return self.policy.kv_cache(batch, width)
 
@@ -246,8 +251,9 @@ class MegatronForward:
 
 
 class LeanForward:
-    """:class:`moe_rl.megatron.decode.Decoder` (TP = EP = 1, local spec): no collectives, routes
-    returned by the forward itself."""
+    """:class:`moe_rl.megatron.decode.Decoder` (TP = 1, local spec): no collectives while
+    decoding (under EP the experts are all-gathered once per call), routes returned by the
+    forward itself."""
 
     name = "moe_rl.megatron.decode (rotated-key cache, folded GQA, grouped experts)"
     collective = False
@@ -257,6 +263,9 @@ class LeanForward:
         from moe_rl.megatron.decode import Decoder
 
         self.decoder = Decoder(policy)
+
+    def begin(self) -> None:
+        self.decoder.begin()
 
     def new_cache(self, batch: int, width: int):
         return self.decoder.new_cache(batch, width)
@@ -380,6 +389,7 @@ class EmbeddedEngine:
         was_training = model.training
         model.eval()
         chunks, routes = [], []
+        self.impl.begin()  # collective under EP with the lean decoder: every rank calls generate
         try:
             with torch.no_grad():
                 for c in range(n_chunks):

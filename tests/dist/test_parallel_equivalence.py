@@ -69,6 +69,13 @@ def test_layout_matches_single_process(reference, tmp_path, layout):
         torch.testing.assert_close(results[0]["loss"] + results[1]["loss"], ref["loss"],
                                    atol=1e-6, rtol=1e-6)
     check_grads(ref["grads"], results)
+    # the embedded engine: both forwards reproduce the single process's greedy rollouts
+    for res in results if "--ep" in layout else ():
+        for decoder in ("lean", "megatron"):
+            got, want = res["gen"][decoder], ref["gen"]["lean"]
+            assert torch.equal(got["tokens"], want["tokens"]), decoder
+            assert torch.equal(got["routes"], want["routes"]), decoder
+            torch.testing.assert_close(got["logp"], want["logp"], atol=1e-5, rtol=0)
     # routing: recorded routes, replay after a router perturbation, and the flip rate of the
     # perturbed router's natural choice equal the single-process values
     for res in results:

@@ -59,6 +59,21 @@ def routing_checks(policy, tokens) -> dict:
     return {"recorded": recorded, "natural_after_perturb": natural, "replayed_logp": replayed, "flips": flips}
 
 
+def generations(policy) -> dict:
+    """Greedy rollouts (tokens, log-probs, routes) of the embedded engine with each forward
+    (under EP the lean decoder gathers the experts; megatron's path runs all-to-alls)."""
+    from moe_rl.rollout.embedded import EmbeddedEngine
+    from moe_rl.rollout.types import SamplingParams
+
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [3, 4]]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=6, return_routes=True)
+    out = {}
+    for decoder in ("lean", "megatron"):
+        ro = EmbeddedEngine(policy, pad_id=0, decoder=decoder).generate(prompts, 2, sp)
+        out[decoder] = {"tokens": ro.tokens_BT, "logp": ro.logprobs_BT, "routes": ro.routes_BTLK}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
@@ -93,6 +108,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, mcfg.vocab_size, (8, 33), generator=g)
     routing = routing_checks(policy, tokens)
+    gen = generations(policy) if args.tp == 1 else {}
     mask = (torch.rand(8, 33, generator=g) < 0.8).float()
     mask[:, 0] = 0
     with torch.no_grad():
@@ -113,7 +129,7 @@ def main() -> None:
         opt.step_count = 1
         save_checkpoint(args.save_after, 1, policy.model, opt)
     os.makedirs(args.out, exist_ok=True)
-    torch.save({**routing, "logp": out.logp_BT, "entropy": out.entropy_BT, "loss": loss.detach(),
+    torch.save({**routing, "gen": gen, "logp": out.logp_BT, "entropy": out.entropy_BT, "loss": loss.detach(),
                 "grad_norm": norm, "grads": grads, "after": after, "tokens": tokens},
                os.path.join(args.out, f"rank{info.rank}.pt"))
     destroy_parallel()

@@ -32,6 +32,7 @@ def _decode(policy, tok, prefill):
 
     dec = Decoder(policy)
     b, t = tok.shape
+    dec.begin()
     cache = dec.new_cache(b, t)
     logits, routes = [], []
     for start, n in [(0, prefill)] + [(s, 1) for s in range(prefill, t)]:
@@ -65,6 +66,7 @@ def test_compacted_cache_rows_continue_exactly(parallel_info, tiny_model_cfg):
     dec = Decoder(policy)
     tok = torch.randint(0, tiny_model_cfg.vocab_size, (4, 12), generator=torch.Generator().manual_seed(5))
     full, _ = _megatron(policy, tok)
+    dec.begin()
     cache = dec.new_cache(4, 12)
     dec.forward(cache, tok[:, :5], 0)
     rows = torch.tensor([3, 1])
@@ -88,6 +90,9 @@ def test_misuse_is_refused(parallel_info, tiny_model_cfg):
 
     policy = _policy(parallel_info, tiny_model_cfg)
     dec = Decoder(policy)
+    with pytest.raises(RuntimeError, match="begin"):
+        dec.new_cache(2, 8)
+    dec.begin()
     cache = dec.new_cache(2, 8)
     tok = torch.zeros(2, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="cache holds 0"):
@@ -108,11 +113,11 @@ def test_unsupported_layouts_fall_back_to_megatron(parallel_info, tiny_model_cfg
     assert unsupported_reason(policy) is None
     assert isinstance(pick_forward(policy, "auto"), LeanForward)
     assert isinstance(pick_forward(policy, "megatron"), MegatronForward)
-    ep2 = SimpleNamespace(info=replace(parallel_info, ep_size=2), model=policy.model, cfg=policy.cfg)
-    assert "expert_parallel=2" in unsupported_reason(ep2)
-    assert isinstance(pick_forward(ep2, "auto"), MegatronForward)
+    tp2 = SimpleNamespace(info=replace(parallel_info, tp_size=2), model=policy.model, cfg=policy.cfg)
+    assert "tensor_parallel=2" in unsupported_reason(tp2)
+    assert isinstance(pick_forward(tp2, "auto"), MegatronForward)
     with pytest.raises(ValueError, match="embedded_decoder=lean cannot run"):
-        pick_forward(ep2, "lean")
+        pick_forward(tp2, "lean")
     stock = SimpleNamespace(info=parallel_info, cfg=policy.cfg,
                             model=build_gpt(tiny_model_cfg, ParallelConfig(), stock_local=True))
     assert "local spec" in unsupported_reason(stock)
