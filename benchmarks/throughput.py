@@ -55,10 +55,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `benchmarks` and `moe_rl` importable
     sys.path.insert(0, str(ROOT))
+from benchmarks.throughput_report import (  # noqa: E402
+    PHASES,
+    matmul_peak_flops,
+    plot,
+    scaling,
+    step_floor,
+    table,
+    trl_ratio,
+)
 
 ALGOS = ("grpo", "gspo", "gspo_token")
 ROUTINGS = ("none", "r2", "r3")
-PHASES = ("rollout", "old_logprob", "train", "probe", "sync", "sync_hf", "step")
 # fmt: off
 MODELS = {
     # the tiny CPU policy of recipes/demo/base.yaml (1.8M parameters), and a 20M-parameter MoE
@@ -522,230 +530,6 @@ def run_trl(model: str, export_dir: str, recipe, p: dict, threads: int, tmp: Pat
     return json.loads(out.read_text())
 
 
-def trl_ratio(ours: dict, peer: dict) -> dict:
-    """moe-rl (gspo, no replay) over TRL: response tokens per second of a whole RL step."""
-    ph = ours["phases"]
-    ours_s, ours_cpu = ph["step"]["s"], ph["step"]["cpu_s"]
-    med = peer["median"]
-    out = {
-        "moe_rl_tokens_per_s": ours["tokens"] / ours_s,
-        "trl_tokens_per_s": med["tokens"] / med["step_s"],
-        "moe_rl_tokens_per_cpu_s": ours["tokens"] / ours_cpu,
-        "trl_tokens_per_cpu_s": med["tokens"] / med["step_cpu_s"],
-        "moe_rl_tokens_per_step": ours["tokens"],
-        "trl_tokens_per_step": med["tokens"],
-    }
-    out["ratio_wall"] = out["moe_rl_tokens_per_s"] / out["trl_tokens_per_s"]
-    out["ratio_cpu"] = out["moe_rl_tokens_per_cpu_s"] / out["trl_tokens_per_cpu_s"]
-    # CPU seconds / wall seconds of a step: below ~0.9 (one thread) other jobs took the cores
-    out["cpu_utilisation"] = {"moe_rl": ours_cpu / ours_s, "trl": med["step_cpu_s"] / med["step_s"]}
-    out["wall_ratio_reliable"] = min(out["cpu_utilisation"].values()) > 0.9
-    no_probe = ours_cpu - ph["probe"]["cpu_s"]
-    out["ratio_cpu_without_flip_probe"] = (ours["tokens"] / no_probe) / out["trl_tokens_per_cpu_s"]
-    out["seconds_per_step"] = {
-        "moe_rl": {p: ph[p]["s"] for p in ("rollout", "old_logprob", "train", "probe", "sync")},
-        "trl": {"rollout": med["rollout_s"], "old_logprob": med["old_logprob_s"], "train": med["train_s"]},
-    }
-    out["cpu_seconds_per_step"] = {
-        "moe_rl": {p: ph[p]["cpu_s"] for p in ("rollout", "old_logprob", "train", "probe", "sync")},
-        "trl": {
-            "rollout": med["rollout_cpu_s"],
-            "old_logprob": med["old_logprob_cpu_s"],
-            "train": med["train_cpu_s"],
-        },
-    }
-    return out
-
-
-def matmul_peak_flops(threads: int, device: str) -> dict:
-    """The best fp32 matmul rate this process reaches (square-ish GEMMs, best of the sizes)."""
-    from benchmarks.common import gemm_rate
-
-    shapes = ((1024, 512, 2048), (2048, 1024, 2048), (4096, 2048, 4096))
-    return {**gemm_rate(device, torch.float32, shapes, reps=5 if device == "cpu" else 50), "threads": threads}
-
-
-def forward_flops_per_position(dims: dict, vocab: int, context: float) -> float:
-    """Matmul FLOPs of one token's forward through the policy (attending to ``context`` keys)."""
-    h, layers, heads, groups, hd = (dims[k] for k in ("hidden_size", "num_layers", "num_attention_heads",
-                                                      "num_query_groups", "head_dim"))
-    f, e, k = dims["moe_ffn_hidden_size"], dims["num_experts"], dims["moe_router_topk"]
-    per_layer = (2 * h * (heads + 2 * groups) * hd  # QKV
-                 + 2 * heads * hd * h  # output projection
-                 + 2 * 2 * heads * hd * context  # QK^T and PV
-                 + 2 * h * e  # router
-                 + k * 2 * 3 * h * f)  # top-k SwiGLU experts (fc1 is 2F wide, fc2 F -> H)
-    return layers * per_layer + 2 * h * vocab
-
-
-def step_floor(combo: dict, dims: dict, vocab: int, peak: dict, peer_median: dict | None) -> dict:
-    """The step's matmul work at the measured matmul peak: the fastest any framework could run it.
-
-    Work of one RL step without padding, flip probes or recomputation: every position of every
-    sequence forwarded once by the rollout, once for pi_old, and forward + backward (3x) in
-    training: 5 forwards. Attention context: half the mean sequence length (causal).
-    """
-    positions = combo["positions"]
-    seqs = combo.get("sequences") or 1
-    per = forward_flops_per_position(dims, vocab, context=0.5 * positions / seqs)
-    flops = 5 * positions * per
-    floor_s = flops / peak["flops_per_s"]
-    out = {"positions": positions, "forward_flops_per_position": per, "step_flops": flops,
-           "floor_s": floor_s, "moe_rl_step_s_over_floor": combo["phases"]["step"]["cpu_s"] / floor_s}
-    if peer_median:  # also the highest moe-rl/TRL ratio that equal work at this peak allows
-        out["trl_step_s_over_floor"] = peer_median["step_cpu_s"] / floor_s
-    return out
-
-
-def scaling(world: dict, ref: dict) -> dict:
-    """Tokens/s of a world-2 layout over the world-1 run's, per combo and phase (wall and CPU).
-
-    A layout without a rollout phase (TP=2 replays rollouts) compares its step with the world-1
-    step less its rollout."""
-    out = {}
-    for name, d in world.get("combos", {}).items():
-        if name not in ref:
-            continue
-        r, w, row = ref[name]["phases"], d["phases"], {}
-        for p in w:
-            if p not in r:
-                continue
-            rs, rc = r[p]["s"], r[p]["cpu_s"]
-            if p == "step" and "rollout" not in w:
-                rs, rc = rs - r["rollout"]["s"], rc - r["rollout"]["cpu_s"]
-            if min(rs, rc, w[p]["s"], w[p]["cpu_s"]) <= 0:
-                continue
-            # tokens/s ratio = (tokens_w / s_w) / (tokens_r / s_r)
-            tw, tr = d["tokens"], ref[name]["tokens"]
-            row[p] = {
-                "tokens_per_s": (tw / w[p]["s"]) / (tr / rs),
-                "tokens_per_cpu_s": (tw / w[p]["cpu_s"]) / (tr / rc),
-            }
-        out[name] = row
-    return out
-
-
-# -- plot --------------------------------------------------------------------------------------
-def plot(res: dict, path: Path) -> None:
-    """Bars per phase (tokens per CPU-second, peak memory), overhead ratios, moe-rl vs TRL."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(2, 2, figsize=(16, 10))
-    series = _phase_series(res)
-    phases = [p for p in PHASES if p != "sync"]
-    width = 0.85 / max(1, len(series))
-    for i, (name, ph) in enumerate(series):
-        xs = [j + i * width for j in range(len(phases))]
-        tps = [(ph.get(p) or {}).get("tokens_per_cpu_s") or 0 for p in phases]
-        mib = [(ph.get(p) or {}).get("peak_mib") or 0 for p in phases]
-        ax[0, 0].bar(xs, tps, width, label=name)
-        ax[0, 1].bar(xs, mib, width, label=name)
-    for a, title in (
-        (ax[0, 0], "response tokens per CPU-second per phase (gspo, no replay; log scale)"),
-        (
-            ax[0, 1],
-            f"peak memory per phase, MiB ({res['models'][next(iter(res['models']))]['layout']['memory_meter']})",
-        ),
-    ):
-        a.set_xticks([j + 0.425 - width / 2 for j in range(len(phases))], phases)
-        a.set_title(title, fontsize=10)
-        a.legend(fontsize=7)
-    ax[0, 0].set_yscale("log")
-    _plot_overheads(ax[1, 0], res)
-    _plot_trl(ax[1, 1], res)
-    fig.suptitle(
-        f"moe-rl throughput, preset {res['preset']}, {res['machine']}, {res['threads']} torch thread(s) per "
-        f"process, commit {res['commit']}",
-        fontsize=11,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def _phase_series(res: dict) -> list[tuple[str, dict]]:
-    """(label, phase -> stats) of gspo/none for every model, world layout and TRL peer."""
-    out = [
-        (f"{m}", d["combos"]["gspo/none"]["phases"])
-        for m, d in res["models"].items()
-        if "gspo/none" in d["combos"]
-    ]
-    for k, d in res["world"].items():
-        if "gspo/none" in d.get("combos", {}):
-            out.append((f"tiny {k.upper()}", d["combos"]["gspo/none"]["phases"]))
-    for m, t in res["trl"].items():
-        med = t.get("peer", {}).get("median")
-        if med:
-            out.append(
-                (
-                    f"TRL {m}",
-                    {
-                        p: {
-                            "tokens_per_cpu_s": med["tokens"] / med[f"{p}_cpu_s"],
-                            "peak_mib": med.get(f"{p}_peak_mib"),
-                        }
-                        for p in ("rollout", "old_logprob", "train", "step")
-                    },
-                )
-            )
-    return out
-
-
-def _plot_overheads(a, res: dict) -> None:
-    labels, vals = [], []
-    for m, d in res["models"].items():
-        ov = d["overheads"]
-        for name, v in ov["replay"].items():
-            labels.append(f"{m} {name}\nreplay")
-            vals.append(v["old_logprob_plus_train_cpu"])
-        probe = [v["probe_over_train_cpu"] for v in ov["probe"].values()]
-        labels.append(f"{m}\nprobe/train")
-        vals.append(statistics.median(probe))
-    a.bar(range(len(vals)), vals, color=["C1" if "probe" in s else "C0" for s in labels])
-    a.axhline(1.0, color="k", lw=0.8)
-    a.set_xticks(range(len(vals)), labels, rotation=70, fontsize=7)
-    a.set_title("replay: (old_logprob + train) CPU s vs no replay; probe: probe / train CPU s", fontsize=10)
-
-
-def _plot_trl(a, res: dict) -> None:
-    bars = []
-    for m, t in res["trl"].items():
-        vs = t.get("vs")
-        if vs:
-            bars.append(
-                (f"moe-rl {m}", vs["cpu_seconds_per_step"]["moe_rl"], vs["moe_rl_tokens_per_step"], vs)
-            )
-            bars.append((f"TRL {m}", vs["cpu_seconds_per_step"]["trl"], vs["trl_tokens_per_step"], None))
-    if not bars:
-        a.text(0.5, 0.5, "TRL peer not run", ha="center")
-        return
-    colors = {"rollout": "C0", "old_logprob": "C1", "train": "C2", "probe": "C3", "sync": "C4"}
-    for i, (_, secs, tokens, vs) in enumerate(bars):
-        bottom = 0.0
-        for p, s in secs.items():
-            h = 1000 * s / tokens
-            a.bar(i, h, bottom=bottom, color=colors[p], label=p if i == 0 else None)
-            bottom += h
-        if vs:
-            a.text(
-                i,
-                bottom,
-                f"moe-rl/TRL tokens/s:\nx{vs['ratio_cpu']:.2f} (CPU s)\nx{vs['ratio_wall']:.2f} (wall)",
-                ha="center",
-                va="bottom",
-                fontsize=8,
-            )
-    a.set_ylim(0, a.get_ylim()[1] * 1.25)
-    a.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=8)
-    a.set_ylabel("CPU seconds per 1000 response tokens")
-    a.set_title("moe-rl (gspo) vs TRL GRPOTrainer (GSPO): where an RL step's time goes", fontsize=10)
-    a.legend(fontsize=8)
-
-
-# -- main --------------------------------------------------------------------------------------
 def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
@@ -890,48 +674,6 @@ def main(argv=None) -> dict:
     print(table(res))
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return res
-
-
-def table(res: dict) -> str:
-    """A plain-text summary: tokens/s (wall, CPU) and peak MiB per phase, overheads, TRL ratio."""
-    lines = [f"{'model':6} {'combo':18} " + " ".join(f"{p:>24}" for p in PHASES)]
-    runs = [(m, d) for m, d in res["models"].items()] + [(f"tiny-{k}", d) for k, d in res["world"].items()]
-    for m, d in runs:
-        for name, c in d.get("combos", {}).items():
-            cells = []
-            for p in PHASES:
-                x = c["phases"].get(p)
-                cells.append(
-                    f"{x['tokens_per_s'] or 0:9.0f}/{x['tokens_per_cpu_s'] or 0:7.0f}/"
-                    f"{x.get('peak_mib', 0):6.0f}"
-                    if x
-                    else f"{'-':>24}"
-                )
-            lines.append(f"{m:6} {name:18} " + " ".join(f"{s:>24}" for s in cells))
-    lines.append("cells: tokens/s wall / tokens/s CPU / peak MiB")
-    for m, t in res["trl"].items():
-        if t.get("vs"):
-            v = t["vs"]
-            lines.append(
-                f"TRL {m}: moe-rl/TRL response tokens per second of an RL step: CPU x{v['ratio_cpu']:.2f} "
-                f"(x{v['ratio_cpu_without_flip_probe']:.2f} without flip probes), wall x{v['ratio_wall']:.2f}"
-                + ("" if v["wall_ratio_reliable"] else " (wall unreliable: other jobs took the cores)")
-            )
-            if "floor" in v:
-                f = v["floor"]
-                lines.append(f"TRL {m}: matmul floor of the step {f['floor_s']:.3f} s at "
-                             f"{res['matmul_peak']['flops_per_s'] / 1e9:.0f} GFLOP/s: moe-rl x"
-                             f"{f['moe_rl_step_s_over_floor']:.1f}, TRL x{f['trl_step_s_over_floor']:.1f} of it; "
-                             f"moe-rl/TRL cannot exceed x{f['trl_step_s_over_floor']:.1f} at equal work")
-            if "with_rollout_logprobs" in v:
-                w = v["with_rollout_logprobs"]
-                lines.append(f"TRL {m}: with pi_old = the engine's log-probs: CPU x{w['ratio_cpu']:.2f} "
-                             f"(x{w['ratio_cpu_without_flip_probe']:.2f} without flip probes)")
-    whole = res.get("trl_whole_machine", {}).get("vs")
-    if whole:
-        lines.append(f"whole machine: moe-rl DP=2 (2 processes) / TRL (2 threads) tokens per second of "
-                     f"an RL step: wall x{whole['ratio_wall']:.2f}")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":
