@@ -81,9 +81,9 @@ MICRO = {  # the smoke preset's stand-ins, so that a test runs in seconds
     "small": dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2, head_dim=16,
                   moe_ffn_hidden_size=64, num_experts=8, moe_router_topk=2),
 }
-WORLD_COMBOS = (("gspo", "none"), ("gspo", "r2"), ("gspo", "r3"))
+WORLD_COMBOS = (("gspo", "none", "recompute"), ("gspo", "r2", "recompute"), ("gspo", "r3", "recompute"))
 PRESETS = {
-    "smoke": dict(models=MICRO, warmup=1, repeats=1, world=(), world_combos=(("gspo", "none"),),
+    "smoke": dict(models=MICRO, warmup=1, repeats=1, world=(), world_combos=(("gspo", "none", "recompute"),),
                   trl_models=("tiny",), train=dict(prompts_per_step=2, group_size=4, minibatches=2,
                                                    max_new_tokens=8, flip_probe_sequences=4)),
     "cpu": dict(models=MODELS, warmup=1, repeats=3, world=("dp2", "ep2", "tp2"), world_combos=WORLD_COMBOS,
@@ -330,9 +330,8 @@ def build_recipe(model: dict, train: dict, parallel: dict | None = None, out_dir
     return recipe_from_dict(data)
 
 
-def combo_name(combo: tuple) -> str:
+def combo_name(algo: str, routing: str, old: str) -> str:
     """``algo/routing``; ``algo/none+rollout_logp`` for pi_old taken from the engine's log-probs."""
-    algo, routing, old = (*combo, "recompute")[:3]
     return f"{algo}/{routing}" + ("+rollout_logp" if old == "rollout" else "")
 
 
@@ -346,7 +345,8 @@ def measure(
     rollouts_out: str | None = None,
     export_dir: str | None = None,
 ) -> dict:
-    """Run every (algo, routing) combo ``warmup + repeats`` times, interleaved; per-step records."""
+    """Run every (algo, routing, old_logprobs) combo ``warmup + repeats`` times, interleaved;
+    per-step records."""
     from dataclasses import replace
 
     from moe_rl.trainer.run import Run
@@ -365,17 +365,17 @@ def measure(
             r.ensure_engine()
             r.engine = TimedEngine(r.engine, mem)
         recorded = [] if rollouts_out else None
-        steps: dict[str, list] = {combo_name(c): [] for c in combos}
+        steps: dict[str, list] = {combo_name(*c): [] for c in combos}
         for rep in range(warmup + repeats):
             for combo in combos:
-                algo, routing, old = (*combo, "recompute")[:3]
+                algo, routing, old = combo
                 r.recipe = replace(recipe, algo=replace(recipe.algo, name=algo, routing=routing,
                                                         old_logprobs=old))
                 if isinstance(r.engine, TimedEngine):  # the TP=2 worker replays the first combo's
                     r.engine.keep = recorded if combo == combos[0] else None
                 rec = reduce_over_ranks(rl_step(r, rep, mem))
                 if rep >= warmup:
-                    steps[combo_name(combo)].append(rec)
+                    steps[combo_name(*combo)].append(rec)
         if rollouts_out and r.info.rank == 0:
             torch.save(recorded, rollouts_out)
         params = sum(p.numel() for p in r.policy.parameters())
@@ -610,7 +610,7 @@ def main(argv=None) -> dict:
         res["world_skipped"], world = "needs 2 GPUs", ()
     # + GSPO with pi_old = the embedded engine's own log-probs (algo.old_logprobs=rollout: same
     # weights, same arithmetic, no old-policy forward)
-    combos = [(a, g) for a in ALGOS for g in ROUTINGS] + [("gspo", "none", "rollout")]
+    combos = [(a, g, "recompute") for a in ALGOS for g in ROUTINGS] + [("gspo", "none", "rollout")]
     with tempfile.TemporaryDirectory(prefix="throughput_") as tmpdir:
         tmp = Path(tmpdir)
         for name, dims in p["models"].items():

@@ -87,21 +87,23 @@ class Decoder:
         self.cos = torch.cos(freqs).reshape(cfg.max_seq_len, self.hd)
         self.sin = torch.sin(freqs).reshape(cfg.max_seq_len, self.hd)
         self._experts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._routers: list[torch.Tensor] = []
 
     # -- weights and cache ------------------------------------------------------------------
     @torch.no_grad()
     def begin(self) -> None:
-        """Snapshot every layer's stacked expert weights ``[E, ...]`` for one generate() call
-        (the weights do not change during it). Under EP: all-gathered over the EP group in
-        rank order (megatron's global expert id = ep_rank * local_experts + i): every rank of
-        the group must call this together."""
+        """Snapshot every layer's stacked expert weights ``[E, ...]`` and fp32 router weight for
+        one generate() call (the weights do not change during it). Under EP the experts are
+        all-gathered over the EP group in rank order (megatron's global expert id = ep_rank *
+        local_experts + i): every rank of the group must call this together."""
         info = self.policy.info
-        self._experts = []
+        self._experts, self._routers = [], []
         for layer in self.policy.model.decoder.layers:
             w1, w2 = layer.mlp.experts.stacked_weights()
             if info.ep_size > 1:
                 w1, w2 = (_gather_experts(w, info.ep_group, info.ep_size) for w in (w1, w2))
             self._experts.append((w1, w2))
+            self._routers.append(layer.mlp.router.weight.float())  # fp32 like megatron's router
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty cache for ``batch`` rows of up to ``max_len`` tokens."""
@@ -171,7 +173,7 @@ class Decoder:
         mlp = layer.mlp
         shape = x.shape
         t = x.reshape(-1, shape[-1])
-        logits = F.linear(t.float(), mlp.router.weight.float())  # [N, E], fp32 like the router
+        logits = F.linear(t.float(), self._routers[i])  # [N, E]
         if self.pre_softmax:
             probs, idx = torch.topk(torch.softmax(logits, dim=-1), self.topk, dim=-1)
         else:

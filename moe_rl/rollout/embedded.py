@@ -106,7 +106,8 @@ class _Chunk:
         sampling: SamplingParams,
     ):
         self.engine, self.sampling, self.gens = engine, sampling, gens
-        self.want_routes = False
+        # routes from the forward itself (lean); megatron's are captured by a RoutingSession
+        self.want_routes = sampling.return_routes and not engine.impl.routes_by_session
         b = len(prompts)
         self.prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         width = int(self.prompt_len.max()) + sampling.max_new_tokens
@@ -216,7 +217,10 @@ class MegatronForward:
         """Nothing to prepare."""
 
     def new_cache(self, batch: int, width: int):
-        return self.policy.kv_cache(batch, width)
+        ctx = self.policy.kv_cache(batch, width)
+        if hasattr(ctx, "set_active"):  # megatron-core >= 0.17
+            ctx.set_active()
+        return ctx
 
     def forward(self, ctx, inp: torch.Tensor, start: int, want_routes: bool):
         pos = torch.arange(start, start + inp.shape[1], device=inp.device).expand_as(inp)
@@ -239,14 +243,9 @@ class MegatronForward:
             mem[layer] = (k[:, rows].contiguous(), v[:, rows].contiguous())
 
     @staticmethod
-    def activate(ctx, on: bool) -> None:
-        if on and hasattr(ctx, "set_active"):  # megatron-core >= 0.17
-            ctx.set_active()
-        elif not on and hasattr(ctx, "unset_active"):
-            ctx.unset_active()
-
-    @staticmethod
     def release(ctx) -> None:
+        if hasattr(ctx, "unset_active"):
+            ctx.unset_active()
         ctx.key_value_memory_dict.clear()
 
 
@@ -279,10 +278,6 @@ class LeanForward:
     @staticmethod
     def keep_rows(cache, rows: torch.Tensor) -> None:
         cache.keep_rows(rows)
-
-    @staticmethod
-    def activate(cache, on: bool) -> None:
-        """No global state."""
 
     @staticmethod
     def release(cache) -> None:
@@ -411,13 +406,8 @@ class EmbeddedEngine:
         impl = self.impl
         by_session = want_routes and chunk is not None and impl.routes_by_session
         session = RoutingSession(self.policy, RouterAction.NATURAL) if by_session else None
-        if chunk is not None:
-            chunk.want_routes = want_routes and not impl.routes_by_session
-        ctx = chunk.ctx if chunk is not None else None
         busy = lambda: chunk is not None and not chunk.finished  # noqa: E731
         with session or contextlib.nullcontext():
-            if ctx is not None:
-                impl.activate(ctx, True)
             try:
                 while self._any_over_world(busy()) if impl.collective else busy():
                     if busy():
@@ -428,9 +418,8 @@ class EmbeddedEngine:
                             chunk.log.append(None)
                             chunk.route_steps.append(None)
             finally:
-                if ctx is not None:
-                    impl.activate(ctx, False)
-                    impl.release(ctx)
+                if chunk is not None:
+                    impl.release(chunk.ctx)
         if not want_routes or chunk is None:
             return None
         cfg = self.policy.cfg
