@@ -10,8 +10,18 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-TINY_MODEL = dict(vocab_size=104, hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
-                  head_dim=32, moe_ffn_hidden_size=128, num_experts=8, moe_router_topk=2, max_seq_len=512)
+TINY_MODEL = dict(
+    vocab_size=104,
+    hidden_size=128,
+    num_layers=4,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=32,
+    moe_ffn_hidden_size=128,
+    num_experts=8,
+    moe_router_topk=2,
+    max_seq_len=512,
+)
 "The tiny CPU policy the issues measure: hidden 128, 4 layers, 8 experts top-2, char vocab 104."
 
 
@@ -32,10 +42,12 @@ def commit() -> str:
     """The checkout's short commit (with -dirty when files changed), or 'nocommit'."""
     try:
         root = Path(__file__).resolve().parents[1]
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except Exception:
         return "nocommit"

@@ -127,8 +127,9 @@ def main() -> None:
     for kind in ("greedy", "sampled", "greedy_mixed_prompt_lens"):
         lean, meg = result[f"engine_{kind}"], result[f"megatron_engine_{kind}"]
         result[f"speedup_lean_vs_megatron_{kind}_cpu"] = lean["tokens_per_cpu_s"] / meg["tokens_per_cpu_s"]
-    result["same_greedy_tokens_lean_vs_megatron"] = bool(torch.equal(
-        runs["engine_greedy"][0][0].tokens_BT, runs["megatron_engine_greedy"][0][0].tokens_BT))
+    result["same_greedy_tokens_lean_vs_megatron"] = bool(
+        torch.equal(runs["engine_greedy"][0][0].tokens_BT, runs["megatron_engine_greedy"][0][0].tokens_BT)
+    )
     if not args.no_naive:
         seq, wall, cpu = timed(lambda: naive_generate(policy, eng, prompts, greedy))
         naive = summary([(seq[:, p:], wall, cpu)])
@@ -157,13 +158,19 @@ def plot(result: dict, path: Path) -> None:
     names = [k for k, v in result.items() if isinstance(v, dict) and "tokens_per_cpu_s" in v]
     vals = [result[k]["tokens_per_cpu_s"] for k in names]
     fig, ax = plt.subplots(figsize=(9, 4))
-    ax.barh(names, vals, color=["C0" if n.startswith("engine") else "C1" if n.startswith("megatron")
-                                else "C7" for n in names])
+    ax.barh(
+        names,
+        vals,
+        color=["C0" if n.startswith("engine") else "C1" if n.startswith("megatron") else "C7" for n in names],
+    )
     for i, v in enumerate(vals):
         ax.text(v, i, f" {v:,.0f}", va="center", fontsize=8)
     ax.set_xlabel("generated tokens per CPU second (1 thread)")
-    ax.set_title(f"embedded engine, {result['preset']} model, batch {result['batch']} x "
-                 f"{result['new_tokens']} new tokens ({result['machine']}, {result['commit']})", fontsize=9)
+    ax.set_title(
+        f"embedded engine, {result['preset']} model, batch {result['batch']} x "
+        f"{result['new_tokens']} new tokens ({result['machine']}, {result['commit']})",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -88,7 +88,9 @@ def peak_bytes(fn, device) -> int | None:
 def bf16_rate(device) -> float:
     """Measured dense bf16 GEMM rate in flop/s (8192^3 on CUDA, 1024^3 on CPU)."""
     n = 8192 if device.type == "cuda" else 1024
-    return gemm_rate(device, torch.bfloat16, ((n, n, n),), reps=10 if device.type == "cuda" else 3)["flops_per_s"]
+    return gemm_rate(device, torch.bfloat16, ((n, n, n),), reps=10 if device.type == "cuda" else 3)[
+        "flops_per_s"
+    ]
 
 
 def naive_logprobs(h, w, tgt, temperature: float = 1.0):

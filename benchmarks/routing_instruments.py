@@ -30,10 +30,24 @@ from benchmarks.common import result_path
 warnings.filterwarnings("ignore")
 
 PRESETS = {
-    "smoke": {"model": {"hidden_size": 64, "num_layers": 2, "num_attention_heads": 4, "num_query_groups": 2,
-                        "head_dim": 16, "moe_ffn_hidden_size": 64, "num_experts": 4},
-              "train": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 16}, "repeats": 1},
-    "cpu": {"model": {}, "train": {"prompts_per_step": 8, "group_size": 8, "max_new_tokens": 48}, "repeats": 9},
+    "smoke": {
+        "model": {
+            "hidden_size": 64,
+            "num_layers": 2,
+            "num_attention_heads": 4,
+            "num_query_groups": 2,
+            "head_dim": 16,
+            "moe_ffn_hidden_size": 64,
+            "num_experts": 4,
+        },
+        "train": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 16},
+        "repeats": 1,
+    },
+    "cpu": {
+        "model": {},
+        "train": {"prompts_per_step": 8, "group_size": 8, "max_new_tokens": 48},
+        "repeats": 9,
+    },
 }
 
 
@@ -90,12 +104,25 @@ def main(argv=None) -> dict:
         action = RouterAction.REPLAY if replay is not None else RouterAction.NATURAL
         with RoutingSession(r.policy, action, routes_BSLK=replay) as rs:
             out = r.policy.logprobs(batch.tokens_BT, temperature=recipe.train.temperature)
-            loss, _ = get_loss("grpo")(out.logp_BT, batch.old_logp_BT, batch.adv_B, batch.mask_BT,
-                                       cfg=recipe.algo, num_sequences=b, num_tokens=float(batch.mask_BT.sum()))
+            loss, _ = get_loss("grpo")(
+                out.logp_BT,
+                batch.old_logp_BT,
+                batch.adv_B,
+                batch.mask_BT,
+                cfg=recipe.algo,
+                num_sequences=b,
+                num_tokens=float(batch.mask_BT.sum()),
+            )
             rs.backward(loss)
 
-    res = {"preset": args.preset, "warm_start": str(sft) if sft else None, "batch_sequences": b,
-           "response_tokens": float(batch.mask_BT.sum()), "reward_mean": m["reward/mean"], "per_lr": {}}
+    res = {
+        "preset": args.preset,
+        "warm_start": str(sft) if sft else None,
+        "batch_sequences": b,
+        "response_tokens": float(batch.mask_BT.sum()),
+        "reward_mean": m["reward/mean"],
+        "per_lr": {},
+    }
     before = natural()
     for lr in (1e-4, 1e-3):
         r.policy.model.load_state_dict(start)
@@ -113,16 +140,32 @@ def main(argv=None) -> dict:
         clips = {}
         for algo in ("grpo", "gspo"):
             cfg = replace(recipe.algo, name=algo, eps_low=None, eps_high=None)
-            _, mt = get_loss(algo)(new, batch.old_logp_BT, batch.adv_B, batch.mask_BT, cfg=cfg,
-                                   num_sequences=b, num_tokens=float(batch.mask_BT.sum()))
+            _, mt = get_loss(algo)(
+                new,
+                batch.old_logp_BT,
+                batch.adv_B,
+                batch.mask_BT,
+                cfg=cfg,
+                num_sequences=b,
+                num_tokens=float(batch.mask_BT.sum()),
+            )
             clips[algo] = {k: float(v) for k, v in mt.items() if k.startswith(("clip/", "ratio/seq_log"))}
         res["per_lr"][str(lr)] = {"flip": flips, "clip": clips}
     r.policy.model.load_state_dict(start)
-    t = _interleaved({"natural": lambda: (update("none"), r.optimizer.zero_grad()),
-                      "r2": lambda: (update("r2"), r.optimizer.zero_grad()),
-                      "probe": lambda: (natural(), natural())}, p["repeats"])
+    t = _interleaved(
+        {
+            "natural": lambda: (update("none"), r.optimizer.zero_grad()),
+            "r2": lambda: (update("r2"), r.optimizer.zero_grad()),
+            "probe": lambda: (natural(), natural()),
+        },
+        p["repeats"],
+    )
     t_nat, t_r2, t_probe = t["natural"], t["r2"], t["probe"]
-    res["timing_s"] = {"train_fwd_bwd_natural": t_nat, "train_fwd_bwd_r2": t_r2, "flip_probe_pair_full_batch": t_probe}
+    res["timing_s"] = {
+        "train_fwd_bwd_natural": t_nat,
+        "train_fwd_bwd_r2": t_r2,
+        "flip_probe_pair_full_batch": t_probe,
+    }
     res["r2_overhead_ratio"] = t_r2 / t_nat
     res["probe_overhead_ratio_full_batch"] = t_probe / t_nat
     probe_frac = recipe.train.flip_probe_sequences / b

@@ -45,7 +45,7 @@ def worker(argv) -> None:
     opt = Optimizer(policy.parameters(), OptimConfig(lr=1e-4), info)
     tokens = torch.randint(0, 104, (8, 129), generator=torch.Generator().manual_seed(0))
     rows = 8 // info.dp_size
-    mine = tokens[info.dp_rank * rows:(info.dp_rank + 1) * rows]
+    mine = tokens[info.dp_rank * rows : (info.dp_rank + 1) * rows]
     times = []
     for i in range(a.warmup + a.steps):
         t0 = time.perf_counter()
@@ -69,20 +69,46 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     a = ap.parse_args(argv)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(a.threads)}
-    res = {"model": "hidden 128, 4 layers, 8 experts top-2, fp32", "batch": 8, "seq": 128,
-           "threads_per_process": a.threads, "layouts": {}}
+    res = {
+        "model": "hidden 128, 4 layers, 8 experts top-2, fp32",
+        "batch": 8,
+        "seq": 128,
+        "threads_per_process": a.threads,
+        "layouts": {},
+    }
     for name, args in LAYOUTS.items():
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                      f"--nproc-per-node={1 if not args else 2}"]
-            subprocess.run([*launch, "-m", "benchmarks.step_time", "--worker", *args,
-                            "--steps", str(a.steps), "--out", f.name], check=True, env=env)
+            launch = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={1 if not args else 2}",
+            ]
+            subprocess.run(
+                [
+                    *launch,
+                    "-m",
+                    "benchmarks.step_time",
+                    "--worker",
+                    *args,
+                    "--steps",
+                    str(a.steps),
+                    "--out",
+                    f.name,
+                ],
+                check=True,
+                env=env,
+            )
             res["layouts"][name] = json.load(open(f.name))
         print(name, res["layouts"][name])
-    code = ("import sys, time; t = time.perf_counter(); import moe_rl, moe_rl.config; "
-            "print(time.perf_counter() - t, 'megatron' in sys.modules)")
-    secs, megatron = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                    check=True, env=env).stdout.split()
+    code = (
+        "import sys, time; t = time.perf_counter(); import moe_rl, moe_rl.config; "
+        "print(time.perf_counter() - t, 'megatron' in sys.modules)"
+    )
+    secs, megatron = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    ).stdout.split()
     res["import_moe_rl_s"] = float(secs)
     res["import_moe_rl_loads_megatron"] = megatron == "True"
     path = result_path("step_time", "tiny")

@@ -295,8 +295,9 @@ def rl_step(r, step: int, mem: PeakMemory) -> dict:
     rec["tokens"] = float(tokens)
     # every input position of every sequence (prompt + response - 1): the forward work of one pass
     rec["positions"] = float(all_reduce(batch.valid_BS.sum().double().cpu(), r.info.dp_group))
-    rec["sequences"] = float(all_reduce(torch.tensor(float(batch.tokens_BT.shape[0]), dtype=torch.float64),
-                                        r.info.dp_group))
+    rec["sequences"] = float(
+        all_reduce(torch.tensor(float(batch.tokens_BT.shape[0]), dtype=torch.float64), r.info.dp_group)
+    )
     rec["reward_mean"] = m.get("reward/mean")
     return rec
 
@@ -369,8 +370,9 @@ def measure(
         for rep in range(warmup + repeats):
             for combo in combos:
                 algo, routing, old = combo
-                r.recipe = replace(recipe, algo=replace(recipe.algo, name=algo, routing=routing,
-                                                        old_logprobs=old))
+                r.recipe = replace(
+                    recipe, algo=replace(recipe.algo, name=algo, routing=routing, old_logprobs=old)
+                )
                 if isinstance(r.engine, TimedEngine):  # the TP=2 worker replays the first combo's
                     r.engine.keep = recorded if combo == combos[0] else None
                 rec = reduce_over_ranks(rl_step(r, rep, mem))
@@ -649,8 +651,13 @@ def main(argv=None) -> dict:
             vs = trl_ratio(ours["gspo/none"], peer) if "median" in peer else None
             if vs is not None:
                 vs["with_rollout_logprobs"] = trl_ratio(ours["gspo/none+rollout_logp"], peer)
-                vs["floor"] = step_floor(ours["gspo/none"], p["models"][name], recipe.model.vocab_size,
-                                         res["matmul_peak"], peer["median"])
+                vs["floor"] = step_floor(
+                    ours["gspo/none"],
+                    p["models"][name],
+                    recipe.model.vocab_size,
+                    res["matmul_peak"],
+                    peer["median"],
+                )
             res["trl"][name] = {"peer": peer, "vs": vs, "wall_s": t0.read()[0]}
             print(
                 f"[throughput] TRL {name}: {res['trl'][name]['wall_s']:.0f} s {peer.get('error', '')}",

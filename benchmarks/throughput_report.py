@@ -56,14 +56,17 @@ def matmul_peak_flops(threads: int, device: str) -> dict:
 
 def forward_flops_per_position(dims: dict, vocab: int, context: float) -> float:
     """Matmul FLOPs of one token's forward through the policy (attending to ``context`` keys)."""
-    h, layers, heads, groups, hd = (dims[k] for k in ("hidden_size", "num_layers", "num_attention_heads",
-                                                      "num_query_groups", "head_dim"))
+    h, layers, heads, groups, hd = (
+        dims[k] for k in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "head_dim")
+    )
     f, e, k = dims["moe_ffn_hidden_size"], dims["num_experts"], dims["moe_router_topk"]
-    per_layer = (2 * h * (heads + 2 * groups) * hd  # QKV
-                 + 2 * heads * hd * h  # output projection
-                 + 2 * 2 * heads * hd * context  # QK^T and PV
-                 + 2 * h * e  # router
-                 + k * 2 * 3 * h * f)  # top-k SwiGLU experts (fc1 is 2F wide, fc2 F -> H)
+    per_layer = (
+        2 * h * (heads + 2 * groups) * hd  # QKV
+        + 2 * heads * hd * h  # output projection
+        + 2 * 2 * heads * hd * context  # QK^T and PV
+        + 2 * h * e  # router
+        + k * 2 * 3 * h * f
+    )  # top-k SwiGLU experts (fc1 is 2F wide, fc2 F -> H)
     return layers * per_layer + 2 * h * vocab
 
 
@@ -79,8 +82,13 @@ def step_floor(combo: dict, dims: dict, vocab: int, peak: dict, peer_median: dic
     per = forward_flops_per_position(dims, vocab, context=0.5 * positions / seqs)
     flops = 5 * positions * per
     floor_s = flops / peak["flops_per_s"]
-    out = {"positions": positions, "forward_flops_per_position": per, "step_flops": flops,
-           "floor_s": floor_s, "moe_rl_step_s_over_floor": combo["phases"]["step"]["cpu_s"] / floor_s}
+    out = {
+        "positions": positions,
+        "forward_flops_per_position": per,
+        "step_flops": flops,
+        "floor_s": floor_s,
+        "moe_rl_step_s_over_floor": combo["phases"]["step"]["cpu_s"] / floor_s,
+    }
     if peer_median:  # also the highest moe-rl/TRL ratio that equal work at this peak allows
         out["trl_step_s_over_floor"] = peer_median["step_cpu_s"] / floor_s
     return out
@@ -236,6 +244,7 @@ def _plot_trl(a, res: dict) -> None:
 
 # -- main --------------------------------------------------------------------------------------
 
+
 def table(res: dict) -> str:
     """A plain-text summary: tokens/s (wall, CPU) and peak MiB per phase, overheads, TRL ratio."""
     lines = [f"{'model':6} {'combo':18} " + " ".join(f"{p:>24}" for p in PHASES)]
@@ -263,16 +272,22 @@ def table(res: dict) -> str:
             )
             if "floor" in v:
                 f = v["floor"]
-                lines.append(f"TRL {m}: matmul floor of the step {f['floor_s']:.3f} s at "
-                             f"{res['matmul_peak']['flops_per_s'] / 1e9:.0f} GFLOP/s: moe-rl x"
-                             f"{f['moe_rl_step_s_over_floor']:.1f}, TRL x{f['trl_step_s_over_floor']:.1f} of it; "
-                             f"moe-rl/TRL cannot exceed x{f['trl_step_s_over_floor']:.1f} at equal work")
+                lines.append(
+                    f"TRL {m}: matmul floor of the step {f['floor_s']:.3f} s at "
+                    f"{res['matmul_peak']['flops_per_s'] / 1e9:.0f} GFLOP/s: moe-rl x"
+                    f"{f['moe_rl_step_s_over_floor']:.1f}, TRL x{f['trl_step_s_over_floor']:.1f} of it; "
+                    f"moe-rl/TRL cannot exceed x{f['trl_step_s_over_floor']:.1f} at equal work"
+                )
             if "with_rollout_logprobs" in v:
                 w = v["with_rollout_logprobs"]
-                lines.append(f"TRL {m}: with pi_old = the engine's log-probs: CPU x{w['ratio_cpu']:.2f} "
-                             f"(x{w['ratio_cpu_without_flip_probe']:.2f} without flip probes)")
+                lines.append(
+                    f"TRL {m}: with pi_old = the engine's log-probs: CPU x{w['ratio_cpu']:.2f} "
+                    f"(x{w['ratio_cpu_without_flip_probe']:.2f} without flip probes)"
+                )
     whole = res.get("trl_whole_machine", {}).get("vs")
     if whole:
-        lines.append(f"whole machine: moe-rl DP=2 (2 processes) / TRL (2 threads) tokens per second of "
-                     f"an RL step: wall x{whole['ratio_wall']:.2f}")
+        lines.append(
+            f"whole machine: moe-rl DP=2 (2 processes) / TRL (2 threads) tokens per second of "
+            f"an RL step: wall x{whole['ratio_wall']:.2f}"
+        )
     return "\n".join(lines)

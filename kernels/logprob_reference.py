@@ -62,11 +62,18 @@ class _VocabParallelLogProb(torch.autograd.Function):
         return (grad / t).to(logits_NV.dtype), None, None, None, None, None
 
 
-def logprobs_entropy(logits_NV: torch.Tensor, target_N: torch.Tensor, *, temperature: float = 1.0,
-                     group=None, vocab_start: int = 0,
-                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def logprobs_entropy(
+    logits_NV: torch.Tensor,
+    target_N: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    group=None,
+    vocab_start: int = 0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 log-prob of ``target_N`` and entropy (zeros unless asked) per token; see module doc."""
     if temperature <= 0:
         raise ValueError(f"temperature must be positive for log-probs, got {temperature}")
-    return _VocabParallelLogProb.apply(logits_NV, target_N, float(temperature), group,
-                                       int(vocab_start), bool(with_entropy))
+    return _VocabParallelLogProb.apply(
+        logits_NV, target_N, float(temperature), group, int(vocab_start), bool(with_entropy)
+    )

@@ -10,8 +10,11 @@ import time
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     import warnings
 
     warnings.filterwarnings("ignore", module="megatron")  # TE/Apex fallbacks are expected on CPU
@@ -24,9 +27,13 @@ def cmd_train(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     t0 = time.perf_counter()
     results = run(recipe, resume=args.resume)
-    logging.getLogger("moe_rl").info("done in %.1fs: %s", time.perf_counter() - t0,
-                                     json.dumps({k: {m: round(v, 4) for m, v in d.items()
-                                                     if isinstance(v, float)} for k, d in results.items()}))
+    logging.getLogger("moe_rl").info(
+        "done in %.1fs: %s",
+        time.perf_counter() - t0,
+        json.dumps(
+            {k: {m: round(v, 4) for m, v in d.items() if isinstance(v, float)} for k, d in results.items()}
+        ),
+    )
     return 0
 
 
@@ -91,8 +98,11 @@ def cmd_bench(args) -> int:
     root = Path(__file__).resolve().parents[1]
     helpers = {"common", "arms", "trl_peer"}  # modules the benchmarks share, not benchmarks
     if args.name in helpers or not (root / "benchmarks" / f"{args.name}.py").exists():
-        names = sorted(p.stem for p in (root / "benchmarks").glob("*.py")
-                       if not p.stem.startswith("_") and p.stem not in helpers)
+        names = sorted(
+            p.stem
+            for p in (root / "benchmarks").glob("*.py")
+            if not p.stem.startswith("_") and p.stem not in helpers
+        )
         print(f"moe-rl bench: no benchmark {args.name!r}; available: {', '.join(names)}", file=sys.stderr)
         return 2
     sys.path.insert(0, str(root))
@@ -118,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("recipe")
     e.add_argument("out")
     e.add_argument("overrides", nargs="*")
-    e.add_argument("--checkpoint", default=None, help="moe-rl checkpoint to export (default: the recipe's init)")
+    e.add_argument(
+        "--checkpoint", default=None, help="moe-rl checkpoint to export (default: the recipe's init)"
+    )
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     e.set_defaults(fn=cmd_export)
     d = sub.add_parser("demo", help="SFT once, then GRPO, GRPO + R2 and GSPO side by side")
@@ -130,8 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("args", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
     sub.add_parser("serve", help="SGLang-protocol server around the embedded engine; moe-rl serve -h")
-    sub.add_parser("plan", help="layout, parameter counts and per-GPU memory of a recipe (no GPU needed); "
-                                "moe-rl plan -h")
+    sub.add_parser(
+        "plan", help="layout, parameter counts and per-GPU memory of a recipe (no GPU needed); moe-rl plan -h"
+    )
     rp = sub.add_parser("report", help="plot and tabulate run directories (NAME=DIR or DIR)")
     rp.add_argument("runs", nargs="+")
     rp.add_argument("--out", default="runs/report.png")

@@ -88,28 +88,50 @@ class ModelConfig:
     "Local Hugging Face Qwen3-MoE checkpoint to start from (None: random init)."
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
-                     "num_query_groups", "head_dim", "moe_ffn_hidden_size", "num_experts",
-                     "moe_router_topk", "max_seq_len"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_attention_heads",
+            "num_query_groups",
+            "head_dim",
+            "moe_ffn_hidden_size",
+            "num_experts",
+            "moe_router_topk",
+            "max_seq_len",
+        ):
             _require(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
-        _require(self.moe_router_topk <= self.num_experts,
-                 f"model.moe_router_topk={self.moe_router_topk} exceeds model.num_experts="
-                 f"{self.num_experts}: choose topk <= num_experts")
-        _require(self.moe_router_topk >= 2 or not self.moe_norm_topk_prob,
-                 "model.moe_router_topk=1 with model.moe_norm_topk_prob=true gives every token gate weight 1, "
-                 "which megatron-core's router refuses: use moe_router_topk >= 2, or moe_norm_topk_prob=false "
-                 "(softmax over all experts)")
-        _require(self.num_attention_heads % self.num_query_groups == 0,
-                 f"model.num_attention_heads={self.num_attention_heads} must be a multiple of "
-                 f"model.num_query_groups={self.num_query_groups}")
-        _require(self.dtype in ("float32", "bfloat16"),
-                 f"model.dtype={self.dtype!r}: use float32 or bfloat16")
-        _require(self.moe_token_dispatcher in ("alltoall", "allgather"),
-                 f"model.moe_token_dispatcher={self.moe_token_dispatcher!r}: use alltoall or allgather")
-        _require(self.logprob_impl in ("auto", "logits", "torch", "triton"),
-                 f"model.logprob_impl={self.logprob_impl!r}: use auto, logits, torch or triton")
-        _require(self.transformer_impl in ("auto", "local", "transformer_engine"),
-                 f"model.transformer_impl={self.transformer_impl!r}: use auto, local or transformer_engine")
+        _require(
+            self.moe_router_topk <= self.num_experts,
+            f"model.moe_router_topk={self.moe_router_topk} exceeds model.num_experts="
+            f"{self.num_experts}: choose topk <= num_experts",
+        )
+        _require(
+            self.moe_router_topk >= 2 or not self.moe_norm_topk_prob,
+            "model.moe_router_topk=1 with model.moe_norm_topk_prob=true gives every token gate weight 1, "
+            "which megatron-core's router refuses: use moe_router_topk >= 2, or moe_norm_topk_prob=false "
+            "(softmax over all experts)",
+        )
+        _require(
+            self.num_attention_heads % self.num_query_groups == 0,
+            f"model.num_attention_heads={self.num_attention_heads} must be a multiple of "
+            f"model.num_query_groups={self.num_query_groups}",
+        )
+        _require(
+            self.dtype in ("float32", "bfloat16"), f"model.dtype={self.dtype!r}: use float32 or bfloat16"
+        )
+        _require(
+            self.moe_token_dispatcher in ("alltoall", "allgather"),
+            f"model.moe_token_dispatcher={self.moe_token_dispatcher!r}: use alltoall or allgather",
+        )
+        _require(
+            self.logprob_impl in ("auto", "logits", "torch", "triton"),
+            f"model.logprob_impl={self.logprob_impl!r}: use auto, logits, torch or triton",
+        )
+        _require(
+            self.transformer_impl in ("auto", "local", "transformer_engine"),
+            f"model.transformer_impl={self.transformer_impl!r}: use auto, local or transformer_engine",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,14 +158,20 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "expert_parallel", "pipeline_parallel", "data_parallel"):
             _require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
-        _require(self.pipeline_parallel == 1,
-                 f"parallel.pipeline_parallel={self.pipeline_parallel}: pipeline parallelism is not "
-                 "supported yet; set parallel.pipeline_parallel=1 and use tensor/expert/data parallelism")
-        _require((self.tensor_parallel * self.data_parallel) % self.expert_parallel == 0,
-                 f"parallel.expert_parallel={self.expert_parallel} must divide tensor_parallel x "
-                 f"data_parallel = {self.tensor_parallel * self.data_parallel}")
-        _require(self.backend in ("auto", "gloo", "nccl"),
-                 f"parallel.backend={self.backend!r}: use auto, gloo or nccl")
+        _require(
+            self.pipeline_parallel == 1,
+            f"parallel.pipeline_parallel={self.pipeline_parallel}: pipeline parallelism is not "
+            "supported yet; set parallel.pipeline_parallel=1 and use tensor/expert/data parallelism",
+        )
+        _require(
+            (self.tensor_parallel * self.data_parallel) % self.expert_parallel == 0,
+            f"parallel.expert_parallel={self.expert_parallel} must divide tensor_parallel x "
+            f"data_parallel = {self.tensor_parallel * self.data_parallel}",
+        )
+        _require(
+            self.backend in ("auto", "gloo", "nccl"),
+            f"parallel.backend={self.backend!r}: use auto, gloo or nccl",
+        )
 
     @property
     def world_size(self) -> int:
@@ -180,10 +208,14 @@ class OptimConfig:
         _require(self.lr > 0, f"optim.lr must be positive, got {self.lr}")
         _require(0 <= self.min_lr <= self.lr, f"optim.min_lr={self.min_lr} must be in [0, optim.lr]")
         _require(self.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {self.grad_clip}")
-        _require(self.warmup_steps >= 0 and self.decay_steps >= 0,
-                 "optim.warmup_steps and optim.decay_steps must be >= 0")
-        _require(self.decay_style in ("constant", "linear", "cosine"),
-                 f"optim.decay_style={self.decay_style!r}: use constant, linear or cosine")
+        _require(
+            self.warmup_steps >= 0 and self.decay_steps >= 0,
+            "optim.warmup_steps and optim.decay_steps must be >= 0",
+        )
+        _require(
+            self.decay_style in ("constant", "linear", "cosine"),
+            f"optim.decay_style={self.decay_style!r}: use constant, linear or cosine",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,14 +267,19 @@ class AlgoConfig:
     "Source of pi_old log-probs: recompute (trainer forward) | rollout (engine log-probs)."
 
     def __post_init__(self) -> None:
-        _require(self.name in ("grpo", "gspo", "gspo_token"),
-                 f"algo.name={self.name!r} is unknown: use grpo, gspo or gspo_token")
-        _require(self.aggregation in LOSS_AGGREGATIONS,
-                 f"algo.aggregation={self.aggregation!r}: use one of {LOSS_AGGREGATIONS}")
-        _require(self.routing in ("none", "r2", "r3"),
-                 f"algo.routing={self.routing!r}: use none, r2 or r3")
-        _require(self.old_logprobs in ("recompute", "rollout"),
-                 f"algo.old_logprobs={self.old_logprobs!r}: use recompute or rollout")
+        _require(
+            self.name in ("grpo", "gspo", "gspo_token"),
+            f"algo.name={self.name!r} is unknown: use grpo, gspo or gspo_token",
+        )
+        _require(
+            self.aggregation in LOSS_AGGREGATIONS,
+            f"algo.aggregation={self.aggregation!r}: use one of {LOSS_AGGREGATIONS}",
+        )
+        _require(self.routing in ("none", "r2", "r3"), f"algo.routing={self.routing!r}: use none, r2 or r3")
+        _require(
+            self.old_logprobs in ("recompute", "rollout"),
+            f"algo.old_logprobs={self.old_logprobs!r}: use recompute or rollout",
+        )
         _require(self.beta >= 0, f"algo.beta must be >= 0, got {self.beta}")
         if self.eps_low is not None:
             _require(0 <= self.eps_low < 1, f"algo.eps_low={self.eps_low} must be in [0, 1)")
@@ -447,12 +484,18 @@ class RolloutConfig:
     "Retries of a failed request (connection errors and 5xx only)."
 
     def __post_init__(self) -> None:
-        _require(self.engine in ("embedded", "sglang"),
-                 f"rollout.engine={self.engine!r} is unknown: use embedded or sglang")
-        _require(self.embedded_decoder in ("auto", "lean", "megatron"),
-                 f"rollout.embedded_decoder={self.embedded_decoder!r}: use auto, lean or megatron")
-        _require(self.weight_sync in ("distributed", "disk"),
-                 f"rollout.weight_sync={self.weight_sync!r}: use distributed or disk")
+        _require(
+            self.engine in ("embedded", "sglang"),
+            f"rollout.engine={self.engine!r} is unknown: use embedded or sglang",
+        )
+        _require(
+            self.embedded_decoder in ("auto", "lean", "megatron"),
+            f"rollout.embedded_decoder={self.embedded_decoder!r}: use auto, lean or megatron",
+        )
+        _require(
+            self.weight_sync in ("distributed", "disk"),
+            f"rollout.weight_sync={self.weight_sync!r}: use distributed or disk",
+        )
         _require(self.sglang_tp >= 1 and self.sglang_ep >= 1, "rollout.sglang_tp and sglang_ep must be >= 1")
         _require(0 < self.sglang_mem_fraction < 1, "rollout.sglang_mem_fraction must be in (0, 1)")
         _require(self.timeout_s > 0 and self.retries >= 0, "rollout.timeout_s > 0 and rollout.retries >= 0")
@@ -506,20 +549,33 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for s in self.stages:
             _require(s in ("sft", "rl"), f"train.stages has {s!r}: use sft and/or rl")
-        for name in ("sft_batch_size", "prompts_per_step", "group_size", "minibatches",
-                     "max_new_tokens", "eval_prompts", "log_every"):
+        for name in (
+            "sft_batch_size",
+            "prompts_per_step",
+            "group_size",
+            "minibatches",
+            "max_new_tokens",
+            "eval_prompts",
+            "log_every",
+        ):
             _require(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("sft_steps", "rl_steps", "eval_every", "micro_batch_size"):
             _require(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
-        _require(self.group_size >= 2 or "rl" not in self.stages,
-                 "train.group_size must be >= 2 for RL: group advantages need several responses")
+        _require(
+            self.group_size >= 2 or "rl" not in self.stages,
+            "train.group_size must be >= 2 for RL: group advantages need several responses",
+        )
         batch = self.prompts_per_step * self.group_size
-        _require(batch % self.minibatches == 0,
-                 f"train.minibatches={self.minibatches} does not divide the rollout batch "
-                 f"prompts_per_step x group_size = {batch}: pick a divisor of {batch}")
+        _require(
+            batch % self.minibatches == 0,
+            f"train.minibatches={self.minibatches} does not divide the rollout batch "
+            f"prompts_per_step x group_size = {batch}: pick a divisor of {batch}",
+        )
         _require(self.temperature > 0, f"train.temperature must be > 0, got {self.temperature}")
-        _require(self.flip_probe_sequences >= 0 and self.flip_probe_every >= 1,
-                 "train.flip_probe_sequences must be >= 0 and train.flip_probe_every >= 1")
+        _require(
+            self.flip_probe_sequences >= 0 and self.flip_probe_every >= 1,
+            "train.flip_probe_sequences must be >= 0 and train.flip_probe_every >= 1",
+        )
         _require(self.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {self.max_bad_steps}")
 
 
@@ -557,8 +613,10 @@ class SentinelConfig:
 
     def __post_init__(self) -> None:
         for name in ("reward_action", "ratio_action", "grad_action", "entropy_action"):
-            _require(getattr(self, name) in SENTINEL_ACTIONS,
-                     f"sentinel.{name}={getattr(self, name)!r}: use one of {', '.join(SENTINEL_ACTIONS)}")
+            _require(
+                getattr(self, name) in SENTINEL_ACTIONS,
+                f"sentinel.{name}={getattr(self, name)!r}: use one of {', '.join(SENTINEL_ACTIONS)}",
+            )
         _require(0 < self.reward_drop_frac < 1, "sentinel.reward_drop_frac must be in (0, 1)")
         _require(self.reward_window >= 1, "sentinel.reward_window must be >= 1")
         _require(0 < self.rollback_lr_factor <= 1, "sentinel.rollback_lr_factor must be in (0, 1]")
@@ -589,29 +647,45 @@ class Recipe:
 
     def __post_init__(self) -> None:
         m, p = self.model, self.parallel
-        _require(m.num_experts % p.expert_parallel == 0,
-                 f"model.num_experts={m.num_experts} is not divisible by parallel.expert_parallel="
-                 f"{p.expert_parallel}: pick an expert_parallel that divides it")
-        _require(m.num_attention_heads % p.tensor_parallel == 0,
-                 f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
-                 f"parallel.tensor_parallel={p.tensor_parallel}")
-        _require(m.num_query_groups % p.tensor_parallel == 0,
-                 f"model.num_query_groups={m.num_query_groups} is not divisible by "
-                 f"parallel.tensor_parallel={p.tensor_parallel}")
-        _require(m.vocab_size % p.tensor_parallel == 0,
-                 f"model.vocab_size={m.vocab_size} is not divisible by parallel.tensor_parallel="
-                 f"{p.tensor_parallel}: pad the vocabulary")
+        _require(
+            m.num_experts % p.expert_parallel == 0,
+            f"model.num_experts={m.num_experts} is not divisible by parallel.expert_parallel="
+            f"{p.expert_parallel}: pick an expert_parallel that divides it",
+        )
+        _require(
+            m.num_attention_heads % p.tensor_parallel == 0,
+            f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+            f"parallel.tensor_parallel={p.tensor_parallel}",
+        )
+        _require(
+            m.num_query_groups % p.tensor_parallel == 0,
+            f"model.num_query_groups={m.num_query_groups} is not divisible by "
+            f"parallel.tensor_parallel={p.tensor_parallel}",
+        )
+        _require(
+            m.vocab_size % p.tensor_parallel == 0,
+            f"model.vocab_size={m.vocab_size} is not divisible by parallel.tensor_parallel="
+            f"{p.tensor_parallel}: pad the vocabulary",
+        )
         b = self.train.prompts_per_step * self.train.group_size
-        _require(b % (p.data_parallel * self.train.minibatches) == 0,
-                 f"the rollout batch ({b}) must split into train.minibatches={self.train.minibatches} "
-                 f"x parallel.data_parallel={p.data_parallel} equal shares")
-        _require(self.train.sft_batch_size % p.data_parallel == 0,
-                 f"train.sft_batch_size={self.train.sft_batch_size} must be divisible by "
-                 f"parallel.data_parallel={p.data_parallel}")
-        _require(self.algo.routing != "r3" or self.rollout.engine in ("embedded", "sglang"),
-                 "algo.routing=r3 needs an engine that returns routes (embedded or sglang)")
-        _require(m.dtype == "float32" or p.backend != "gloo",
-                 "model.dtype=bfloat16 needs CUDA (nccl); set model.dtype=float32 on CPU")
+        _require(
+            b % (p.data_parallel * self.train.minibatches) == 0,
+            f"the rollout batch ({b}) must split into train.minibatches={self.train.minibatches} "
+            f"x parallel.data_parallel={p.data_parallel} equal shares",
+        )
+        _require(
+            self.train.sft_batch_size % p.data_parallel == 0,
+            f"train.sft_batch_size={self.train.sft_batch_size} must be divisible by "
+            f"parallel.data_parallel={p.data_parallel}",
+        )
+        _require(
+            self.algo.routing != "r3" or self.rollout.engine in ("embedded", "sglang"),
+            "algo.routing=r3 needs an engine that returns routes (embedded or sglang)",
+        )
+        _require(
+            m.dtype == "float32" or p.backend != "gloo",
+            "model.dtype=bfloat16 needs CUDA (nccl); set model.dtype=float32 on CPU",
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -647,8 +721,10 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
         _require(isinstance(value, bool), f"{where} must be true or false, got {value!r}")
         return value
     if tp is int:
-        _require(isinstance(value, int) and not isinstance(value, bool),
-                 f"{where} must be an integer, got {value!r}")
+        _require(
+            isinstance(value, int) and not isinstance(value, bool),
+            f"{where} must be an integer, got {value!r}",
+        )
         return value
     if tp is float:
         if isinstance(value, str):  # PyYAML (YAML 1.1) reads 3e-4 as a string
@@ -656,8 +732,10 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        _require(isinstance(value, (int, float)) and not isinstance(value, bool),
-                 f"{where} must be a number, got {value!r}")
+        _require(
+            isinstance(value, (int, float)) and not isinstance(value, bool),
+            f"{where} must be a number, got {value!r}",
+        )
         return float(value)
     if tp is str:
         _require(isinstance(value, str), f"{where} must be a string, got {value!r}")
@@ -672,8 +750,10 @@ def build_dataclass(cls: type, data: dict, where: str = "") -> Any:
     unknown = sorted(set(data) - names)
     prefix = f"{where}." if where else ""
     if unknown:
-        raise ConfigError(f"unknown key(s) {', '.join(prefix + u for u in unknown)}; "
-                          f"valid keys of {where or 'the recipe'}: {', '.join(sorted(names))}")
+        raise ConfigError(
+            f"unknown key(s) {', '.join(prefix + u for u in unknown)}; "
+            f"valid keys of {where or 'the recipe'}: {', '.join(sorted(names))}"
+        )
     kwargs = {k: _check_type(v, hints[k], prefix + k) for k, v in data.items()}
     try:
         return cls(**kwargs)

@@ -30,9 +30,18 @@ def parallel_info():
 def tiny_model_cfg():
     from moe_rl.config import ModelConfig
 
-    return ModelConfig(vocab_size=64, hidden_size=64, num_layers=2, num_attention_heads=4,
-                       num_query_groups=2, head_dim=16, moe_ffn_hidden_size=64, num_experts=4,
-                       moe_router_topk=2, max_seq_len=64)
+    return ModelConfig(
+        vocab_size=64,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        moe_ffn_hidden_size=64,
+        num_experts=4,
+        moe_router_topk=2,
+        max_seq_len=64,
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -97,8 +97,9 @@ def _set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state(st["cuda"])
 
 
-def save_checkpoint(root: str | Path, step: int, model, optimizer=None, *, extra: dict | None = None,
-                    keep: int = 2) -> Path:
+def save_checkpoint(
+    root: str | Path, step: int, model, optimizer=None, *, extra: dict | None = None, keep: int = 2
+) -> Path:
     """Save model, optimizer, RNG and ``extra`` (JSON-able) as ``root/step-N``; return its path."""
     from megatron.core import dist_checkpointing
 
@@ -116,9 +117,12 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer=None, *, extra
     _barrier()
     final = root / name
     if _rank() == 0:
-        meta = {"step": step, "world_size": _world(),
-                "optimizer_step": optimizer.step_count if optimizer is not None else None,
-                "extra": extra or {}}
+        meta = {
+            "step": step,
+            "world_size": _world(),
+            "optimizer_step": optimizer.step_count if optimizer is not None else None,
+            "extra": extra or {},
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         if final.exists():
             shutil.rmtree(final)
@@ -154,8 +158,10 @@ def load_checkpoint(path: str | Path, model, optimizer=None, *, load_rng: bool =
 
     ckpt = latest_checkpoint(path)
     if ckpt is None:
-        raise FileNotFoundError(f"no complete checkpoint at {path} (expected meta.json or a "
-                                "'latest' pointer): check checkpoint.load / --resume")
+        raise FileNotFoundError(
+            f"no complete checkpoint at {path} (expected meta.json or a "
+            "'latest' pointer): check checkpoint.load / --resume"
+        )
     meta = json.loads((ckpt / "meta.json").read_text())
     sharded = _sharded_state(model, optimizer)
     loaded = dist_checkpointing.load(sharded, str(ckpt))

@@ -116,8 +116,9 @@ class Decoder:
 
     # -- forward ----------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, cache: KVCache, tokens_bn: torch.Tensor, start: int,
-                want_routes: bool = False) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    def forward(
+        self, cache: KVCache, tokens_bn: torch.Tensor, start: int, want_routes: bool = False
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """Feed ``tokens_bn`` at positions ``start ..``; logits of the last position ``[b, V]``.
 
         ``start`` must equal ``cache.length``; several tokens only at ``start == 0`` (the
@@ -131,7 +132,7 @@ class Decoder:
             raise ValueError("several tokens per row only for the prefill (start 0)")
         m = self.policy.model
         x = F.embedding(tokens_bn, m.embedding.word_embeddings.weight)  # [b, n, H]
-        cos, sin = self.cos[start:start + n].to(x.dtype), self.sin[start:start + n].to(x.dtype)
+        cos, sin = self.cos[start : start + n].to(x.dtype), self.sin[start : start + n].to(x.dtype)
         routes = [] if want_routes else None
         for i, layer in enumerate(m.decoder.layers):
             x = x + self._attention(layer, layer.input_layernorm(x), cache, i, start, cos, sin)
@@ -163,8 +164,9 @@ class Decoder:
             p = torch.softmax(s.float(), dim=-1).to(values.dtype)
             out = torch.matmul(p, values).reshape(b, 1, g * rep * hd)
         else:
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=True,
-                                                 scale=self.scale, enable_gqa=rep > 1)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, is_causal=True, scale=self.scale, enable_gqa=rep > 1
+            )
             out = out.transpose(1, 2).reshape(b, n, g * rep * hd)
         return F.linear(out, att.linear_proj.weight)
 
@@ -183,8 +185,9 @@ class Decoder:
         order = torch.argsort(flat, stable=True)  # token-major slots sorted by expert
         token = order // self.topk
         counts = torch.bincount(flat, minlength=self.num_experts)
-        ys = mlp.experts.grouped(t.index_select(0, token), counts, probs.reshape(-1)[order],
-                                 *self._experts[i])
+        ys = mlp.experts.grouped(
+            t.index_select(0, token), counts, probs.reshape(-1)[order], *self._experts[i]
+        )
         out = torch.zeros_like(t).index_add_(0, token, ys)
         return out.view(shape), idx
 

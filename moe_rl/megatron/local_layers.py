@@ -63,12 +63,21 @@ class SDPAttention(DotProductAttention):
             raise ValueError(f"SDPAttention does not implement {bad}; build the stock local spec")
         super().__init__(config, *args, **kwargs)
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         """[sq, b, np, hn] queries, [sk, b, ng, hn] keys/values -> [sq, b, np * hn]."""
         if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPAttention: packed sequences and attention bias need the "
-                                      "transformer-engine spec")
+            raise NotImplementedError(
+                "SDPAttention: packed sequences and attention bias need the transformer-engine spec"
+            )
         sq, b, heads, hn = query.shape
         sk, groups = key.shape[0], key.shape[2]
         mask, causal = None, False
@@ -81,8 +90,9 @@ class SDPAttention(DotProductAttention):
                 raise ValueError(f"causal attention needs sq == sk, got {sq} and {sk}")
             causal = True
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                             scale=self.softmax_scale, enable_gqa=groups != heads)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale, enable_gqa=groups != heads
+        )
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
 
 
@@ -95,8 +105,7 @@ class GroupedExperts(SequentialMLP):
             "gated_linear_unit must be true": not config.gated_linear_unit,
             "moe_apply_probs_on_input": config.moe_apply_probs_on_input,
             "fp8/fp4": bool(config.fp8 or getattr(config, "fp4", None)),
-            "activation_func_clamp_value": getattr(config, "activation_func_clamp_value", None)
-            is not None,
+            "activation_func_clamp_value": getattr(config, "activation_func_clamp_value", None) is not None,
             "expert_tensor_parallel_size > 1": (config.expert_tensor_parallel_size or 1) > 1,
         }
         bad = [k for k, v in unsupported.items() if v]
@@ -108,8 +117,9 @@ class GroupedExperts(SequentialMLP):
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         """Tokens sorted by local expert ([N, H], counts [E], probs [N]) -> ([N, H], None)."""
-        return self.grouped(permuted_local_hidden_states, tokens_per_expert, permuted_probs,
-                            *self.stacked_weights()), None
+        return self.grouped(
+            permuted_local_hidden_states, tokens_per_expert, permuted_probs, *self.stacked_weights()
+        ), None
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``linear_fc1`` weights ``[E, 2F, H]`` and ``linear_fc2`` weights ``[E, H, F]`` (copies

@@ -37,14 +37,17 @@ def use_transformer_engine(cfg: ModelConfig) -> bool:
         return False
     try:
         import transformer_engine  # noqa: F401
+
         have_te = True
     except Exception:  # ImportError, or a broken install without CUDA
         have_te = False
     if cfg.transformer_impl == "transformer_engine":
         if not (have_te and torch.cuda.is_available()):
-            raise RuntimeError("model.transformer_impl=transformer_engine needs CUDA and the "
-                               "transformer-engine package (pip install 'moe-rl[gpu]'); "
-                               "set model.transformer_impl=local")
+            raise RuntimeError(
+                "model.transformer_impl=transformer_engine needs CUDA and the "
+                "transformer-engine package (pip install 'moe-rl[gpu]'); "
+                "set model.transformer_impl=local"
+            )
         return True
     return have_te and torch.cuda.is_available()
 
@@ -54,8 +57,11 @@ def transformer_config(cfg: ModelConfig, par: ParallelConfig):
     from megatron.core.transformer import TransformerConfig
 
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    recompute = dict(recompute_granularity="full", recompute_method="uniform",
-                     recompute_num_layers=1) if cfg.recompute else {}
+    recompute = (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if cfg.recompute
+        else {}
+    )
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -117,8 +123,9 @@ def layer_spec(cfg: ModelConfig, config, *, stock_local: bool = False):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False,
-                                    qk_layernorm=cfg.qk_norm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(
+        num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=cfg.qk_norm, normalization="RMSNorm"
+    )
     sub = spec.submodules
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm

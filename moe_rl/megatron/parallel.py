@@ -60,11 +60,18 @@ def check_world(cfg: ParallelConfig, world_size: int) -> None:
             f"{cfg.pipeline_parallel} x data_parallel={cfg.data_parallel} = {cfg.world_size} "
             f"processes, but the world has {world_size}: set parallel.data_parallel="
             f"{max(1, world_size // (cfg.tensor_parallel * cfg.pipeline_parallel))} or launch "
-            f"{cfg.world_size} processes")
+            f"{cfg.world_size} processes"
+        )
 
 
-def init_parallel(cfg: ParallelConfig, *, seed: int, rank: int | None = None,
-                  world_size: int | None = None, init_method: str | None = None) -> ParallelInfo:
+def init_parallel(
+    cfg: ParallelConfig,
+    *,
+    seed: int,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
+) -> ParallelInfo:
     """Start torch.distributed (if needed) and megatron-core's model-parallel groups."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -82,9 +89,13 @@ def init_parallel(cfg: ParallelConfig, *, seed: int, rank: int | None = None,
             init_method = f"tcp://127.0.0.1:{free_port()}"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
-        dist.init_process_group(backend=backend_for(cfg), init_method=init_method, rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        dist.init_process_group(
+            backend=backend_for(cfg),
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=cfg.timeout_s),
+        )
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=cfg.tensor_parallel,
@@ -103,15 +114,21 @@ def parallel_info() -> ParallelInfo:
     from megatron.core import parallel_state as ps
 
     return ParallelInfo(
-        rank=dist.get_rank(), world_size=dist.get_world_size(),
-        tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
-        ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
-        dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-        tp_group=ps.get_tensor_model_parallel_group(), ep_group=ps.get_expert_model_parallel_group(),
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        ep_group=ps.get_expert_model_parallel_group(),
         dp_group=ps.get_data_parallel_group(),
         expert_dp_group=ps.get_expert_data_parallel_group(),
         mp_group=ps.get_model_parallel_group(),
-        device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+        device=torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
         else torch.device("cpu"),
     )
 

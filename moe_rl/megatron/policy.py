@@ -122,8 +122,9 @@ class Policy:
             return "triton" if self.info.device.type == "cuda" and triton_available() else "logits"
         return impl
 
-    def logprobs(self, tokens_BT: torch.Tensor, *, temperature: float = 1.0,
-                 with_entropy: bool = False) -> LogProbOutput:
+    def logprobs(
+        self, tokens_BT: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = False
+    ) -> LogProbOutput:
         """Per-token log-probs (and entropy) of ``tokens_BT`` under the current weights.
 
         fp32 softmax of logits / temperature, vocab-parallel across TP ranks; identical on
@@ -134,8 +135,12 @@ class Policy:
         tokens_BT = tokens_BT.to(self.info.device)
         b, t = tokens_BT.shape
         target = tokens_BT[:, 1:].reshape(-1)
-        kw = dict(temperature=temperature, group=self.info.tp_group, vocab_start=self.vocab_start,
-                  with_entropy=with_entropy)
+        kw = dict(
+            temperature=temperature,
+            group=self.info.tp_group,
+            vocab_start=self.vocab_start,
+            with_entropy=with_entropy,
+        )
         impl = self._impl()
         if impl == "logits":
             logits = self.logits(tokens_BT[:, :-1])
@@ -144,8 +149,9 @@ class Policy:
             from moe_rl.kernels import logprobs_from_hidden
 
             h = self.hidden(tokens_BT[:, :-1])
-            logp, ent = logprobs_from_hidden(h.reshape(-1, h.shape[-1]), self.output_weight(), target,
-                                             impl=impl, **kw)
+            logp, ent = logprobs_from_hidden(
+                h.reshape(-1, h.shape[-1]), self.output_weight(), target, impl=impl, **kw
+            )
         zero = torch.zeros(b, 1, device=logp.device, dtype=logp.dtype)
         logp_BT = torch.cat([zero, logp.view(b, t - 1)], dim=1)
         ent_BT = torch.cat([zero, ent.view(b, t - 1)], dim=1) if with_entropy else None

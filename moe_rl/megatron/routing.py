@@ -54,8 +54,15 @@ def sanitize_routes(routes_NK: torch.Tensor, topk: int) -> torch.Tensor:
 class RoutingSession:
     """One forward (and its backward) of ``policy`` under a router action."""
 
-    def __init__(self, policy, action: RouterAction, *, routes_BSLK: torch.Tensor | None = None,
-                 gates_BSLK: torch.Tensor | None = None, capture: bool = True):
+    def __init__(
+        self,
+        policy,
+        action: RouterAction,
+        *,
+        routes_BSLK: torch.Tensor | None = None,
+        gates_BSLK: torch.Tensor | None = None,
+        capture: bool = True,
+    ):
         if action is RouterAction.REPLAY and routes_BSLK is None:
             raise ValueError("RouterAction.REPLAY needs routes_BSLK (the experts to replay)")
         self.policy = policy
@@ -81,7 +88,7 @@ class RoutingSession:
             fill = torch.arange(self.topk, dtype=x.dtype).expand(b, pad, self.topk)
             x = torch.cat([x, fill.to(x)], dim=1)
         per = (s + pad) // info.tp_size
-        x = x[:, info.tp_rank * per:(info.tp_rank + 1) * per]
+        x = x[:, info.tp_rank * per : (info.tp_rank + 1) * per]
         return x.transpose(0, 1).reshape(-1, x.shape[-1])
 
     def _to_BSLK(self, per_layer_RK: list[torch.Tensor], b: int, s: int) -> torch.Tensor:
@@ -128,11 +135,13 @@ class RoutingSession:
         router.gating = capturing_gating
         self._hooks.append(("gating", router))
         if self.action is RouterAction.RECORD:
+
             def record_gates(module, args, output):
                 if self._capturing:
                     probs, routing_map = output
                     idx = module.router_replay.recorded_topk_idx
                     gates.append(probs.detach().gather(1, idx))
+
             self._hooks.append(("hook", router.register_forward_hook(record_gates)))
         elif self.action is RouterAction.REPLAY and self.gates_BSLK is not None:
             rows_g = self._local_rows(self.gates_BSLK, i)
@@ -142,6 +151,7 @@ class RoutingSession:
                 idx = module.router_replay.target_topk_idx
                 fixed = torch.zeros_like(probs).scatter(1, idx, rows_g.to(probs))
                 return fixed, routing_map
+
             self._hooks.append(("hook", router.register_forward_hook(replay_gates)))
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -227,8 +227,13 @@ class MegatronForward:
         ctx.sequence_len_offset = start
         if start > 0:
             ctx.enable_decode_mode()
-        logits = self.policy.model(input_ids=inp, position_ids=pos, attention_mask=None,
-                                   inference_context=ctx, runtime_gather_output=True)
+        logits = self.policy.model(
+            input_ids=inp,
+            position_ids=pos,
+            attention_mask=None,
+            inference_context=ctx,
+            runtime_gather_output=True,
+        )
         return logits[:, -1], None
 
     def idle(self) -> None:
@@ -300,8 +305,9 @@ def pick_forward(policy, decoder: str):
     if reason is None:
         return LeanForward(policy)
     if decoder == "lean":
-        raise ValueError(f"rollout.embedded_decoder=lean cannot run this policy: {reason}; "
-                         "use auto or megatron")
+        raise ValueError(
+            f"rollout.embedded_decoder=lean cannot run this policy: {reason}; use auto or megatron"
+        )
     log.info("embedded engine: megatron-core decode path (%s)", reason)
     return MegatronForward(policy)
 

@@ -61,12 +61,19 @@ def build_sglang_engine(r) -> RankedSGLangEngine:
 
             export_hf(r.policy, model_path, tokenizer=r.tok)
         if r.info.rank == 0:
-            cfg = SGLangServerConfig(model_path=model_path, tp_size=ro.sglang_tp, ep_size=ro.sglang_ep,
-                                     host=ro.sglang_host, port=ro.sglang_port or None,
-                                     enable_return_routed_experts=r.recipe.algo.routing == "r3",
-                                     mem_fraction_static=ro.sglang_mem_fraction, module=ro.sglang_module)
-            launcher = SGLangLauncher(cfg, log_path=r.out / "logs" / "sglang.log",
-                                      startup_timeout_s=ro.sglang_startup_timeout_s)
+            cfg = SGLangServerConfig(
+                model_path=model_path,
+                tp_size=ro.sglang_tp,
+                ep_size=ro.sglang_ep,
+                host=ro.sglang_host,
+                port=ro.sglang_port or None,
+                enable_return_routed_experts=r.recipe.algo.routing == "r3",
+                mem_fraction_static=ro.sglang_mem_fraction,
+                module=ro.sglang_module,
+            )
+            launcher = SGLangLauncher(
+                cfg, log_path=r.out / "logs" / "sglang.log", startup_timeout_s=ro.sglang_startup_timeout_s
+            )
             launcher.start()
             url = launcher.url
         url = _broadcast_str(url)
@@ -77,8 +84,15 @@ def build_sglang_engine(r) -> RankedSGLangEngine:
             sync = DiskWeightSync(client, ro.weight_sync_dir or Path(r.out) / "weights")
         else:
             sync = DistributedWeightSync(client, world_size=1 + ro.sglang_tp)
-    inner = SGLangEngine(client, num_layers=m.num_layers, topk=m.moe_router_topk, num_experts=m.num_experts,
-                         pad_id=r.tok.pad_id, weight_sync=sync, launcher=launcher)
+    inner = SGLangEngine(
+        client,
+        num_layers=m.num_layers,
+        topk=m.moe_router_topk,
+        num_experts=m.num_experts,
+        pad_id=r.tok.pad_id,
+        weight_sync=sync,
+        launcher=launcher,
+    )
     return RankedSGLangEngine(inner, r.info.rank)
 
 

@@ -30,8 +30,9 @@ def build_engine(args):
 
         model_cfg = model_config_from_path(path)
     else:
-        raise ConfigError(f"--model-path {path}: expected an HF checkpoint directory (config.json) "
-                          "or a moe-rl recipe .yaml")
+        raise ConfigError(
+            f"--model-path {path}: expected an HF checkpoint directory (config.json) or a moe-rl recipe .yaml"
+        )
     par = ParallelConfig()
     info = init_parallel(par, seed=0)
     policy = build_policy(model_cfg, par, info)

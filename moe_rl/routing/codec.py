@@ -29,8 +29,10 @@ def route_dtype(num_experts: int) -> torch.dtype:
 def encode_routes(routes_NLK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Store expert indices in the smallest dtype that holds ``num_experts``; checks the range."""
     if routes_NLK.numel() and (int(routes_NLK.min()) < 0 or int(routes_NLK.max()) >= num_experts):
-        raise ValueError(f"route indices outside [0, {num_experts}): "
-                         f"min {int(routes_NLK.min())}, max {int(routes_NLK.max())}")
+        raise ValueError(
+            f"route indices outside [0, {num_experts}): "
+            f"min {int(routes_NLK.min())}, max {int(routes_NLK.max())}"
+        )
     return routes_NLK.to(route_dtype(num_experts))
 
 
@@ -53,9 +55,11 @@ def decode_sglang_routes(payload: str, num_layers: int, topk: int) -> torch.Tens
     raw = base64.b64decode(payload, validate=True)
     per_row = num_layers * topk * 4
     if len(raw) % per_row:
-        raise ValueError(f"routed_experts payload of {len(raw)} bytes is not a whole number of "
-                         f"[{num_layers} layers x {topk} topk] int32 rows: the server's model has a "
-                         "different number of MoE layers or top-k than the trainer's")
+        raise ValueError(
+            f"routed_experts payload of {len(raw)} bytes is not a whole number of "
+            f"[{num_layers} layers x {topk} topk] int32 rows: the server's model has a "
+            "different number of MoE layers or top-k than the trainer's"
+        )
     arr = np.frombuffer(raw, dtype="<i4").reshape(-1, num_layers, topk)
     return torch.from_numpy(arr.astype(np.int64))
 

@@ -49,8 +49,9 @@ def flip_metrics(counts: dict, prefix: str = "flip") -> dict[str, float]:
     return out
 
 
-def flip_rate(a_NLK: torch.Tensor, b_NLK: torch.Tensor, mask_N: torch.Tensor | None = None,
-              prefix: str = "flip") -> dict[str, float]:
+def flip_rate(
+    a_NLK: torch.Tensor, b_NLK: torch.Tensor, mask_N: torch.Tensor | None = None, prefix: str = "flip"
+) -> dict[str, float]:
     """Flip metrics of one pair of route sets (see module doc)."""
     return flip_metrics(flip_counts(a_NLK, b_NLK, mask_N), prefix)
 

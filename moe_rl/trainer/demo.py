@@ -27,8 +27,9 @@ def _train(recipe: Path, overrides: list[str]) -> None:
     subprocess.run(cmd, check=True, env=env)
 
 
-def run_demo(recipe_dir: str | Path = "recipes/demo", overrides: list[str] = (), *,
-             out: str | Path = "runs/demo") -> str:
+def run_demo(
+    recipe_dir: str | Path = "recipes/demo", overrides: list[str] = (), *, out: str | Path = "runs/demo"
+) -> str:
     """Run (or reuse) the SFT start and the three RL arms; write report.png and report.json."""
     recipe_dir, out = Path(recipe_dir), Path(out)
     t0 = time.perf_counter()

@@ -55,9 +55,11 @@ def run_rl(r) -> dict:
             m.update(evaluate(r, step + 1))
         bad = 0 if ok else bad + 1
         if bad >= cfg.max_bad_steps:
-            raise TrainingStopped(f"{bad} consecutive RL steps had non-finite loss or gradients "
-                                  f"(each skipped); stopping at step {step} with the last good "
-                                  "checkpoint intact: lower optim.lr or check the data")
+            raise TrainingStopped(
+                f"{bad} consecutive RL steps had non-finite loss or gradients "
+                f"(each skipped); stopping at step {step} with the last good "
+                "checkpoint intact: lower optim.lr or check the data"
+            )
         verdict = sentinel.check(m)
         m["sentinel/fired"] = float(len(verdict.fired))
         r.sink.log(step, "rl", m)

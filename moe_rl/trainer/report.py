@@ -62,12 +62,34 @@ def summarize(name: str, arm: dict) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    cols = [("arm", "{:<10}"), ("steps", "{:>5}"), ("reward_first", "{:>8.3f}"), ("reward_last", "{:>8.3f}"),
-            ("eval_start", "{:>8.3f}"), ("eval_end", "{:>8.3f}"), ("flip_step", "{:>9.4f}"),
-            ("flip_drift", "{:>9.4f}"), ("clip_token", "{:>10.5f}"), ("clip_seq", "{:>9.4f}"),
-            ("max_abs_seq_log_ratio", "{:>9.2f}"), ("step_s", "{:>7.2f}")]
-    heads = ["arm", "steps", "rew0", "rew_end", "acc0", "acc_end", "flip/step", "flip/drift",
-             "clip/token", "clip/seq", "|seqlogr|", "step_s"]
+    cols = [
+        ("arm", "{:<10}"),
+        ("steps", "{:>5}"),
+        ("reward_first", "{:>8.3f}"),
+        ("reward_last", "{:>8.3f}"),
+        ("eval_start", "{:>8.3f}"),
+        ("eval_end", "{:>8.3f}"),
+        ("flip_step", "{:>9.4f}"),
+        ("flip_drift", "{:>9.4f}"),
+        ("clip_token", "{:>10.5f}"),
+        ("clip_seq", "{:>9.4f}"),
+        ("max_abs_seq_log_ratio", "{:>9.2f}"),
+        ("step_s", "{:>7.2f}"),
+    ]
+    heads = [
+        "arm",
+        "steps",
+        "rew0",
+        "rew_end",
+        "acc0",
+        "acc_end",
+        "flip/step",
+        "flip/drift",
+        "clip/token",
+        "clip/seq",
+        "|seqlogr|",
+        "step_s",
+    ]
     widths = [len(f.format(r[c])) if rows else 8 for (c, f), r in zip(cols, rows * len(cols))]
     head = " ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(heads, widths)))
     lines = [head, "-" * len(head)]

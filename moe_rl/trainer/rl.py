@@ -68,15 +68,20 @@ def chunks(n: int, size: int) -> list[slice]:
 def sampling_for(r, step: int, *, greedy: bool = False, routes: bool = False) -> SamplingParams:
     cfg = r.recipe.train
     seed = make_rng("rollout", cfg.seed, step).randrange(2**31)
-    return SamplingParams(temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p,
-                          max_new_tokens=cfg.max_new_tokens, stop_token_ids=(r.tok.eos_id,),
-                          seed=seed, return_routes=routes)
+    return SamplingParams(
+        temperature=0.0 if greedy else cfg.temperature,
+        top_p=cfg.top_p,
+        max_new_tokens=cfg.max_new_tokens,
+        stop_token_ids=(r.tok.eos_id,),
+        seed=seed,
+        return_routes=routes,
+    )
 
 
 def local_prompts(r, prompts: list) -> list:
     """This data-parallel rank's share of the step's prompts (all ranks draw the same list)."""
     per = len(prompts) // r.info.dp_size
-    return prompts[r.info.dp_rank * per:(r.info.dp_rank + 1) * per]
+    return prompts[r.info.dp_rank * per : (r.info.dp_rank + 1) * per]
 
 
 def rewards_of(r, prompts, rollouts, group: int) -> torch.Tensor:
@@ -98,8 +103,13 @@ def collect(r, step: int, m: dict, timing: dict) -> RLBatch:
     ro = r.engine.generate(ids, cfg.group_size, sampling_for(r, step, routes=want_routes))
     timing["rollout"] = time.perf_counter() - t0
     rewards = rewards_of(r, prompts, ro, cfg.group_size)
-    adv, st = group_advantages(rewards, cfg.group_size, eps=algo.adv_eps,
-                               std_normalize=algo.adv_std_normalize, unbiased=algo.adv_std_unbiased)
+    adv, st = group_advantages(
+        rewards,
+        cfg.group_size,
+        eps=algo.adv_eps,
+        std_normalize=algo.adv_std_normalize,
+        unbiased=algo.adv_std_unbiased,
+    )
     m.update({k: float(v) for k, v in st.items()})
     m["reward/accuracy"] = float((rewards >= 1.0).float().mean())
     m["response/len_mean"] = float(ro.response_mask_BT.sum(1).mean())
@@ -163,8 +173,11 @@ def _global_counts(r, mb_masks: list[torch.Tensor]) -> list[tuple[float, float]]
 
 def _reduce_loss_metrics(r, per_mb: list[dict]) -> dict[str, float]:
     """Average sum-type metrics over the M updates, min/max the rest; one all-reduce per op across DP."""
-    ops = {"sum": torch.distributed.ReduceOp.SUM, "min": torch.distributed.ReduceOp.MIN,
-           "max": torch.distributed.ReduceOp.MAX}
+    ops = {
+        "sum": torch.distributed.ReduceOp.SUM,
+        "min": torch.distributed.ReduceOp.MIN,
+        "max": torch.distributed.ReduceOp.MAX,
+    }
     out = {}
     for op, reduce_op in ops.items():
         keys = [k for k in per_mb[0] if METRIC_REDUCTIONS.get(k, "sum") == op]
@@ -185,8 +198,15 @@ def _micro_step(r, batch: RLBatch, u: slice, count, loss_fn, entropies, flips) -
     mask = batch.mask_BT[u].to(r.info.device)
     with RoutingSession(r.policy, action, routes_BSLK=replay) as rs:
         out = r.policy.logprobs(batch.tokens_BT[u], temperature=cfg.temperature, with_entropy=True)
-        loss, metrics = loss_fn(out.logp_BT, batch.old_logp_BT[u], batch.adv_B[u], mask, cfg=algo,
-                                num_sequences=count[0], num_tokens=count[1])
+        loss, metrics = loss_fn(
+            out.logp_BT,
+            batch.old_logp_BT[u],
+            batch.adv_B[u],
+            mask,
+            cfg=algo,
+            num_sequences=count[0],
+            num_tokens=count[1],
+        )
         rs.backward(loss)
     entropies.append(((out.entropy_BT.detach() * mask).sum(), mask.sum()))
     if batch.old_routes_BSLK is not None:
@@ -218,9 +238,17 @@ def train_on(r, batch: RLBatch, m: dict, timing: dict) -> bool:
         metrics = [_micro_step(r, batch, u, counts[i], loss_fn, entropies, flips) for u in micro]
         stats = r.optimizer.step()
         steps_ok &= stats["skipped"] == 0.0
-        per_mb.append({**{k: sum(mt[k] for mt in metrics) if METRIC_REDUCTIONS[k] == "sum" else
-                          (min if METRIC_REDUCTIONS[k] == "min" else max)(mt[k] for mt in metrics)
-                          for k in metrics[0]}, "grad_norm": torch.tensor(stats["grad_norm"])})
+        per_mb.append(
+            {
+                **{
+                    k: sum(mt[k] for mt in metrics)
+                    if METRIC_REDUCTIONS[k] == "sum"
+                    else (min if METRIC_REDUCTIONS[k] == "min" else max)(mt[k] for mt in metrics)
+                    for k in metrics[0]
+                },
+                "grad_norm": torch.tensor(stats["grad_norm"]),
+            }
+        )
         if before is not None and (r.optimizer.step_count % cfg.flip_probe_every == 0):
             tp = time.perf_counter()
             after = _natural(r, probe)

@@ -29,9 +29,11 @@ class Run:
         self.recipe = recipe
         self.tok = load_tokenizer(recipe.model.tokenizer)
         if recipe.model.vocab_size < self.tok.vocab_size:
-            raise ConfigError(f"model.vocab_size={recipe.model.vocab_size} is smaller than the "
-                              f"tokenizer's {self.tok.vocab_size} ids: set model.vocab_size="
-                              f"{self.tok.vocab_size} (rounded up to a multiple of tensor_parallel)")
+            raise ConfigError(
+                f"model.vocab_size={recipe.model.vocab_size} is smaller than the "
+                f"tokenizer's {self.tok.vocab_size} ids: set model.vocab_size="
+                f"{self.tok.vocab_size} (rounded up to a multiple of tensor_parallel)"
+            )
         self.task = build_task(recipe.task)
         self.owns_dist = not torch.distributed.is_initialized()
         self.info = init_parallel(recipe.parallel, seed=recipe.train.seed)
@@ -73,8 +75,14 @@ class Run:
 
         root = self.ckpt_root()
         self.state["ckpt_seq"] = self.state.get("ckpt_seq", 0) + 1
-        save_checkpoint(root, self.state["ckpt_seq"], self.policy.model, self.optimizer, extra=self.state,
-                        keep=self.recipe.checkpoint.keep)
+        save_checkpoint(
+            root,
+            self.state["ckpt_seq"],
+            self.policy.model,
+            self.optimizer,
+            extra=self.state,
+            keep=self.recipe.checkpoint.keep,
+        )
 
     def close(self) -> None:
         """Flush metrics, stop the engine, and end the process groups this run started."""
@@ -96,9 +104,9 @@ class Run:
 
         ro = self.recipe.rollout
         if ro.engine == "embedded":
-            self.engine = get_engine_class("embedded")(self.policy, pad_id=self.tok.pad_id,
-                                                       eos_id=self.tok.eos_id,
-                                                       decoder=ro.embedded_decoder)
+            self.engine = get_engine_class("embedded")(
+                self.policy, pad_id=self.tok.pad_id, eos_id=self.tok.eos_id, decoder=ro.embedded_decoder
+            )
             self.engine_returns_routes = True  # free: captured during generation
         else:
             from moe_rl.rollout.factory import build_sglang_engine
@@ -123,9 +131,12 @@ class Run:
 
             self._bar = tqdm(total=total, initial=step, desc="rl", dynamic_ncols=True)
         self._bar.update(1)
-        self._bar.set_postfix(reward=f"{m.get('reward/mean', 0):.3f}", acc=f"{m.get('reward/accuracy', 0):.2f}",
-                              flip=f"{m.get('flip/step/rate', float('nan')):.3f}",
-                              step_s=f"{m.get('time/step', 0):.1f}")
+        self._bar.set_postfix(
+            reward=f"{m.get('reward/mean', 0):.3f}",
+            acc=f"{m.get('reward/accuracy', 0):.2f}",
+            flip=f"{m.get('flip/step/rate', float('nan')):.3f}",
+            step_s=f"{m.get('time/step', 0):.1f}",
+        )
 
     def rollback(self, lr_factor: float) -> int:
         """Reload the last good checkpoint, lower the LR; return the RL step to continue from."""
@@ -170,14 +181,26 @@ def run_sft(r: Run) -> dict:
     last = {}
     for step in range(start, cfg.sft_steps):
         t0 = time.perf_counter()
-        tokens, mask = sft_batch(r.task, r.tok, step=step, batch_size=cfg.sft_batch_size,
-                                 seed=cfg.seed, max_len=r.recipe.model.max_seq_len)
+        tokens, mask = sft_batch(
+            r.task,
+            r.tok,
+            step=step,
+            batch_size=cfg.sft_batch_size,
+            seed=cfg.seed,
+            max_len=r.recipe.model.max_seq_len,
+        )
         last = sft_step(r.policy, r.optimizer, tokens, mask, r.info)
         last["step_s"] = time.perf_counter() - t0
         r.sink.log(step, "sft", last)
         if r.info.rank == 0 and (step % cfg.log_every == 0 or step == cfg.sft_steps - 1):
-            log.info("sft step %d/%d loss %.4f grad_norm %.3f %.3fs", step + 1, cfg.sft_steps,
-                     last["loss"], last["grad_norm"], last["step_s"])
+            log.info(
+                "sft step %d/%d loss %.4f grad_norm %.3f %.3fs",
+                step + 1,
+                cfg.sft_steps,
+                last["loss"],
+                last["grad_norm"],
+                last["step_s"],
+            )
         r.state["step"] = step + 1
         every = r.recipe.checkpoint.every
         if every and (step + 1) % every == 0 and step + 1 < cfg.sft_steps:

@@ -43,9 +43,13 @@ class Sentinel:
             if self.state["below"] >= c.reward_window:
                 fired.append("reward")
                 actions.append(c.reward_action)
-                reasons.append(f"reward {r:.3f} below {c.reward_drop_frac} x best {best:.3f} for "
-                               f"{self.state['below']} steps")
-        lr = max(abs(m.get("ratio/seq_log_sum_min", 0.0) or 0.0), abs(m.get("ratio/seq_log_sum_max", 0.0) or 0.0))
+                reasons.append(
+                    f"reward {r:.3f} below {c.reward_drop_frac} x best {best:.3f} for "
+                    f"{self.state['below']} steps"
+                )
+        lr = max(
+            abs(m.get("ratio/seq_log_sum_min", 0.0) or 0.0), abs(m.get("ratio/seq_log_sum_max", 0.0) or 0.0)
+        )
         if c.ratio_action != "off" and c.max_abs_seq_log_ratio > 0 and lr > c.max_abs_seq_log_ratio:
             fired.append("ratio")
             actions.append(c.ratio_action)

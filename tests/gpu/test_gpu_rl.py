@@ -28,8 +28,9 @@ def test_losses_on_cuda_match_cpu(name):
     out = {}
     for dev in ("cpu", "cuda"):
         x = logp.to(dev).requires_grad_(True)
-        loss, m = get_loss(name)(x, old.to(dev), adv.to(dev), mask.to(dev), cfg=cfg, num_sequences=8,
-                                 num_tokens=float(mask.sum()))
+        loss, m = get_loss(name)(
+            x, old.to(dev), adv.to(dev), mask.to(dev), cfg=cfg, num_sequences=8, num_tokens=float(mask.sum())
+        )
         loss.backward()
         out[dev] = (loss.detach().cpu(), x.grad.cpu(), {k: v.detach().cpu() for k, v in m.items()})
     torch.testing.assert_close(out["cuda"][0], out["cpu"][0], atol=1e-6, rtol=1e-5)
@@ -72,8 +73,11 @@ def test_embedded_engine_on_cuda_matches_recompute(bf16_policy, decoder):
     from moe_rl.rollout.types import SamplingParams
 
     eng = EmbeddedEngine(bf16_policy, pad_id=0, decoder=decoder)
-    ro = eng.generate([[5, 6, 7, 8], [9, 10]], 2, SamplingParams(temperature=1.0, max_new_tokens=16, seed=3,
-                                                                  return_routes=True))
+    ro = eng.generate(
+        [[5, 6, 7, 8], [9, 10]],
+        2,
+        SamplingParams(temperature=1.0, max_new_tokens=16, seed=3, return_routes=True),
+    )
     with torch.no_grad():
         re = bf16_policy.logprobs(ro.tokens_BT.cuda()).logp_BT.cpu()
     m = ro.response_mask_BT.bool()

@@ -116,10 +116,29 @@ def test_engine_throughput_smoke(tmp_path):
     import subprocess
 
     root = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-m", "benchmarks.engine_throughput", "--batch", "4", "--new-tokens", "4",
-           "--prompt-len", "4", "--repeats", "1", "--out", str(tmp_path)]
-    res = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.engine_throughput",
+        "--batch",
+        "4",
+        "--new-tokens",
+        "4",
+        "--prompt-len",
+        "4",
+        "--repeats",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
+    res = subprocess.run(
+        cmd,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "PYTHONPATH": str(root)},
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     (path,) = tmp_path.glob("engine_throughput-*.json")
     data = json.loads(path.read_text())

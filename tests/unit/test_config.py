@@ -18,33 +18,47 @@ def test_every_recipe_loads(path):
 
 
 def test_overrides_parse_yaml_scalars():
-    r = recipe_from_dict({}, ["optim.lr=3e-4", "model.qk_norm=false", "algo.name=grpo",
-                              "checkpoint.dir=null", "train.stages=[sft]"])
+    r = recipe_from_dict(
+        {},
+        [
+            "optim.lr=3e-4",
+            "model.qk_norm=false",
+            "algo.name=grpo",
+            "checkpoint.dir=null",
+            "train.stages=[sft]",
+        ],
+    )
     assert r.optim.lr == 3e-4 and r.model.qk_norm is False and r.algo.name == "grpo"
     assert r.checkpoint.dir is None and r.train.stages == ("sft",)
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["model.bogus=1"], "unknown key(s) model.bogus"),
-    (["bogus.x=1"], "unknown key(s) bogus"),
-    (["optim.lr=fast"], "optim.lr must be a number"),
-    (["model.num_layers=2.5"], "model.num_layers must be an integer"),
-    (["model.qk_norm=1"], "model.qk_norm must be true or false"),
-    (["model.moe_router_topk=9"], "exceeds model.num_experts"),
-    (["parallel.expert_parallel=3", "parallel.data_parallel=3"], "not divisible by parallel.expert_parallel"),
-    (["parallel.tensor_parallel=3"], "num_attention_heads=4 is not divisible"),
-    (["parallel.pipeline_parallel=2"], "pipeline parallelism is not supported"),
-    (["parallel.expert_parallel=2"], "must divide tensor_parallel x data_parallel"),
-    (["algo.name=ppo"], "algo.name='ppo' is unknown"),
-    (["algo.routing=r4"], "algo.routing"),
-    (["train.minibatches=3"], "does not divide the rollout batch"),
-    (["task.name=chess"], "task.name='chess' is unknown"),
-    (["model.vocab_size=105", "parallel.tensor_parallel=2"], "vocab_size=105 is not divisible"),
-    (["optim.lr=-1"], "optim.lr must be positive"),
-    (["model.dtype=float16"], "model.dtype"),
-    (["rollout.embedded_decoder=fast"], "rollout.embedded_decoder='fast': use auto, lean or megatron"),
-    (["bad"], "must look like section.field=value"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["model.bogus=1"], "unknown key(s) model.bogus"),
+        (["bogus.x=1"], "unknown key(s) bogus"),
+        (["optim.lr=fast"], "optim.lr must be a number"),
+        (["model.num_layers=2.5"], "model.num_layers must be an integer"),
+        (["model.qk_norm=1"], "model.qk_norm must be true or false"),
+        (["model.moe_router_topk=9"], "exceeds model.num_experts"),
+        (
+            ["parallel.expert_parallel=3", "parallel.data_parallel=3"],
+            "not divisible by parallel.expert_parallel",
+        ),
+        (["parallel.tensor_parallel=3"], "num_attention_heads=4 is not divisible"),
+        (["parallel.pipeline_parallel=2"], "pipeline parallelism is not supported"),
+        (["parallel.expert_parallel=2"], "must divide tensor_parallel x data_parallel"),
+        (["algo.name=ppo"], "algo.name='ppo' is unknown"),
+        (["algo.routing=r4"], "algo.routing"),
+        (["train.minibatches=3"], "does not divide the rollout batch"),
+        (["task.name=chess"], "task.name='chess' is unknown"),
+        (["model.vocab_size=105", "parallel.tensor_parallel=2"], "vocab_size=105 is not divisible"),
+        (["optim.lr=-1"], "optim.lr must be positive"),
+        (["model.dtype=float16"], "model.dtype"),
+        (["rollout.embedded_decoder=fast"], "rollout.embedded_decoder='fast': use auto, lean or megatron"),
+        (["bad"], "must look like section.field=value"),
+    ],
+)
 def test_bad_values_name_the_field(overrides, needle):
     with pytest.raises(ConfigError) as e:
         recipe_from_dict({}, overrides)

@@ -36,7 +36,7 @@ def _decode(policy, tok, prefill):
     cache = dec.new_cache(b, t)
     logits, routes = [], []
     for start, n in [(0, prefill)] + [(s, 1) for s in range(prefill, t)]:
-        lg, r = dec.forward(cache, tok[:, start:start + n], start, want_routes=True)
+        lg, r = dec.forward(cache, tok[:, start : start + n], start, want_routes=True)
         logits.append(lg.float())
         routes.append(torch.stack(r, dim=1).view(n, b, len(r), -1).transpose(0, 1))  # [b, n, L, K]
     return torch.stack(logits, 1), torch.cat(routes, 1)
@@ -53,7 +53,7 @@ def test_decode_equals_megatron_forward(parallel_info, tiny_model_cfg, seed, nor
     prefill = 6
     logits, routes = _decode(policy, tok, prefill)
     # measured max |diff| ~5e-7 (fp32 summation order of different matmul shapes)
-    torch.testing.assert_close(logits, full[:, prefill - 1:], atol=5e-6, rtol=1e-5)
+    torch.testing.assert_close(logits, full[:, prefill - 1 :], atol=5e-6, rtol=1e-5)
     # top-k sets equal (order within a token's k slots may differ on exact ties only)
     assert torch.equal(routes.sort(-1).values, natural.sort(-1).values)
 
@@ -72,7 +72,7 @@ def test_compacted_cache_rows_continue_exactly(parallel_info, tiny_model_cfg):
     rows = torch.tensor([3, 1])
     cache.keep_rows(rows)
     for s in range(5, 12):
-        lg, _ = dec.forward(cache, tok[rows, s:s + 1], s)
+        lg, _ = dec.forward(cache, tok[rows, s : s + 1], s)
         torch.testing.assert_close(lg, full[rows, s], atol=5e-6, rtol=1e-5)
 
 
@@ -118,8 +118,11 @@ def test_unsupported_layouts_fall_back_to_megatron(parallel_info, tiny_model_cfg
     assert isinstance(pick_forward(tp2, "auto"), MegatronForward)
     with pytest.raises(ValueError, match="embedded_decoder=lean cannot run"):
         pick_forward(tp2, "lean")
-    stock = SimpleNamespace(info=parallel_info, cfg=policy.cfg,
-                            model=build_gpt(tiny_model_cfg, ParallelConfig(), stock_local=True))
+    stock = SimpleNamespace(
+        info=parallel_info,
+        cfg=policy.cfg,
+        model=build_gpt(tiny_model_cfg, ParallelConfig(), stock_local=True),
+    )
     assert "local spec" in unsupported_reason(stock)
     with pytest.raises(ValueError, match="embedded_decoder='fast'"):
         pick_forward(policy, "fast")

@@ -282,6 +282,7 @@ def test_ignore_eos_keeps_generating_but_stop_tokens_still_stop(engine):
     assert stop.finish_reasons == ["stop"] and stop.response_mask_BT.sum().item() == 1
     assert keep.finish_reasons == ["length"] and keep.response_mask_BT.sum().item() == 6
     assert torch.equal(keep.tokens_BT, first.tokens_BT)
-    halt = eos_engine.generate(prompt, 1, SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True,
-                                                         stop_token_ids=(eos,)))
+    halt = eos_engine.generate(
+        prompt, 1, SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, stop_token_ids=(eos,))
+    )
     assert halt.response_mask_BT.sum().item() == 1  # explicit stop tokens still stop

@@ -3,15 +3,19 @@ import sys
 
 
 def _modules_after(stmt):
-    code = f"import sys, time; t=time.perf_counter(); {stmt}; print(time.perf_counter()-t); " \
-           "print(' '.join(m for m in ('megatron', 'sglang', 'transformer_engine', 'triton') if m in sys.modules))"
+    code = (
+        f"import sys, time; t=time.perf_counter(); {stmt}; print(time.perf_counter()-t); "
+        "print(' '.join(m for m in ('megatron', 'sglang', 'transformer_engine', 'triton') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     secs, heavy = out.splitlines()[0], (out.splitlines()[1:] or [""])[0]
     return float(secs), heavy.split()
 
 
 def test_import_moe_rl_is_cheap():
-    secs, heavy = _modules_after("import moe_rl, moe_rl.config, moe_rl.losses, moe_rl.routing.flip, moe_rl.tasks")
+    secs, heavy = _modules_after(
+        "import moe_rl, moe_rl.config, moe_rl.losses, moe_rl.routing.flip, moe_rl.tasks"
+    )
     assert heavy == [], f"import pulled in {heavy}"
     assert secs < 5.0
 

@@ -39,8 +39,9 @@ def test_modules_are_swapped(parallel_info, tiny_model_cfg):
     assert not {SDPAttention, GroupedExperts} & kinds(stock)
     assert {DotProductAttention, SequentialMLP} <= kinds(stock)
     # same parameter names and shapes: checkpoints, HF mapping and replay see one model
-    assert [(n, p.shape) for n, p in ours.named_parameters()] == \
-           [(n, p.shape) for n, p in stock.named_parameters()]
+    assert [(n, p.shape) for n, p in ours.named_parameters()] == [
+        (n, p.shape) for n, p in stock.named_parameters()
+    ]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -81,10 +82,17 @@ def test_kv_cache_decode_matches_stock(parallel_info, tiny_model_cfg):
                 ctx.sequence_len_offset = start
                 if start > 0:
                     ctx.enable_decode_mode()
-                inp = tok[:, start:start + n]
+                inp = tok[:, start : start + n]
                 pos = torch.arange(start, start + n).expand_as(inp)
-                steps.append(m(input_ids=inp, position_ids=pos, attention_mask=None,
-                               inference_context=ctx, runtime_gather_output=True)[:, -1])
+                steps.append(
+                    m(
+                        input_ids=inp,
+                        position_ids=pos,
+                        attention_mask=None,
+                        inference_context=ctx,
+                        runtime_gather_output=True,
+                    )[:, -1]
+                )
         results.append(torch.stack(steps))
     torch.testing.assert_close(results[0], results[1], atol=2e-6, rtol=1e-5)
     with torch.no_grad():  # and decode equals the full causal forward

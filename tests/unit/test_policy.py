@@ -25,8 +25,9 @@ def test_logprobs_equal_log_softmax_gather(policy, temperature):
         out = policy.logprobs(tok, temperature=temperature, with_entropy=True)
         logits = policy.logits(tok[:, :-1]).float() / temperature
     ref = torch.log_softmax(logits, -1)
-    torch.testing.assert_close(out.logp_BT[:, 1:], ref.gather(-1, tok[:, 1:, None]).squeeze(-1),
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        out.logp_BT[:, 1:], ref.gather(-1, tok[:, 1:, None]).squeeze(-1), atol=1e-6, rtol=0
+    )
     ent = -(ref.exp() * ref).sum(-1)
     torch.testing.assert_close(out.entropy_BT[:, 1:], ent, atol=1e-5, rtol=0)
     assert (out.logp_BT[:, 0] == 0).all()
@@ -37,7 +38,10 @@ def test_reference_backward_matches_autograd(temperature):
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(12, 40, generator=g, dtype=torch.float64, requires_grad=True)
     target = torch.randint(0, 40, (12,), generator=g)
-    w1, w2 = torch.randn(12, generator=g, dtype=torch.float64), torch.randn(12, generator=g, dtype=torch.float64)
+    w1, w2 = (
+        torch.randn(12, generator=g, dtype=torch.float64),
+        torch.randn(12, generator=g, dtype=torch.float64),
+    )
     lp, ent = logprobs_entropy(logits, target, temperature=temperature, with_entropy=True)
     (lp * w1 + ent * w2).sum().backward()
     ours = logits.grad.clone()
@@ -106,8 +110,9 @@ def test_checkpoint_round_trip_is_exact(policy, parallel_info, tiny_model_cfg, t
     with torch.no_grad():
         want = policy.logprobs(tok).logp_BT
 
-    other = build_policy(tiny_model_cfg.__class__(**{**tiny_model_cfg.__dict__, "seed": 99}),
-                         ParallelConfig(), parallel_info)
+    other = build_policy(
+        tiny_model_cfg.__class__(**{**tiny_model_cfg.__dict__, "seed": 99}), ParallelConfig(), parallel_info
+    )
     opt2 = Optimizer(other.parameters(), OptimConfig(lr=1e-3), parallel_info)
     meta = load_checkpoint(tmp_path, other.model, opt2)
     assert meta["extra"] == {"stage": "sft", "step": 2} and opt2.step_count == 2
@@ -172,8 +177,12 @@ def test_hidden_state_logprob_paths_equal_the_logits_path(parallel_info, tiny_mo
 
     if impl == "triton" and not triton_available():
         pytest.skip("triton not installed")
-    ref = build_policy(dataclasses.replace(tiny_model_cfg, logprob_impl="logits"), ParallelConfig(), parallel_info)
-    alt = build_policy(dataclasses.replace(tiny_model_cfg, logprob_impl=impl), ParallelConfig(), parallel_info)
+    ref = build_policy(
+        dataclasses.replace(tiny_model_cfg, logprob_impl="logits"), ParallelConfig(), parallel_info
+    )
+    alt = build_policy(
+        dataclasses.replace(tiny_model_cfg, logprob_impl=impl), ParallelConfig(), parallel_info
+    )
     alt.model.load_state_dict(ref.model.state_dict())
     tok = tokens(3, 12)
     outs = []

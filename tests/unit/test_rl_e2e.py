@@ -10,14 +10,32 @@ from moe_rl.trainer.metrics import read_metrics
 from moe_rl.trainer.run import run
 
 TINY = {
-    "model": {"vocab_size": 104, "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4,
-              "num_query_groups": 2, "head_dim": 16, "moe_ffn_hidden_size": 64, "num_experts": 4,
-              "moe_router_topk": 2, "max_seq_len": 64},
+    "model": {
+        "vocab_size": 104,
+        "hidden_size": 64,
+        "num_layers": 2,
+        "num_attention_heads": 4,
+        "num_query_groups": 2,
+        "head_dim": 16,
+        "moe_ffn_hidden_size": 64,
+        "num_experts": 4,
+        "moe_router_topk": 2,
+        "max_seq_len": 64,
+    },
     "optim": {"lr": 1e-3},
     "task": {"name": "arithmetic", "arithmetic": {"min_operands": 2, "max_operands": 2, "digits": 1}},
-    "train": {"stages": ["sft", "rl"], "sft_steps": 3, "sft_batch_size": 8, "rl_steps": 2,
-              "prompts_per_step": 2, "group_size": 4, "minibatches": 2, "max_new_tokens": 12,
-              "eval_prompts": 4, "flip_probe_sequences": 2},
+    "train": {
+        "stages": ["sft", "rl"],
+        "sft_steps": 3,
+        "sft_batch_size": 8,
+        "rl_steps": 2,
+        "prompts_per_step": 2,
+        "group_size": 4,
+        "minibatches": 2,
+        "max_new_tokens": 12,
+        "eval_prompts": 4,
+        "flip_probe_sequences": 2,
+    },
 }
 
 
@@ -34,10 +52,25 @@ def tiny(tmp_path, **sections):
 def test_every_algorithm_and_routing_mode_runs(tmp_path, parallel_info, name, routing):
     res = run(tiny(tmp_path, algo={"name": name, "routing": routing}))
     rl = res["rl"]
-    for key in ("reward/mean", "clip/token_frac", "clip/seq_frac", "clip/token_frac_of_clipped_seqs",
-                "ratio/seq_log_sum_max", "flip/step/rate", "flip/drift/rate", "entropy/mean",
-                "grad_norm", "time/rollout", "time/old_logprob", "time/train", "time/sync",
-                "tokens_per_s", "eval/accuracy", "flip/rollout_vs_trainer/rate", "mismatch/k3"):
+    for key in (
+        "reward/mean",
+        "clip/token_frac",
+        "clip/seq_frac",
+        "clip/token_frac_of_clipped_seqs",
+        "ratio/seq_log_sum_max",
+        "flip/step/rate",
+        "flip/drift/rate",
+        "entropy/mean",
+        "grad_norm",
+        "time/rollout",
+        "time/old_logprob",
+        "time/train",
+        "time/sync",
+        "tokens_per_s",
+        "eval/accuracy",
+        "flip/rollout_vs_trainer/rate",
+        "mismatch/k3",
+    ):
         assert key in rl, key
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl", "rl")
     assert [r["step"] for r in rows] == [0, 1]
@@ -64,12 +97,14 @@ def test_non_finite_steps_stop_with_the_checkpoint_intact(tmp_path, parallel_inf
 
 
 def test_sentinel_stop_and_rollback(tmp_path, parallel_info):
-    stop = tiny(tmp_path, sentinel={"min_entropy": 1e9, "entropy_action": "stop"},
-                train={"stages": ["rl"]})
+    stop = tiny(tmp_path, sentinel={"min_entropy": 1e9, "entropy_action": "stop"}, train={"stages": ["rl"]})
     with pytest.raises(TrainingStopped, match="entropy"):
         run(stop)
-    roll = tiny(tmp_path, sentinel={"min_entropy": 1e9, "entropy_action": "rollback", "max_rollbacks": 2},
-                train={"stages": ["rl"], "rl_steps": 3})
+    roll = tiny(
+        tmp_path,
+        sentinel={"min_entropy": 1e9, "entropy_action": "rollback", "max_rollbacks": 2},
+        train={"stages": ["rl"], "rl_steps": 3},
+    )
     with pytest.raises(TrainingStopped, match="rolled back 2 times"):
         run(roll)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -84,8 +119,11 @@ def test_micro_batching_leaves_the_update_unchanged(tmp_path, parallel_info, mon
     monkeypatch.setattr(ArithmeticTask, "reward", lambda self, prompt, text: float(len(text) % 2))
     res = {}
     for mbs in (0, 1):
-        r = tiny(tmp_path / str(mbs), algo={"name": name, "routing": "r2"},
-                 train={"stages": ["rl"], "rl_steps": 1, "micro_batch_size": mbs})
+        r = tiny(
+            tmp_path / str(mbs),
+            algo={"name": name, "routing": "r2"},
+            train={"stages": ["rl"], "rl_steps": 1, "micro_batch_size": mbs},
+        )
         res[mbs] = run(r)["rl"]
     assert res[0]["adv/abs_mean"] > 0, "the injected rewards must give a learning signal"
     for k in ("loss/pg", "clip/token_frac", "ratio/token_max", "grad_norm", "flip/step/rate", "entropy/mean"):

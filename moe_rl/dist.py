@@ -1,0 +1,98 @@
+"""Collectives and process-group helpers: the one place moe-rl calls ``torch.distributed``.
+
+Torch only (no megatron-core). Every function takes an explicit group (``None`` = the
+world) and is a no-op, or the identity, when torch.distributed is not initialised or the
+group has one member, so the same code runs in a single CPU process and under torchrun.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+
+
+def is_distributed() -> bool:
+    """True when torch.distributed is initialised (any world size)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (0 without distributed)."""
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def world_size(group: Any = None) -> int:
+    """Members of ``group`` (1 without distributed)."""
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def _active(group: Any) -> bool:
+    return is_distributed() and dist.get_world_size(group) > 1
+
+
+def barrier(group: Any = None) -> None:
+    """Wait for every member of ``group``."""
+    if _active(group):
+        dist.barrier(group=group)
+
+
+def all_reduce(t: torch.Tensor, group: Any = None, op: Any = ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce of ``t`` over ``group``; returns ``t``."""
+    if _active(group):
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def all_gather_cat(t: torch.Tensor, group: Any = None, dim: int = 0) -> torch.Tensor:
+    """Every member's ``t`` (same shape on all) concatenated along ``dim`` in rank order."""
+    if not _active(group):
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def any_rank(flag: bool, group: Any = None) -> bool:
+    """True when ``flag`` is true on at least one member of ``group``."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    return bool(all_reduce(t, group, ReduceOp.MAX).item())
+
+
+def all_ranks(flag: bool, group: Any = None) -> bool:
+    """True when ``flag`` is true on every member of ``group``."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    return bool(all_reduce(t, group, ReduceOp.MIN).item())
+
+
+def max_over(value: int | float, group: Any = None) -> int | float:
+    """The largest ``value`` over the members of ``group``."""
+    t = torch.tensor([value], dtype=torch.float64)
+    out = all_reduce(t, group, ReduceOp.MAX).item()
+    return type(value)(out)
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """``obj`` as held by global rank ``src``, on every member of ``group`` (must be picklable)."""
+    if not _active(group):
+        return obj
+    box = [obj if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def new_group(ranks: Sequence[int], backend: str | None = None) -> Any:
+    """A process group over ``ranks`` (every process of the world must call this, in the same order)."""
+    return dist.new_group(ranks=list(ranks), backend=backend)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
