@@ -1,33 +1,36 @@
-"""Frozen, keyword-only configuration dataclasses, one per concern, and the recipe loader.
+"""The recipe: frozen, keyword-only configuration dataclasses, one per concern, and its loader.
 
 A recipe is a YAML file whose top-level keys are the sections of :class:`Recipe`
 (``model``, ``parallel``, ``optim``, ``checkpoint``, ``algo``, ...). Command-line
 overrides are ``section.field=value`` strings parsed as YAML scalars.
 
-Every field carries a one-line docstring (the string literal after it). Validation
-lives in ``__post_init__`` and names the field and the fix; cross-section checks live
-in :meth:`Recipe.__post_init__` so they run before any process group starts.
+Every field carries a one-line docstring (the string literal after it). Choice fields are
+``Literal`` types, checked by ``moe_rl.configlib`` (which also holds the loader machinery);
+the task sections live beside the tasks, in ``moe_rl.tasks.config``. Validation lives in
+``__post_init__`` and names the field and the fix; cross-section checks live in
+:meth:`Recipe.__post_init__` so they run before any process group starts.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import ClassVar, Literal
 
-import yaml
-
-
-class ConfigError(ValueError):
-    """A recipe or override is wrong; the message names the field and the fix."""
-
-
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
+from moe_rl.configlib import ConfigError as ConfigError  # re-exported with to_dict: callers import them here
+from moe_rl.configlib import (
+    build_dataclass,
+    check_choices,
+    parse_overrides,
+    read_yaml_with_includes,
+    require,
+    require_registered,
+    set_path,
+)
+from moe_rl.configlib import to_dict as to_dict
+from moe_rl.losses import LOSSES
+from moe_rl.tasks.config import TaskConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +63,7 @@ class ModelConfig:
     "Load-balancing auxiliary loss coefficient (0 disables it)."
     moe_z_loss_coeff: float = 0.0
     "Router z-loss coefficient (0 disables it)."
-    moe_token_dispatcher: str = "alltoall"
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     "megatron-core token dispatcher: alltoall | allgather."
     max_seq_len: int = 256
     "Longest prompt + response the model is built for (RoPE table size)."
@@ -74,13 +77,13 @@ class ModelConfig:
     "Share input embedding and output layer weights (Qwen3-30B-A3B: false)."
     init_std: float = 0.02
     "Std of the normal weight initialisation."
-    dtype: str = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"
     "Parameter and compute dtype: float32 | bfloat16 (bfloat16 needs CUDA)."
     recompute: bool = False
     "Full activation recompute of every layer in backward (saves memory)."
-    logprob_impl: str = "auto"
+    logprob_impl: Literal["auto", "logits", "torch", "triton"] = "auto"
     "Log-prob pass: auto (fused vocab-chunked Triton kernel on CUDA, full logits elsewhere) | logits | torch (chunked reference) | triton."
-    transformer_impl: str = "auto"
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     "Layer spec: auto (transformer-engine when installed and CUDA present) | local | transformer_engine."
     seed: int = 1234
     "Seed of the weight initialisation."
@@ -88,6 +91,7 @@ class ModelConfig:
     "Local Hugging Face Qwen3-MoE checkpoint to start from (None: random init)."
 
     def __post_init__(self) -> None:
+        check_choices(self, "model")
         for name in (
             "vocab_size",
             "hidden_size",
@@ -100,37 +104,22 @@ class ModelConfig:
             "moe_router_topk",
             "max_seq_len",
         ):
-            _require(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
-        _require(
+            require(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
+        require(
             self.moe_router_topk <= self.num_experts,
             f"model.moe_router_topk={self.moe_router_topk} exceeds model.num_experts="
             f"{self.num_experts}: choose topk <= num_experts",
         )
-        _require(
+        require(
             self.moe_router_topk >= 2 or not self.moe_norm_topk_prob,
             "model.moe_router_topk=1 with model.moe_norm_topk_prob=true gives every token gate weight 1, "
             "which megatron-core's router refuses: use moe_router_topk >= 2, or moe_norm_topk_prob=false "
             "(softmax over all experts)",
         )
-        _require(
+        require(
             self.num_attention_heads % self.num_query_groups == 0,
             f"model.num_attention_heads={self.num_attention_heads} must be a multiple of "
             f"model.num_query_groups={self.num_query_groups}",
-        )
-        _require(
-            self.dtype in ("float32", "bfloat16"), f"model.dtype={self.dtype!r}: use float32 or bfloat16"
-        )
-        _require(
-            self.moe_token_dispatcher in ("alltoall", "allgather"),
-            f"model.moe_token_dispatcher={self.moe_token_dispatcher!r}: use alltoall or allgather",
-        )
-        _require(
-            self.logprob_impl in ("auto", "logits", "torch", "triton"),
-            f"model.logprob_impl={self.logprob_impl!r}: use auto, logits, torch or triton",
-        )
-        _require(
-            self.transformer_impl in ("auto", "local", "transformer_engine"),
-            f"model.transformer_impl={self.transformer_impl!r}: use auto, local or transformer_engine",
         )
 
 
@@ -150,27 +139,24 @@ class ParallelConfig:
     "Pipeline-parallel size (only 1 is supported for now)."
     data_parallel: int = 1
     "Data-parallel size."
-    backend: str = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
     "torch.distributed backend: auto (nccl with CUDA, gloo without) | gloo | nccl."
     timeout_s: float = 600.0
     "Timeout of every collective, seconds."
 
     def __post_init__(self) -> None:
+        check_choices(self, "parallel")
         for name in ("tensor_parallel", "expert_parallel", "pipeline_parallel", "data_parallel"):
-            _require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
-        _require(
+            require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        require(
             self.pipeline_parallel == 1,
             f"parallel.pipeline_parallel={self.pipeline_parallel}: pipeline parallelism is not "
             "supported yet; set parallel.pipeline_parallel=1 and use tensor/expert/data parallelism",
         )
-        _require(
+        require(
             (self.tensor_parallel * self.data_parallel) % self.expert_parallel == 0,
             f"parallel.expert_parallel={self.expert_parallel} must divide tensor_parallel x "
             f"data_parallel = {self.tensor_parallel * self.data_parallel}",
-        )
-        _require(
-            self.backend in ("auto", "gloo", "nccl"),
-            f"parallel.backend={self.backend!r}: use auto, gloo or nccl",
         )
 
     @property
@@ -201,20 +187,17 @@ class OptimConfig:
     "Linear warmup steps from 0 to lr."
     decay_steps: int = 0
     "Steps of decay after warmup (0: constant lr after warmup)."
-    decay_style: str = "constant"
+    decay_style: Literal["constant", "linear", "cosine"] = "constant"
     "constant | linear | cosine."
 
     def __post_init__(self) -> None:
-        _require(self.lr > 0, f"optim.lr must be positive, got {self.lr}")
-        _require(0 <= self.min_lr <= self.lr, f"optim.min_lr={self.min_lr} must be in [0, optim.lr]")
-        _require(self.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {self.grad_clip}")
-        _require(
+        check_choices(self, "optim")
+        require(self.lr > 0, f"optim.lr must be positive, got {self.lr}")
+        require(0 <= self.min_lr <= self.lr, f"optim.min_lr={self.min_lr} must be in [0, optim.lr]")
+        require(self.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {self.grad_clip}")
+        require(
             self.warmup_steps >= 0 and self.decay_steps >= 0,
             "optim.warmup_steps and optim.decay_steps must be >= 0",
-        )
-        _require(
-            self.decay_style in ("constant", "linear", "cosine"),
-            f"optim.decay_style={self.decay_style!r}: use constant, linear or cosine",
         )
 
 
@@ -232,24 +215,32 @@ class CheckpointConfig:
     "Checkpoint directory to load weights from at start (None: none)."
 
     def __post_init__(self) -> None:
-        _require(self.every >= 0, f"checkpoint.every must be >= 0, got {self.every}")
-        _require(self.keep >= 1, f"checkpoint.keep must be >= 1, got {self.keep}")
+        require(self.every >= 0, f"checkpoint.every must be >= 0, got {self.every}")
+        require(self.keep >= 1, f"checkpoint.keep must be >= 1, got {self.keep}")
 
 
-LOSS_AGGREGATIONS = ("seq_mean", "token_mean")
+LossAggregation = Literal["seq_mean", "token_mean"]
+LOSS_AGGREGATIONS = typing.get_args(LossAggregation)
+RolloutCorrection = Literal["none", "tis", "seq_tis", "icepop", "geo_mask"]
+TOKEN_CORRECTIONS = ("tis", "icepop")
+"Corrections that weight or mask single tokens: they need a per-token ratio (not gspo)."
+CORRECTION_BOUNDS = {"icepop": (0.5, 5.0), "geo_mask": (1 / 1.001, 1.001)}
+"Default (low, high) per bounded correction; geo_mask's are verl's geometric RS threshold 1.001 and 1/1.001."
 
 
 @dataclass(frozen=True, kw_only=True)
 class AlgoConfig:
-    """Policy-gradient algorithm, clip band, KL and routing replay (REFERENCE.md)."""
+    """Policy-gradient algorithm, clip band, KL, routing replay and rollout correction (docs/algorithms.md)."""
 
     name: str = "gspo"
     "Loss in moe_rl.losses.LOSSES: grpo | gspo | gspo_token."
     eps_low: float | None = None
-    "Lower clip: ratio >= 1 - eps_low (None: the paper value, grpo 0.2, gspo 3e-4)."
+    "Lower clip: ratio >= 1 - eps_low (None: the paper value in LOSSES, grpo 0.2, gspo 3e-4)."
     eps_high: float | None = None
-    "Upper clip: ratio <= 1 + eps_high (None: the paper value, grpo 0.27, gspo 4e-4)."
-    aggregation: str = "seq_mean"
+    "Upper clip: ratio <= 1 + eps_high (None: the paper value in LOSSES, grpo 0.27, gspo 4e-4)."
+    clip_ratio_c: float | None = None
+    "Dual-clip constant c > 1: for A < 0 the objective is at least c * A (verl clip_ratio_c); None: off."
+    aggregation: LossAggregation = "seq_mean"
     "seq_mean (mean over tokens of a sequence, then over sequences) | token_mean (all tokens equal)."
     beta: float = 0.0
     "Coefficient of the k3 KL(pi_theta || pi_ref) penalty (GSPO's authors use 0)."
@@ -259,222 +250,126 @@ class AlgoConfig:
     "Divide group-centred rewards by the group std (false: Dr.GRPO-style centring only)."
     adv_std_unbiased: bool = True
     "Group std with Bessel's correction, as torch.std, verl and TRL (false: population std)."
-    routing: str = "none"
+    routing: Literal["none", "r2", "r3"] = "none"
     "Routing replay: none | r2 (replay trainer-recorded routes) | r3 (replay rollout-engine routes)."
     replay_gate_weights: bool = False
     "Under replay, also replay the recorded gate weights (not only the expert indices)."
-    old_logprobs: str = "recompute"
-    "Source of pi_old log-probs: recompute (trainer forward) | rollout (engine log-probs)."
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    "Source of pi_old log-probs: recompute (trainer forward) | rollout (engine log-probs, bypass mode)."
+    rollout_correction: RolloutCorrection = "none"
+    "Train-inference mismatch correction by pi_old / pi_rollout: none | tis | seq_tis | icepop | geo_mask."
+    correction_c: float = 2.0
+    "Truncation C >= 1 of tis and seq_tis: weights min(rho, C)."
+    correction_low: float | None = None
+    "Lower ratio bound of icepop and geo_mask (None: icepop 0.5, geo_mask 1/1.001)."
+    correction_high: float | None = None
+    "Upper ratio bound of icepop and geo_mask (None: icepop 5.0, geo_mask 1.001)."
 
     def __post_init__(self) -> None:
-        _require(
-            self.name in ("grpo", "gspo", "gspo_token"),
-            f"algo.name={self.name!r} is unknown: use grpo, gspo or gspo_token",
-        )
-        _require(
-            self.aggregation in LOSS_AGGREGATIONS,
-            f"algo.aggregation={self.aggregation!r}: use one of {LOSS_AGGREGATIONS}",
-        )
-        _require(self.routing in ("none", "r2", "r3"), f"algo.routing={self.routing!r}: use none, r2 or r3")
-        _require(
-            self.old_logprobs in ("recompute", "rollout"),
-            f"algo.old_logprobs={self.old_logprobs!r}: use recompute or rollout",
-        )
-        _require(self.beta >= 0, f"algo.beta must be >= 0, got {self.beta}")
+        check_choices(self, "algo")
+        require_registered(self.name, LOSSES, "algo.name")
+        require(self.beta >= 0, f"algo.beta must be >= 0, got {self.beta}")
         if self.eps_low is not None:
-            _require(0 <= self.eps_low < 1, f"algo.eps_low={self.eps_low} must be in [0, 1)")
+            require(0 <= self.eps_low < 1, f"algo.eps_low={self.eps_low} must be in [0, 1)")
         if self.eps_high is not None:
-            _require(self.eps_high >= 0, f"algo.eps_high={self.eps_high} must be >= 0")
+            require(self.eps_high >= 0, f"algo.eps_high={self.eps_high} must be >= 0")
+        require(
+            self.clip_ratio_c is None or self.clip_ratio_c > 1,
+            f"algo.clip_ratio_c={self.clip_ratio_c} must be > 1 (verl uses 3.0); "
+            "set algo.clip_ratio_c=null to turn dual-clip off",
+        )
+        self._check_correction()
+
+    def _check_correction(self) -> None:
+        corr = self.rollout_correction
+        require(
+            corr == "none" or self.old_logprobs == "recompute",
+            f"algo.rollout_correction={corr} with algo.old_logprobs=rollout: bypass mode: pi_old is the "
+            "rollout policy, rho = 1; set algo.old_logprobs=recompute or algo.rollout_correction=none",
+        )
+        require(
+            corr not in TOKEN_CORRECTIONS or LOSSES[self.name].ratio_level == "token",
+            f"algo.rollout_correction={corr} weights or masks single tokens but algo.name={self.name} clips one "
+            "ratio per sequence: use algo.name=gspo_token, or algo.rollout_correction=seq_tis or geo_mask",
+        )
+        require(
+            self.correction_c >= 1,
+            f"algo.correction_c={self.correction_c} must be >= 1 (verl's default is 2.0)",
+        )
+        low, high = self.correction_bounds
+        require(
+            0 < low < high,
+            f"algo.correction_low={low} and algo.correction_high={high} must satisfy 0 < low < high",
+        )
 
     @property
     def clip_low(self) -> float:
-        """eps_low, or the paper value for the algorithm."""
-        if self.eps_low is not None:
-            return self.eps_low
-        return 0.2 if self.name == "grpo" else 3e-4
+        """eps_low, or the paper value for the algorithm (moe_rl.losses.LOSSES)."""
+        return LOSSES[self.name].eps_low if self.eps_low is None else self.eps_low
 
     @property
     def clip_high(self) -> float:
-        """eps_high, or the paper value for the algorithm."""
-        if self.eps_high is not None:
-            return self.eps_high
-        return 0.27 if self.name == "grpo" else 4e-4
+        """eps_high, or the paper value for the algorithm (moe_rl.losses.LOSSES)."""
+        return LOSSES[self.name].eps_high if self.eps_high is None else self.eps_high
 
-
-@dataclass(frozen=True, kw_only=True)
-class ArithmeticConfig:
-    """Multi-step integer arithmetic with a written-out scratchpad."""
-
-    min_operands: int = 2
-    "Fewest operands in a question (steps = operands - 1)."
-    max_operands: int = 4
-    "Most operands in a question; the response grows by about 10 characters per operand."
-    digits: int = 2
-    "Operands are drawn uniformly from 0 .. 10**digits - 1."
-    operators: str = "+-"
-    "Operators to draw from, a subset of '+-*' (multiplication binds tighter, as usual)."
-    scratchpad: bool = True
-    "Demonstrations write every intermediate step before the answer (false: only 'A:<n>')."
-
-    def __post_init__(self) -> None:
-        _require(
-            self.min_operands >= 2, f"task.arithmetic.min_operands must be >= 2, got {self.min_operands}"
-        )
-        _require(
-            self.max_operands >= self.min_operands,
-            f"task.arithmetic.max_operands={self.max_operands} is below task.arithmetic.min_operands="
-            f"{self.min_operands}: raise max_operands or lower min_operands",
-        )
-        _require(
-            self.max_operands <= 64, f"task.arithmetic.max_operands must be <= 64, got {self.max_operands}"
-        )
-        _require(1 <= self.digits <= 9, f"task.arithmetic.digits must be in 1..9, got {self.digits}")
-        _require(
-            bool(self.operators) and set(self.operators) <= set("+-*"),
-            f"task.arithmetic.operators={self.operators!r}: use a non-empty subset of '+-*'",
+    @property
+    def correction_bounds(self) -> tuple[float, float]:
+        """(low, high) ratio bounds of icepop / geo_mask, defaults filled in (icepop's for other modes)."""
+        dlow, dhigh = CORRECTION_BOUNDS.get(self.rollout_correction, CORRECTION_BOUNDS["icepop"])
+        return (
+            dlow if self.correction_low is None else self.correction_low,
+            dhigh if self.correction_high is None else self.correction_high,
         )
 
 
 @dataclass(frozen=True, kw_only=True)
-class CountdownConfig:
-    """Reach a target from given numbers with + - * / and parentheses (each number at most once)."""
+class SGLangConfig:
+    """The SGLang server of rollout.engine=sglang: one to attach to, or how to launch one."""
 
-    num_numbers: int = 4
-    "Numbers given in a question."
-    max_number: int = 30
-    "Given numbers are drawn uniformly from 1 .. max_number."
-    max_target: int = 200
-    "Targets lie in 1 .. max_target (built from a random expression, so always solvable)."
-    operators: str = "+-*/"
-    "Operators used to build targets and search traces, a subset of '+-*/'."
-    use_all_numbers: bool = False
-    "Targets are built from all the numbers, and a correct answer must use every one of them."
-    max_failed_attempts: int = 2
-    "Demonstrations show 0 .. this many failed tries before the solution (trace length)."
-
-    def __post_init__(self) -> None:
-        _require(
-            2 <= self.num_numbers <= 8, f"task.countdown.num_numbers must be in 2..8, got {self.num_numbers}"
-        )
-        _require(self.max_number >= 2, f"task.countdown.max_number must be >= 2, got {self.max_number}")
-        _require(self.max_target >= 2, f"task.countdown.max_target must be >= 2, got {self.max_target}")
-        _require(
-            bool(self.operators) and set(self.operators) <= set("+-*/"),
-            f"task.countdown.operators={self.operators!r}: use a non-empty subset of '+-*/'",
-        )
-        _require(
-            "+" in self.operators or "*" in self.operators,
-            f"task.countdown.operators={self.operators!r} cannot build targets: include '+' or '*'",
-        )
-        _require(
-            0 <= self.max_failed_attempts <= 16,
-            f"task.countdown.max_failed_attempts must be in 0..16, got {self.max_failed_attempts}",
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class JsonlConfig:
-    """Prompts and answers from a JSONL file, scored by a user reward function."""
-
-    path: str | None = None
-    "JSONL file, one JSON object per line (required when task.name=jsonl)."
-    prompt_field: str = "prompt"
-    "Key of the prompt string in each line."
-    answer_field: str = "answer"
-    "Key of the reference answer in each line (any JSON value; strings are kept, others JSON-encoded)."
-    response_field: str | None = None
-    "Key of a demonstration response for SFT (None: the task has no demonstrations)."
-    reward_fn: str = "moe_rl.tasks.jsonl:exact_match"
-    "module:function (or path/to/file.py:function) called as fn(response, answer, record) -> float."
-    prompt_template: str = "{prompt}"
-    "Prompt text given to the model; '{prompt}' is replaced by the prompt field."
-    heldout_path: str | None = None
-    "JSONL file of held-out prompts (None: hold out task.heldout_fraction of path by prompt hash)."
+    url: str | None = None
+    "Attach to a running SGLang server at this URL (None with engine=sglang: launch one)."
+    model_path: str | None = None
+    "HF checkpoint directory the launched SGLang server starts from (the policy's export)."
+    tp: int = 1
+    "Tensor-parallel size of a launched SGLang server."
+    ep: int = 1
+    "Expert-parallel size of a launched SGLang server."
+    port: int = 30000
+    "Port of a launched SGLang server (bound to rollout.sglang.host; 0: a free port)."
+    host: str = "127.0.0.1"
+    "Host a launched SGLang server binds to."
+    mem_fraction: float = 0.8
+    "SGLang --mem-fraction-static."
+    module: str = "sglang.launch_server"
+    "Server module the launcher runs (moe_rl.rollout.serve_embedded: our SGLang-protocol server, CPU)."
+    startup_timeout_s: float = 900.0
+    "How long a launched server may take to answer /health_generate."
 
     def __post_init__(self) -> None:
-        fn = self.reward_fn
-        _require(
-            fn.count(":") >= 1 and all(fn.rpartition(":")[::2]),
-            f"task.jsonl.reward_fn={fn!r}: write it as module:function, e.g. mypkg.rewards:score",
-        )
-        _require(
-            "{prompt}" in self.prompt_template,
-            f"task.jsonl.prompt_template={self.prompt_template!r} must contain '{{prompt}}'",
-        )
-        for name in ("prompt_field", "answer_field"):
-            _require(bool(getattr(self, name)), f"task.jsonl.{name} must be a non-empty key")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TaskConfig:
-    """Which verifiable task to train on, its difficulty and length knobs, and its reward shape."""
-
-    name: str = "arithmetic"
-    "Task in moe_rl.tasks.TASKS: arithmetic | countdown | jsonl."
-    seed: int = 0
-    "Seed of the training prompt stream (the trainer passes it to task.sample as rng_seed)."
-    heldout_fraction: float = 0.05
-    "Share of the prompt space (by prompt-text hash) reserved for held-out evaluation."
-    format_reward: float = 0.0
-    "Reward for a well-formed but wrong final answer (a correct one always scores 1.0)."
-    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
-    "Knobs of the arithmetic task."
-    countdown: CountdownConfig = field(default_factory=CountdownConfig)
-    "Knobs of the countdown task."
-    jsonl: JsonlConfig = field(default_factory=JsonlConfig)
-    "Knobs of the jsonl task."
-
-    def __post_init__(self) -> None:
-        from moe_rl.tasks import TASKS  # the registry lives in the package __init__
-
-        _require(
-            self.name in TASKS, f"task.name={self.name!r} is unknown: use one of {', '.join(sorted(TASKS))}"
-        )
-        _require(
-            0.0 < self.heldout_fraction < 1.0,
-            f"task.heldout_fraction={self.heldout_fraction} must be in (0, 1), e.g. 0.05",
-        )
-        _require(
-            0.0 <= self.format_reward < 1.0,
-            f"task.format_reward={self.format_reward} must be in [0, 1) so a correct answer scores most",
-        )
-        _require(
-            self.name != "jsonl" or self.jsonl.path is not None,
-            "task.name=jsonl needs task.jsonl.path: set it to a JSONL file of prompts and answers",
-        )
-
-
-# ---------------------------------------------------------------------------------------
-# Prompts and the task protocol.
+        require(self.tp >= 1 and self.ep >= 1, "rollout.sglang.tp and rollout.sglang.ep must be >= 1")
+        require(0 < self.mem_fraction < 1, "rollout.sglang.mem_fraction must be in (0, 1)")
 
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    """Which engine samples the rollouts and how its weights are kept current."""
+    """Which engine samples the rollouts, at what precision, and how its weights are kept current."""
 
-    engine: str = "embedded"
+    moved_keys: ClassVar[dict[str, str]] = {
+        f"sglang_{f.name}": f"sglang.{f.name}" for f in fields(SGLangConfig)
+    }
+    "Every rollout.sglang_<x> key of the flat layout moved to rollout.sglang.<x>."
+
+    engine: Literal["embedded", "sglang"] = "embedded"
     "Engine in moe_rl.rollout.ROLLOUT_ENGINES: embedded (in-process, every machine) | sglang."
-    embedded_decoder: str = "auto"
+    embedded_decoder: Literal["auto", "lean", "megatron"] = "auto"
     "Forward of the embedded engine: lean (moe_rl.megatron.decode; TP=1) | megatron | auto (lean where it runs)."
-    sglang_url: str | None = None
-    "Attach to a running SGLang server at this URL (None with engine=sglang: launch one)."
-    sglang_model_path: str | None = None
-    "HF checkpoint directory the launched SGLang server starts from (the policy's export)."
-    sglang_tp: int = 1
-    "Tensor-parallel size of a launched SGLang server."
-    sglang_ep: int = 1
-    "Expert-parallel size of a launched SGLang server."
-    sglang_port: int = 30000
-    "Port of a launched SGLang server (bound to sglang_host; 0: a free port)."
-    sglang_host: str = "127.0.0.1"
-    "Host a launched SGLang server binds to."
-    sglang_mem_fraction: float = 0.8
-    "SGLang --mem-fraction-static."
-    sglang_module: str = "sglang.launch_server"
-    "Server module the launcher runs (moe_rl.rollout.serve_embedded: our SGLang-protocol server, CPU)."
-    sglang_startup_timeout_s: float = 900.0
-    "How long a launched server may take to answer /health_generate."
-    weight_sync: str = "distributed"
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    "Precision of the engine's own copy of the weights and its compute (embedded engine, moe-rl serve)."
+    router_dtype: Literal["same", "fp32"] = "same"
+    "Router logits and softmax of the engine: same (as rollout.dtype) | fp32 (kept in fp32)."
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    "The SGLang server (engine=sglang)."
+    weight_sync: Literal["distributed", "disk"] = "distributed"
     "How new weights reach SGLang: distributed (NCCL/gloo broadcast) | disk (HF safetensors)."
     weight_sync_dir: str | None = None
     "Directory for disk weight sync (None: <out_dir>/weights)."
@@ -484,28 +379,15 @@ class RolloutConfig:
     "Retries of a failed request (connection errors and 5xx only)."
 
     def __post_init__(self) -> None:
-        _require(
-            self.engine in ("embedded", "sglang"),
-            f"rollout.engine={self.engine!r} is unknown: use embedded or sglang",
-        )
-        _require(
-            self.embedded_decoder in ("auto", "lean", "megatron"),
-            f"rollout.embedded_decoder={self.embedded_decoder!r}: use auto, lean or megatron",
-        )
-        _require(
-            self.weight_sync in ("distributed", "disk"),
-            f"rollout.weight_sync={self.weight_sync!r}: use distributed or disk",
-        )
-        _require(self.sglang_tp >= 1 and self.sglang_ep >= 1, "rollout.sglang_tp and sglang_ep must be >= 1")
-        _require(0 < self.sglang_mem_fraction < 1, "rollout.sglang_mem_fraction must be in (0, 1)")
-        _require(self.timeout_s > 0 and self.retries >= 0, "rollout.timeout_s > 0 and rollout.retries >= 0")
+        check_choices(self, "rollout")
+        require(self.timeout_s > 0 and self.retries >= 0, "rollout.timeout_s > 0 and rollout.retries >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Stages, batch sizes and step counts of a run (SFT warm start, then RL)."""
 
-    stages: tuple[str, ...] = ("sft", "rl")
+    stages: tuple[Literal["sft", "rl"], ...] = ("sft", "rl")
     "Stages to run in order: sft (teacher-forced warm start on task demonstrations) and/or rl."
     out_dir: str = "runs/default"
     "Directory for metrics (JSONL, TensorBoard), checkpoints and reports."
@@ -547,8 +429,7 @@ class TrainConfig:
     "Stop after this many consecutive steps with non-finite loss or gradients (each one is skipped)."
 
     def __post_init__(self) -> None:
-        for s in self.stages:
-            _require(s in ("sft", "rl"), f"train.stages has {s!r}: use sft and/or rl")
+        check_choices(self, "train")
         for name in (
             "sft_batch_size",
             "prompts_per_step",
@@ -558,28 +439,29 @@ class TrainConfig:
             "eval_prompts",
             "log_every",
         ):
-            _require(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")
+            require(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("sft_steps", "rl_steps", "eval_every", "micro_batch_size"):
-            _require(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
-        _require(
+            require(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
+        require(
             self.group_size >= 2 or "rl" not in self.stages,
             "train.group_size must be >= 2 for RL: group advantages need several responses",
         )
         batch = self.prompts_per_step * self.group_size
-        _require(
+        require(
             batch % self.minibatches == 0,
             f"train.minibatches={self.minibatches} does not divide the rollout batch "
             f"prompts_per_step x group_size = {batch}: pick a divisor of {batch}",
         )
-        _require(self.temperature > 0, f"train.temperature must be > 0, got {self.temperature}")
-        _require(
+        require(self.temperature > 0, f"train.temperature must be > 0, got {self.temperature}")
+        require(
             self.flip_probe_sequences >= 0 and self.flip_probe_every >= 1,
             "train.flip_probe_sequences must be >= 0 and train.flip_probe_every >= 1",
         )
-        _require(self.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {self.max_bad_steps}")
+        require(self.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {self.max_bad_steps}")
 
 
-SENTINEL_ACTIONS = ("off", "log", "stop", "rollback")
+SentinelAction = Literal["off", "log", "stop", "rollback"]
+SENTINEL_ACTIONS = typing.get_args(SentinelAction)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -592,19 +474,19 @@ class SentinelConfig:
     "... for this many consecutive RL steps."
     reward_min_best: float = 0.05
     "The reward detector arms once the running best exceeds this."
-    reward_action: str = "log"
+    reward_action: SentinelAction = "log"
     "Action of the reward detector."
     max_abs_seq_log_ratio: float = 50.0
     "Ratio detector: fires when |sum_t log-ratio| of any sequence exceeds this (GRPO's clip leaves it free)."
-    ratio_action: str = "log"
+    ratio_action: SentinelAction = "log"
     "Action of the ratio detector."
     max_grad_norm: float = 1000.0
     "Gradient detector: fires when the pre-clip gradient norm exceeds this."
-    grad_action: str = "log"
+    grad_action: SentinelAction = "log"
     "Action of the gradient detector."
     min_entropy: float = 0.02
     "Entropy detector: fires when the mean per-token entropy of the responses falls below this."
-    entropy_action: str = "log"
+    entropy_action: SentinelAction = "log"
     "Action of the entropy detector."
     rollback_lr_factor: float = 0.5
     "On rollback, reload the last good checkpoint and multiply the learning rate by this."
@@ -612,14 +494,10 @@ class SentinelConfig:
     "Stop instead of rolling back after this many rollbacks."
 
     def __post_init__(self) -> None:
-        for name in ("reward_action", "ratio_action", "grad_action", "entropy_action"):
-            _require(
-                getattr(self, name) in SENTINEL_ACTIONS,
-                f"sentinel.{name}={getattr(self, name)!r}: use one of {', '.join(SENTINEL_ACTIONS)}",
-            )
-        _require(0 < self.reward_drop_frac < 1, "sentinel.reward_drop_frac must be in (0, 1)")
-        _require(self.reward_window >= 1, "sentinel.reward_window must be >= 1")
-        _require(0 < self.rollback_lr_factor <= 1, "sentinel.rollback_lr_factor must be in (0, 1]")
+        check_choices(self, "sentinel")
+        require(0 < self.reward_drop_frac < 1, "sentinel.reward_drop_frac must be in (0, 1)")
+        require(self.reward_window >= 1, "sentinel.reward_window must be >= 1")
+        require(0 < self.rollback_lr_factor <= 1, "sentinel.rollback_lr_factor must be in (0, 1]")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -647,139 +525,45 @@ class Recipe:
 
     def __post_init__(self) -> None:
         m, p = self.model, self.parallel
-        _require(
+        require(
             m.num_experts % p.expert_parallel == 0,
             f"model.num_experts={m.num_experts} is not divisible by parallel.expert_parallel="
             f"{p.expert_parallel}: pick an expert_parallel that divides it",
         )
-        _require(
+        require(
             m.num_attention_heads % p.tensor_parallel == 0,
             f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
             f"parallel.tensor_parallel={p.tensor_parallel}",
         )
-        _require(
+        require(
             m.num_query_groups % p.tensor_parallel == 0,
             f"model.num_query_groups={m.num_query_groups} is not divisible by "
             f"parallel.tensor_parallel={p.tensor_parallel}",
         )
-        _require(
+        require(
             m.vocab_size % p.tensor_parallel == 0,
             f"model.vocab_size={m.vocab_size} is not divisible by parallel.tensor_parallel="
             f"{p.tensor_parallel}: pad the vocabulary",
         )
         b = self.train.prompts_per_step * self.train.group_size
-        _require(
+        require(
             b % (p.data_parallel * self.train.minibatches) == 0,
             f"the rollout batch ({b}) must split into train.minibatches={self.train.minibatches} "
             f"x parallel.data_parallel={p.data_parallel} equal shares",
         )
-        _require(
+        require(
             self.train.sft_batch_size % p.data_parallel == 0,
             f"train.sft_batch_size={self.train.sft_batch_size} must be divisible by "
             f"parallel.data_parallel={p.data_parallel}",
         )
-        _require(
-            self.algo.routing != "r3" or self.rollout.engine in ("embedded", "sglang"),
-            "algo.routing=r3 needs an engine that returns routes (embedded or sglang)",
-        )
-        _require(
+        require(
             m.dtype == "float32" or p.backend != "gloo",
             "model.dtype=bfloat16 needs CUDA (nccl); set model.dtype=float32 on CPU",
         )
 
 
 # ---------------------------------------------------------------------------------------
-# Loading: YAML dict -> dataclasses, with type checks that name the field.
-
-
-def _check_type(value: Any, tp: Any, where: str) -> Any:
-    """Return ``value`` coerced to annotation ``tp`` or raise ConfigError naming ``where``."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _check_type(value, a, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
-    if origin in (list, tuple):
-        _require(isinstance(value, (list, tuple)), f"{where} must be a list, got {value!r}")
-        (inner, *_) = typing.get_args(tp) or (Any,)
-        return origin(_check_type(v, inner, f"{where}[{i}]") for i, v in enumerate(value))
-    if origin is dict or tp is Any:
-        return value
-    if dataclasses.is_dataclass(tp):
-        _require(isinstance(value, dict), f"{where} must be a mapping of fields, got {value!r}")
-        return build_dataclass(tp, value, where)
-    if tp is bool:
-        _require(isinstance(value, bool), f"{where} must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        _require(
-            isinstance(value, int) and not isinstance(value, bool),
-            f"{where} must be an integer, got {value!r}",
-        )
-        return value
-    if tp is float:
-        if isinstance(value, str):  # PyYAML (YAML 1.1) reads 3e-4 as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        _require(
-            isinstance(value, (int, float)) and not isinstance(value, bool),
-            f"{where} must be a number, got {value!r}",
-        )
-        return float(value)
-    if tp is str:
-        _require(isinstance(value, str), f"{where} must be a string, got {value!r}")
-        return value
-    raise ConfigError(f"{where}: unsupported field type {tp!r}")
-
-
-def build_dataclass(cls: type, data: dict, where: str = "") -> Any:
-    """Build dataclass ``cls`` from ``data``; unknown keys and wrong types raise ConfigError."""
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - names)
-    prefix = f"{where}." if where else ""
-    if unknown:
-        raise ConfigError(
-            f"unknown key(s) {', '.join(prefix + u for u in unknown)}; "
-            f"valid keys of {where or 'the recipe'}: {', '.join(sorted(names))}"
-        )
-    kwargs = {k: _check_type(v, hints[k], prefix + k) for k, v in data.items()}
-    try:
-        return cls(**kwargs)
-    except TypeError as e:  # pragma: no cover - kw_only dataclasses report missing fields here
-        raise ConfigError(f"{where or 'recipe'}: {e}") from e
-
-
-def _set_path(data: dict, dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
-    cur = data
-    for k in keys[:-1]:
-        nxt = cur.setdefault(k, {})
-        _require(isinstance(nxt, dict), f"override {dotted}: {k} is not a section")
-        cur = nxt
-    cur[keys[-1]] = value
-
-
-def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, Any]]:
-    """Parse ``key.sub=value`` strings; values are YAML scalars (``1e-4``, ``true``, ``null``)."""
-    out = []
-    for o in overrides:
-        _require("=" in o, f"override {o!r} must look like section.field=value")
-        k, v = o.split("=", 1)
-        _require(bool(k.strip()), f"override {o!r} has an empty key")
-        out.append((k.strip(), yaml.safe_load(v) if v != "" else None))
-    return out
+# Loading: YAML mapping (with includes) + overrides -> Recipe.
 
 
 def recipe_from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
@@ -787,38 +571,15 @@ def recipe_from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) ->
     data = dict(data or {})
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
     for k, v in parse_overrides(overrides):
-        _set_path(data, k, v)
+        set_path(data, k, v)
     return build_dataclass(Recipe, data)
 
 
-def _deep_merge(base: dict, top: dict) -> dict:
-    out = dict(base)
-    for k, v in top.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def read_recipe_data(path: str | Path, _seen: tuple = ()) -> dict:
+def read_recipe_data(path: str | Path) -> dict:
     """A recipe file as a mapping, with ``include: other.yaml`` (relative path) deep-merged under it."""
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"recipe {path} does not exist")
-    _require(path.resolve() not in _seen, f"recipe include cycle through {path}")
-    with path.open() as f:
-        data = yaml.safe_load(f) or {}
-    _require(isinstance(data, dict), f"recipe {path} must be a mapping of sections")
-    inc = data.pop("include", None)
-    if inc is not None:
-        base = read_recipe_data(path.parent / inc, (*_seen, path.resolve()))
-        data = _deep_merge(base, data)
-    return data
+    return read_yaml_with_includes(path)
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Load a YAML recipe (following ``include``) and apply ``section.field=value`` overrides."""
     return recipe_from_dict(read_recipe_data(path), overrides)
-
-
-def to_dict(obj: Any) -> Any:
-    """A recipe (or any config dataclass) as plain YAML-able data."""
-    return dataclasses.asdict(obj)

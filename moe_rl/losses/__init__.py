@@ -13,6 +13,8 @@ global counts of the optimizer step, so microbatch losses, gradients and (with
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 from moe_rl.losses.advantages import group_advantages
 from moe_rl.losses.core import AGGREGATIONS
@@ -21,18 +23,33 @@ from moe_rl.losses.gspo import gspo_loss, gspo_token_loss
 from moe_rl.losses.kl import k3
 from moe_rl.losses.metrics import METRIC_REDUCTIONS, combine_metrics
 
-LOSSES: dict[str, Callable] = {
-    "grpo": grpo_loss,
-    "gspo": gspo_loss,
-    "gspo_token": gspo_token_loss,
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A registered loss: the function, the paper's clip band, and the level of its ratio."""
+
+    fn: Callable
+    "The loss function (signature in the module docstring)."
+    eps_low: float
+    "Default algo.eps_low: the paper's lower clip (ratio >= 1 - eps_low)."
+    eps_high: float
+    "Default algo.eps_high: the paper's upper clip (ratio <= 1 + eps_high)."
+    ratio_level: Literal["token", "sequence"]
+    "Whether the clipped importance ratio is per token or per sequence (gspo)."
+
+
+LOSSES: dict[str, LossSpec] = {
+    "grpo": LossSpec(fn=grpo_loss, eps_low=0.2, eps_high=0.27, ratio_level="token"),
+    "gspo": LossSpec(fn=gspo_loss, eps_low=3e-4, eps_high=4e-4, ratio_level="sequence"),
+    "gspo_token": LossSpec(fn=gspo_token_loss, eps_low=3e-4, eps_high=4e-4, ratio_level="token"),
 }
-"Loss functions by algo.name."
+"Losses by algo.name: GRPO's band is DAPO's clip-higher [0.2, 0.27]; GSPO's is the GSPO paper's."
 
 
 def get_loss(name: str) -> Callable:
-    """The loss registered as ``name``; an unknown name lists the valid ones."""
+    """The loss function registered as ``name``; an unknown name lists the valid ones."""
     try:
-        return LOSSES[name]
+        return LOSSES[name].fn
     except KeyError:
         raise ValueError(f"unknown loss {name!r}; valid losses: {', '.join(sorted(LOSSES))}") from None
 
@@ -40,6 +57,7 @@ def get_loss(name: str) -> Callable:
 __all__ = [
     "AGGREGATIONS",
     "LOSSES",
+    "LossSpec",
     "METRIC_REDUCTIONS",
     "combine_metrics",
     "get_loss",

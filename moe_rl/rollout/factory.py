@@ -48,31 +48,31 @@ class RankedSGLangEngine:
 
 
 def build_sglang_engine(r) -> RankedSGLangEngine:
-    """The engine for ``r`` (a trainer Run): launch a server (rank 0) or attach to rollout.sglang_url."""
+    """The engine for ``r`` (a trainer Run): launch a server (rank 0) or attach to rollout.sglang.url."""
     from moe_rl.rollout.sglang_launcher import SGLangLauncher, SGLangServerConfig
     from moe_rl.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
 
     ro, m = r.recipe.rollout, r.recipe.model
-    launcher, url = None, ro.sglang_url
+    launcher, url = None, ro.sglang.url
     if url is None:
-        model_path = ro.sglang_model_path or str(r.out / "hf_init")
-        if not ro.sglang_model_path:  # the server starts from the policy as it is now
+        model_path = ro.sglang.model_path or str(r.out / "hf_init")
+        if not ro.sglang.model_path:  # the server starts from the policy as it is now
             from moe_rl.megatron.hf import export_hf
 
             export_hf(r.policy, model_path, tokenizer=r.tok)
         if r.info.rank == 0:
             cfg = SGLangServerConfig(
                 model_path=model_path,
-                tp_size=ro.sglang_tp,
-                ep_size=ro.sglang_ep,
-                host=ro.sglang_host,
-                port=ro.sglang_port or None,
+                tp_size=ro.sglang.tp,
+                ep_size=ro.sglang.ep,
+                host=ro.sglang.host,
+                port=ro.sglang.port or None,
                 enable_return_routed_experts=r.recipe.algo.routing == "r3",
-                mem_fraction_static=ro.sglang_mem_fraction,
-                module=ro.sglang_module,
+                mem_fraction_static=ro.sglang.mem_fraction,
+                module=ro.sglang.module,
             )
             launcher = SGLangLauncher(
-                cfg, log_path=r.out / "logs" / "sglang.log", startup_timeout_s=ro.sglang_startup_timeout_s
+                cfg, log_path=r.out / "logs" / "sglang.log", startup_timeout_s=ro.sglang.startup_timeout_s
             )
             launcher.start()
             url = launcher.url
@@ -83,7 +83,7 @@ def build_sglang_engine(r) -> RankedSGLangEngine:
         if ro.weight_sync == "disk":
             sync = DiskWeightSync(client, ro.weight_sync_dir or Path(r.out) / "weights")
         else:
-            sync = DistributedWeightSync(client, world_size=1 + ro.sglang_tp)
+            sync = DistributedWeightSync(client, world_size=1 + ro.sglang.tp)
     inner = SGLangEngine(
         client,
         num_layers=m.num_layers,

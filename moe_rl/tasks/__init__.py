@@ -1,21 +1,16 @@
 """Verifiable tasks (prompts, rewards, SFT demonstrations, held-out prompts) and tokenizers.
 
 ``TASKS`` maps a task name to its class; :func:`build_task` builds the one a
-:class:`TaskConfig` names. Every task follows the :class:`Task` protocol.
+:class:`TaskConfig` names (the task configs live in ``moe_rl.tasks.config``). Every task
+follows the :class:`Task` protocol.
 """
 
 from __future__ import annotations
 
-from moe_rl.config import ConfigError
+from moe_rl.configlib import require_registered
 from moe_rl.tasks.arithmetic import ArithmeticTask
-from moe_rl.tasks.base import (
-    ArithmeticConfig,
-    CountdownConfig,
-    JsonlConfig,
-    Prompt,
-    Task,
-    TaskConfig,
-)
+from moe_rl.tasks.base import Prompt, Task
+from moe_rl.tasks.config import ArithmeticConfig, CountdownConfig, JsonlConfig, TaskConfig
 from moe_rl.tasks.countdown import CountdownTask
 from moe_rl.tasks.jsonl import JsonlTask
 from moe_rl.tasks.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
@@ -29,8 +24,7 @@ TASKS: dict[str, type] = {
 
 def build_task(cfg: TaskConfig) -> Task:
     """The task ``cfg.name`` names, built from ``cfg``; an unknown name lists the valid ones."""
-    if cfg.name not in TASKS:
-        raise ConfigError(f"task.name={cfg.name!r} is unknown: use one of {', '.join(sorted(TASKS))}")
+    require_registered(cfg.name, TASKS, "task.name")
     return TASKS[cfg.name](cfg)
 
 

@@ -40,7 +40,7 @@ def parse_answer(response_text: str) -> int | None:
 
 
 class ArithmeticTask(SyntheticTask):
-    """See the module docstring; knobs in :class:`moe_rl.tasks.base.ArithmeticConfig`."""
+    """See the module docstring; knobs in :class:`moe_rl.tasks.config.ArithmeticConfig`."""
 
     name = "arithmetic"
 

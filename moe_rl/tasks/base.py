@@ -1,4 +1,4 @@
-"""Task configuration, the Prompt record, the Task protocol, and the shared synthetic-task machinery.
+"""The Prompt record, the Task protocol, and the shared synthetic-task machinery.
 
 Determinism: every random draw comes from a ``random.Random`` seeded by a blake2b hash of
 the draw's coordinates (task, stream, seed, step, index), never from global state, so
@@ -17,9 +17,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Protocol
 
-# ---------------------------------------------------------------------------------------
-# Configuration (one frozen, keyword-only dataclass per concern; the Recipe composes TaskConfig).
-from moe_rl.config import ArithmeticConfig, ConfigError, CountdownConfig, JsonlConfig, TaskConfig, _require  # noqa: F401
+from moe_rl.configlib import ConfigError
+from moe_rl.tasks.config import TaskConfig
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -151,7 +151,7 @@ def _steps_text(steps: list[tuple]) -> str:
 
 
 class CountdownTask(SyntheticTask):
-    """See the module docstring; knobs in :class:`moe_rl.tasks.base.CountdownConfig`."""
+    """See the module docstring; knobs in :class:`moe_rl.tasks.config.CountdownConfig`."""
 
     name = "countdown"
 

@@ -21,8 +21,9 @@ from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
-from moe_rl.config import ConfigError
-from moe_rl.tasks.base import Prompt, TaskConfig, is_heldout, make_rng
+from moe_rl.configlib import ConfigError
+from moe_rl.tasks.base import Prompt, is_heldout, make_rng
+from moe_rl.tasks.config import TaskConfig
 
 
 def exact_match(response: str, answer: str, record: dict) -> float:
@@ -99,7 +100,7 @@ def read_records(path: str | Path, cfg_fields: tuple[str, ...], what: str) -> li
 
 
 class JsonlTask:
-    """See the module docstring; knobs in :class:`moe_rl.tasks.base.JsonlConfig`."""
+    """See the module docstring; knobs in :class:`moe_rl.tasks.config.JsonlConfig`."""
 
     name = "jsonl"
 

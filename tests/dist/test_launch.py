@@ -198,7 +198,7 @@ def test_sbatch_sglang_node_and_two_trainer_nodes(fake_slurm, tmp_path):
     } <= set(tr)
     cli = tr[tr.index("moe_rl.cli") :]
     assert cli[1:3] == ["train", "recipes/cluster/qwen3_30b_a3b_gspo.yaml"]
-    assert cli[-3:] == ["rollout.engine=sglang", f"rollout.sglang_url=http://127.0.0.1:{port}", "--resume"]
+    assert cli[-3:] == ["rollout.engine=sglang", f"rollout.sglang.url=http://127.0.0.1:{port}", "--resume"]
     assert stopped  # the server got SIGTERM when the trainer ended
     assert "SGLang healthy" in res.stderr
 
@@ -211,7 +211,7 @@ def test_sbatch_routes_off_and_multi_node_server(fake_slurm, tmp_path):
             f"train.out_dir={tmp_path / 'run'}",
             "parallel.data_parallel=4",
             "parallel.expert_parallel=8",
-            "rollout.sglang_tp=16",
+            "rollout.sglang.tp=16",
         ],
         SGLANG_NODES="2",
         SGLANG_PORT=str(port),

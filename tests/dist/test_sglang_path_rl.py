@@ -23,8 +23,11 @@ def test_rl_over_the_sglang_protocol(tmp_path, parallel_info, sync):
     data = {k: dict(v) for k, v in TINY.items()}
     data["train"].update(stages=["rl"], rl_steps=3, out_dir=str(tmp_path / "run"))
     data["algo"] = {"name": "grpo", "routing": "r3"}
-    data["rollout"] = {"engine": "sglang", "sglang_module": "moe_rl.rollout.serve_embedded",
-                       "sglang_port": 0, "weight_sync": sync, "sglang_startup_timeout_s": 180.0}
+    data["rollout"] = {
+        "engine": "sglang",
+        "weight_sync": sync,
+        "sglang": {"module": "moe_rl.rollout.serve_embedded", "port": 0, "startup_timeout_s": 180.0},
+    }
     res = run(recipe_from_dict(data))
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl", "rl")
     assert len(rows) == 3

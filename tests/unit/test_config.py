@@ -1,20 +1,19 @@
-from pathlib import Path
+import subprocess
+import sys
+import typing
 
 import pytest
 
-from moe_rl.config import AlgoConfig, ConfigError, ModelConfig, load_recipe, recipe_from_dict
-
-RECIPES = sorted(Path(__file__).parents[2].joinpath("recipes").rglob("*.yaml"))
-
-
-def test_there_are_recipes():
-    assert len(RECIPES) >= 3
-
-
-@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
-def test_every_recipe_loads(path):
-    r = load_recipe(path)
-    assert r.model.vocab_size % r.parallel.tensor_parallel == 0
+from moe_rl.config import (
+    AlgoConfig,
+    ConfigError,
+    ModelConfig,
+    RolloutConfig,
+    SentinelConfig,
+    TrainConfig,
+    load_recipe,
+    recipe_from_dict,
+)
 
 
 def test_overrides_parse_yaml_scalars():
@@ -97,3 +96,143 @@ def test_top1_routing_with_renormalisation_is_refused():
     with pytest.raises(ConfigError, match="moe_router_topk=1"):
         recipe_from_dict({}, ["model.moe_router_topk=1"])
     assert recipe_from_dict({}, ["model.moe_router_topk=1", "model.moe_norm_topk_prob=false"])
+
+
+def test_clip_defaults_come_from_the_loss_registry():
+    from moe_rl.losses import LOSSES
+
+    for name, spec in LOSSES.items():
+        algo = AlgoConfig(name=name)
+        assert (algo.clip_low, algo.clip_high) == (spec.eps_low, spec.eps_high), name
+    with pytest.raises(ConfigError, match="algo.name='ppo' is unknown: use one of grpo, gspo, gspo_token"):
+        AlgoConfig(name="ppo")
+
+
+@pytest.mark.parametrize(
+    "section, kw, needle",
+    [
+        (
+            ModelConfig,
+            {"moe_token_dispatcher": "flex"},
+            "model.moe_token_dispatcher='flex': use alltoall or allgather",
+        ),
+        (AlgoConfig, {"routing": "r4"}, "algo.routing='r4': use none, r2 or r3"),
+        (AlgoConfig, {"aggregation": "sum"}, "algo.aggregation='sum': use seq_mean or token_mean"),
+        (RolloutConfig, {"dtype": "fp8"}, "rollout.dtype='fp8': use fp32, bf16 or fp16"),
+        (RolloutConfig, {"router_dtype": "bf16"}, "rollout.router_dtype='bf16': use same or fp32"),
+        (TrainConfig, {"stages": ("sft", "ppo")}, "train.stages[1]='ppo': use sft or rl"),
+        (
+            SentinelConfig,
+            {"grad_action": "panic"},
+            "sentinel.grad_action='panic': use off, log, stop or rollback",
+        ),
+    ],
+)
+def test_choice_fields_are_checked_in_code_and_in_recipes(section, kw, needle):
+    with pytest.raises(ConfigError) as e:
+        section(**kw)  # constructed in code
+    assert needle in str(e.value)
+    name = needle.split(".")[0]
+    ((k, v),) = kw.items()
+    with pytest.raises(ConfigError) as e:
+        recipe_from_dict({name: {k: list(v) if isinstance(v, tuple) else v}})  # loaded from a recipe
+    assert needle in str(e.value)
+
+
+def test_choice_literals_match_their_registries():
+    from moe_rl.losses.core import AGGREGATIONS
+    from moe_rl.rollout import ROLLOUT_ENGINES
+
+    hints = typing.get_type_hints(RolloutConfig)
+    assert set(typing.get_args(hints["engine"])) == set(ROLLOUT_ENGINES)
+    assert set(typing.get_args(typing.get_type_hints(AlgoConfig)["aggregation"])) == set(AGGREGATIONS)
+
+
+def test_tasks_do_not_import_the_recipe_module():
+    code = "import sys, moe_rl.tasks; print('moe_rl.config' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_rollout_precision_fields():
+    r = recipe_from_dict({}, ["rollout.dtype=bf16", "rollout.router_dtype=fp32"])
+    assert (r.rollout.dtype, r.rollout.router_dtype) == ("bf16", "fp32")
+    assert (RolloutConfig().dtype, RolloutConfig().router_dtype) == ("fp32", "same")
+    assert recipe_from_dict({}, ["rollout.dtype=fp16"]).rollout.dtype == "fp16"
+
+
+def test_dual_clip_constant():
+    assert AlgoConfig().clip_ratio_c is None
+    assert recipe_from_dict({}, ["algo.clip_ratio_c=3.0"]).algo.clip_ratio_c == 3.0
+    for c in (1.0, 0.5, -2.0):
+        with pytest.raises(ConfigError, match=r"algo\.clip_ratio_c=.* must be > 1.*algo\.clip_ratio_c=null"):
+            recipe_from_dict({}, [f"algo.clip_ratio_c={c}"])
+
+
+@pytest.mark.parametrize(
+    "name, corr",
+    [
+        ("grpo", "tis"),
+        ("grpo", "seq_tis"),
+        ("grpo", "icepop"),
+        ("grpo", "geo_mask"),
+        ("gspo", "seq_tis"),
+        ("gspo", "geo_mask"),
+        ("gspo_token", "tis"),
+        ("gspo_token", "icepop"),
+    ],
+)
+def test_rollout_correction_accepted(name, corr):
+    algo = recipe_from_dict({}, [f"algo.name={name}", f"algo.rollout_correction={corr}"]).algo
+    assert (algo.name, algo.rollout_correction, algo.old_logprobs) == (name, corr, "recompute")
+
+
+@pytest.mark.parametrize("corr", ["tis", "seq_tis", "icepop", "geo_mask"])
+def test_rollout_correction_refused_in_bypass_mode(corr):
+    msg = "bypass mode: pi_old is the rollout policy, rho = 1; set algo.old_logprobs=recompute or algo.rollout_correction=none"
+    with pytest.raises(ConfigError) as e:
+        recipe_from_dict(
+            {}, ["algo.name=grpo", "algo.old_logprobs=rollout", f"algo.rollout_correction={corr}"]
+        )
+    assert msg in str(e.value) and f"algo.rollout_correction={corr}" in str(e.value)
+    assert recipe_from_dict({}, ["algo.old_logprobs=rollout"]).algo.rollout_correction == "none"
+
+
+@pytest.mark.parametrize("corr", ["tis", "icepop"])
+def test_token_level_correction_refused_for_gspo(corr):
+    with pytest.raises(ConfigError) as e:
+        recipe_from_dict({}, ["algo.name=gspo", f"algo.rollout_correction={corr}"])
+    assert "use algo.name=gspo_token, or algo.rollout_correction=seq_tis or geo_mask" in str(e.value)
+    with pytest.raises(
+        ConfigError, match="algo.rollout_correction='bogus': use none, tis, seq_tis, icepop or geo_mask"
+    ):
+        recipe_from_dict({}, ["algo.rollout_correction=bogus"])
+
+
+def test_correction_truncation_and_bounds():
+    assert AlgoConfig().correction_c == 2.0
+    assert AlgoConfig(correction_c=1.0).correction_c == 1.0
+    for c in (0.5, 0.0, -1.0):
+        with pytest.raises(ConfigError, match=r"algo\.correction_c=.* must be >= 1"):
+            AlgoConfig(correction_c=c)
+    assert AlgoConfig(name="grpo", rollout_correction="icepop").correction_bounds == (0.5, 5.0)
+    assert AlgoConfig(rollout_correction="geo_mask").correction_bounds == (1 / 1.001, 1.001)
+    icepop = AlgoConfig(name="grpo", rollout_correction="icepop", correction_low=0.25, correction_high=8.0)
+    assert icepop.correction_bounds == (0.25, 8.0)
+    assert AlgoConfig(rollout_correction="geo_mask", correction_high=1.01).correction_bounds == (
+        1 / 1.001,
+        1.01,
+    )
+    bad = [
+        {"correction_low": 2.0, "correction_high": 1.5},
+        {"correction_low": 1.0, "correction_high": 1.0},
+        {"correction_low": 0.0},
+        {"correction_low": -0.5},
+        {"correction_high": -1.0},
+        {"correction_low": 6.0},  # above icepop's default high
+    ]
+    for kw in bad:
+        with pytest.raises(
+            ConfigError, match=r"algo\.correction_low=.* and algo\.correction_high=.* 0 < low < high"
+        ):
+            AlgoConfig(name="grpo", rollout_correction="icepop", **kw)

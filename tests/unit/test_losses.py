@@ -424,6 +424,6 @@ def test_shape_errors_are_clear():
 
 def test_registry_and_unknown_name():
     assert set(LOSSES) == {"grpo", "gspo", "gspo_token"}
-    assert get_loss("gspo") is LOSSES["gspo"]
+    assert get_loss("gspo") is LOSSES["gspo"].fn
     with pytest.raises(ValueError, match="'gpso'.*grpo, gspo, gspo_token"):
         get_loss("gpso")

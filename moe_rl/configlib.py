@@ -1,0 +1,200 @@
+"""The machinery under every configuration dataclass: errors, type checks, YAML loading.
+
+Section dataclasses (``moe_rl.config``, ``moe_rl.tasks.config``) are frozen and keyword-only.
+A choice field is annotated ``Literal[...]``: :func:`_check_type` refuses any other value and
+names the allowed ones, both when a recipe is built (:func:`build_dataclass`) and when a
+section is constructed in code (:func:`check_choices`, called first in ``__post_init__``).
+A section may declare ``moved_keys: ClassVar[dict[str, str]]`` (old field -> new dotted
+path) so a recipe or override that still uses an old key is told the new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A recipe or override is wrong; the message names the field and the fix."""
+
+
+def require(cond: bool, msg: str) -> None:
+    """Raise :class:`ConfigError` with ``msg`` unless ``cond``."""
+    if not cond:
+        raise ConfigError(msg)
+
+
+def one_of(choices: typing.Iterable[Any]) -> str:
+    """``a, b or c``: the allowed values of a choice, for error messages."""
+    names = [str(c) for c in choices]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def require_registered(value: str, registry: typing.Collection[str], where: str) -> None:
+    """Refuse a name missing from a registry (``LOSSES``, ``TASKS``), listing the valid names."""
+    require(value in registry, f"{where}={value!r} is unknown: use one of {', '.join(sorted(registry))}")
+
+
+def _is_choice(tp: Any) -> bool:
+    """Whether annotation ``tp`` contains a ``Literal`` (directly, in a union or a tuple)."""
+    if typing.get_origin(tp) is Literal:
+        return True
+    return any(_is_choice(a) for a in typing.get_args(tp))
+
+
+@functools.cache
+def _choice_fields(cls: type) -> tuple[tuple[str, Any], ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls) if _is_choice(hints[f.name]))
+
+
+def check_choices(obj: Any, section: str) -> None:
+    """Check every ``Literal`` field of dataclass ``obj``; errors name ``section.field``."""
+    for name, tp in _choice_fields(type(obj)):
+        _check_type(getattr(obj, name), tp, f"{section}.{name}")
+
+
+def _check_union(value: Any, tp: Any, where: str) -> Any:
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for a in args:
+        if a is type(None):
+            continue
+        try:
+            return _check_type(value, a, where)
+        except ConfigError as e:
+            errors.append(str(e))
+    raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+
+
+def _check_scalar(value: Any, tp: type, where: str) -> Any:
+    if tp is bool:
+        require(isinstance(value, bool), f"{where} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        require(
+            isinstance(value, int) and not isinstance(value, bool),
+            f"{where} must be an integer, got {value!r}",
+        )
+        return value
+    if tp is float:
+        if isinstance(value, str):  # PyYAML (YAML 1.1) reads 3e-4 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        require(
+            isinstance(value, (int, float)) and not isinstance(value, bool),
+            f"{where} must be a number, got {value!r}",
+        )
+        return float(value)
+    if tp is str:
+        require(isinstance(value, str), f"{where} must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported field type {tp!r}")
+
+
+def _check_type(value: Any, tp: Any, where: str) -> Any:
+    """Return ``value`` coerced to annotation ``tp`` or raise ConfigError naming ``where``."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        require(value in allowed, f"{where}={value!r}: use {one_of(allowed)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        return _check_union(value, tp, where)
+    if origin in (list, tuple):
+        require(isinstance(value, (list, tuple)), f"{where} must be a list, got {value!r}")
+        (inner, *_) = typing.get_args(tp) or (Any,)
+        return origin(_check_type(v, inner, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict or tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        require(isinstance(value, dict), f"{where} must be a mapping of fields, got {value!r}")
+        return build_dataclass(tp, value, where)
+    return _check_scalar(value, tp, where)
+
+
+def build_dataclass(cls: type, data: dict, where: str = "") -> Any:
+    """Build dataclass ``cls`` from ``data``; unknown or moved keys and wrong types raise ConfigError."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    prefix = f"{where}." if where else ""
+    moved = getattr(cls, "moved_keys", {})
+    stale = sorted(set(data) & set(moved))
+    if stale:
+        raise ConfigError("; ".join(f"{prefix}{k} moved: use {prefix}{moved[k]}" for k in stale))
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {', '.join(prefix + u for u in unknown)}; "
+            f"valid keys of {where or 'the recipe'}: {', '.join(sorted(names))}"
+        )
+    kwargs = {k: _check_type(v, hints[k], prefix + k) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # pragma: no cover - kw_only dataclasses report missing fields here
+        raise ConfigError(f"{where or 'recipe'}: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------
+# YAML: overrides, includes.
+
+
+def set_path(data: dict, dotted: str, value: Any) -> None:
+    """Set ``data[a][b][c] = value`` for ``dotted = "a.b.c"``, creating sections on the way."""
+    keys = dotted.split(".")
+    cur = data
+    for k in keys[:-1]:
+        nxt = cur.setdefault(k, {})
+        require(isinstance(nxt, dict), f"override {dotted}: {k} is not a section")
+        cur = nxt
+    cur[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, Any]]:
+    """Parse ``key.sub=value`` strings; values are YAML scalars (``1e-4``, ``true``, ``null``)."""
+    out = []
+    for o in overrides:
+        require("=" in o, f"override {o!r} must look like section.field=value")
+        k, v = o.split("=", 1)
+        require(bool(k.strip()), f"override {o!r} has an empty key")
+        out.append((k.strip(), yaml.safe_load(v) if v != "" else None))
+    return out
+
+
+def deep_merge(base: dict, top: dict) -> dict:
+    """``base`` with ``top`` merged in; mappings merge key by key, anything else replaces."""
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_yaml_with_includes(path: str | Path, _seen: tuple = ()) -> dict:
+    """A YAML mapping, with ``include: other.yaml`` (relative path) deep-merged under it."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"recipe {path} does not exist")
+    require(path.resolve() not in _seen, f"recipe include cycle through {path}")
+    with path.open() as f:
+        data = yaml.safe_load(f) or {}
+    require(isinstance(data, dict), f"recipe {path} must be a mapping of sections")
+    inc = data.pop("include", None)
+    if inc is not None:
+        base = read_yaml_with_includes(path.parent / inc, (*_seen, path.resolve()))
+        data = deep_merge(base, data)
+    return data
+
+
+def to_dict(obj: Any) -> Any:
+    """A recipe (or any config dataclass) as plain YAML-able data."""
+    return dataclasses.asdict(obj)
