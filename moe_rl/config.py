@@ -265,6 +265,16 @@ class AlgoConfig:
     "Under replay, also replay the recorded gate weights (not only the expert indices)."
     old_logprobs: str = "recompute"
     "Source of pi_old log-probs: recompute (trainer forward) | rollout (engine log-probs)."
+    clip_ratio_c: float | None = None
+    "Dual-clip constant c > 1 bounding the objective at c A for A < 0 (None: off)."
+    rollout_correction: str = "none"
+    "Train-inference mismatch correction: none | tis | seq_tis | icepop | geo_mask."
+    correction_c: float = 2.0
+    "Truncation C of tis / seq_tis."
+    correction_low: float | None = None
+    "Lower bound of icepop / geo_mask on the ratio pi_old / pi_roll (None: 0.5)."
+    correction_high: float | None = None
+    "Upper bound of icepop / geo_mask on the ratio pi_old / pi_roll (None: 5.0)."
 
     def __post_init__(self) -> None:
         _require(
