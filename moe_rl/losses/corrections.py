@@ -110,9 +110,9 @@ def correction_weights(
     low = DEFAULT_LOW if low is None else low
     high = DEFAULT_HIGH if high is None else high
     _check_args(method, c, low, high)
-    lr_BT, mask = log_rho(old_logp_BT, rollout_logp_BT, mask_BT)
     if method == "none":
         return None
+    lr_BT, mask = log_rho(old_logp_BT, rollout_logp_BT, mask_BT)
     zero = torch.zeros_like(lr_BT)
     if method == "tis":
         return torch.where(mask, lr_BT.clamp(max=math.log(c)).exp(), zero)
