@@ -30,6 +30,7 @@ from moe_rl.configlib import (
 )
 from moe_rl.configlib import to_dict as to_dict
 from moe_rl.losses import LOSSES
+from moe_rl.losses.corrections import DEFAULT_BOUNDS, TOKEN_LEVEL
 from moe_rl.tasks.config import TaskConfig
 
 
@@ -222,10 +223,7 @@ class CheckpointConfig:
 LossAggregation = Literal["seq_mean", "token_mean"]
 LOSS_AGGREGATIONS = typing.get_args(LossAggregation)
 RolloutCorrection = Literal["none", "tis", "seq_tis", "icepop", "geo_mask"]
-TOKEN_CORRECTIONS = ("tis", "icepop")
-"Corrections that weight or mask single tokens: they need a per-token ratio (not gspo)."
-CORRECTION_BOUNDS = {"icepop": (0.5, 5.0), "geo_mask": (1 / 1.001, 1.001)}
-"Default (low, high) per bounded correction; geo_mask's are verl's geometric RS threshold 1.001 and 1/1.001."
+"moe_rl.losses.corrections.CORRECTIONS as a config choice (a test checks they agree)."
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,7 +286,7 @@ class AlgoConfig:
             "rollout policy, rho = 1; set algo.old_logprobs=recompute or algo.rollout_correction=none",
         )
         require(
-            corr not in TOKEN_CORRECTIONS or LOSSES[self.name].ratio_level == "token",
+            corr not in TOKEN_LEVEL or LOSSES[self.name].ratio_level == "token",
             f"algo.rollout_correction={corr} weights or masks single tokens but algo.name={self.name} clips one "
             "ratio per sequence: use algo.name=gspo_token, or algo.rollout_correction=seq_tis or geo_mask",
         )
@@ -315,7 +313,7 @@ class AlgoConfig:
     @property
     def correction_bounds(self) -> tuple[float, float]:
         """(low, high) ratio bounds of icepop / geo_mask, defaults filled in (icepop's for other modes)."""
-        dlow, dhigh = CORRECTION_BOUNDS.get(self.rollout_correction, CORRECTION_BOUNDS["icepop"])
+        dlow, dhigh = DEFAULT_BOUNDS.get(self.rollout_correction, DEFAULT_BOUNDS["icepop"])
         return (
             dlow if self.correction_low is None else self.correction_low,
             dhigh if self.correction_high is None else self.correction_high,

@@ -102,19 +102,57 @@ def is_clipped(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high:
     return ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
 
 
-def clipped_surrogate(
-    logratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float
-) -> torch.Tensor:
-    """min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) with r = exp(logratio), elementwise.
+def dual_clipped(ratio: torch.Tensor, adv: torch.Tensor, clip_c: float | None) -> torch.Tensor:
+    """True where the dual clip binds: A < 0 and ratio > c (all False when ``clip_c`` is None).
 
-    Written as "clipped ? bound * A : r A" (the same function, value and gradient), so that a
+    For A < 0, max(min(r A, clip(r) A), c A) equals c A exactly when r > c (c > 1 >= 1 - eps_low).
+    ``ratio`` and ``adv`` broadcast ([B] or [B, T]).
+    """
+    if clip_c is None:
+        return torch.zeros(
+            torch.broadcast_shapes(ratio.shape, adv.shape), dtype=torch.bool, device=ratio.device
+        )
+    if not clip_c > 1.0:
+        raise ValueError(
+            f"dual-clip constant clip_ratio_c must be > 1, got {clip_c}; set it above 1 or to None"
+        )
+    return (adv < 0) & (ratio > clip_c)
+
+
+@torch.no_grad()
+def dual_clip_frac(dual_BT: torch.Tensor, b: PolicyBatch) -> torch.Tensor:
+    """``clip/dual_clip_frac``: valid tokens whose term the dual clip fixed at c A, over the step's
+    ``num_tokens`` (additive across microbatches and ranks). dual_BT: bool [B, T]."""
+    return (dual_BT & b.mask_BT).to(b.logp_BT.dtype).sum() / b.num_tokens
+
+
+def clipped_surrogate(
+    logratio: torch.Tensor,
+    adv: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    clip_c: float | None = None,
+) -> torch.Tensor:
+    """min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) with r = exp(logratio), elementwise; with a
+    dual-clip constant c (``clip_c``, None = off), max(that, c A) where A < 0.
+
+    Dual clip is the semantics verl (``clip_ratio_c``), slime (``eps_clip_c``) and TRL (``delta``,
+    which clamps r at delta before the min) share: for A < 0 and r > c the term is the constant
+    c A, with no gradient; elsewhere nothing changes.
+
+    Written as "frozen ? bound * A : r A" (the same function, value and gradient), so that a
     clipped element has exactly zero gradient and the ratio is never exponentiated there: a huge
     clipped log-ratio cannot turn into inf * 0 = nan in the backward pass.
     """
-    clipped = is_clipped(logratio.detach().exp(), adv, eps_low, eps_high)
-    ratio = torch.exp(torch.where(clipped, torch.zeros_like(logratio), logratio))
+    ratio_d = logratio.detach().exp()
+    clipped = is_clipped(ratio_d, adv, eps_low, eps_high)
+    dual = dual_clipped(ratio_d, adv, clip_c)  # disjoint from clipped: A < 0 there needs r < 1 - eps_low
+    frozen = clipped | dual
+    ratio = torch.exp(torch.where(frozen, torch.zeros_like(logratio), logratio))
     bound_adv = torch.where(adv > 0, (1.0 + eps_high) * adv, (1.0 - eps_low) * adv)
-    return torch.where(clipped, bound_adv, ratio * adv)
+    if clip_c is not None:
+        bound_adv = torch.where(dual, clip_c * adv, bound_adv)
+    return torch.where(frozen, bound_adv, ratio * adv)
 
 
 def seq_mean_logratio(b: PolicyBatch) -> torch.Tensor:
@@ -147,3 +185,41 @@ def aggregate_seqs(x_B: torch.Tensor, b: PolicyBatch, aggregation: str) -> torch
     if aggregation == "token_mean":
         return (x_B * b.len_B).sum() / b.num_tokens
     raise ValueError(f"aggregation={aggregation!r}: use one of {AGGREGATIONS}")
+
+
+def _check_weights(is_weights: torch.Tensor, b: PolicyBatch, loss_name: str) -> torch.Tensor:
+    shape = tuple(b.mask_BT.shape)
+    if tuple(is_weights.shape) not in ((shape[0],), shape):
+        raise ValueError(
+            f"{loss_name}: is_weights must be [B]={shape[0]} or [B, T]={shape}, got {tuple(is_weights.shape)}"
+        )
+    return is_weights.detach().to(b.logp_BT.dtype)
+
+
+def token_weights(is_weights: torch.Tensor | None, b: PolicyBatch, loss_name: str) -> torch.Tensor | None:
+    """Detached correction weights as [B, T], 0 on padding ([B] weights broadcast over tokens).
+
+    The weights multiply each token's term before aggregation; denominators do not change.
+    """
+    if is_weights is None:
+        return None
+    w = _check_weights(is_weights, b, loss_name)
+    w_BT = w[:, None].expand(b.mask_BT.shape) if w.dim() == 1 else w
+    return torch.where(b.mask_BT, w_BT, torch.zeros_like(w_BT))
+
+
+def sequence_weights(is_weights: torch.Tensor | None, b: PolicyBatch, loss_name: str) -> torch.Tensor | None:
+    """Detached correction weights [B] of a one-term-per-sequence loss, 0 for empty rows.
+
+    Token-level [B, T] weights are refused: such a loss has no per-token term to weight.
+    """
+    if is_weights is None:
+        return None
+    w = _check_weights(is_weights, b, loss_name)
+    if w.dim() == 2:
+        raise ValueError(
+            f"{loss_name} has one term per sequence and takes sequence-level is_weights [B] "
+            f"(seq_tis, geo_mask), got token-level {tuple(w.shape)}; use gspo_token for token-level "
+            "corrections (tis, icepop)"
+        )
+    return torch.where(b.valid_B, w, torch.zeros_like(w))

@@ -49,6 +49,7 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "clip/token_frac": "sum",
     "clip/seq_frac": "sum",
     "clip/token_frac_of_clipped_seqs": "sum",
+    "clip/dual_clip_frac": "sum",
     "ratio/token_min": "min",
     "ratio/token_max": "max",
     "ratio/token_mean": "sum",

@@ -146,6 +146,9 @@ def test_choice_literals_match_their_registries():
     hints = typing.get_type_hints(RolloutConfig)
     assert set(typing.get_args(hints["engine"])) == set(ROLLOUT_ENGINES)
     assert set(typing.get_args(typing.get_type_hints(AlgoConfig)["aggregation"])) == set(AGGREGATIONS)
+    from moe_rl.losses.corrections import CORRECTIONS
+
+    assert typing.get_args(typing.get_type_hints(AlgoConfig)["rollout_correction"]) == CORRECTIONS
 
 
 def test_tasks_do_not_import_the_recipe_module():
