@@ -1,6 +1,6 @@
 """Collapse reproduction: matched A/B arms from one SFT start under a stress setting.
 
-Arms (``benchmarks.arms.ALGOS``): GRPO (clip 0.2 / 0.27), GRPO + R2, GRPO + R3, GSPO (clip
+Arms (``moe_rl.trainer.arms.ARMS``): GRPO (clip 0.2 / 0.27), GRPO + R2, GRPO + R3, GSPO (clip
 3e-4 / 4e-4), GSPO + R2. Every arm starts from the same SFT checkpoint; replicate ``s`` sets the
 same ``train.seed`` (sampling) and ``task.seed`` (prompt order) in every arm, so arms differ only
 in the ``algo`` section.
@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.arms import (
-    ALGOS,
+    ARMS,
     CACHE,
     DEMO,
     ROOT,
@@ -203,7 +203,7 @@ PRESETS = {
 
 def arm_overrides(arm: str, seed: int, steps: int | None) -> list[str]:
     """The overrides that make replicate ``seed`` of ``arm`` (the same seeds in every arm)."""
-    ov = [*flatten(ALGOS[arm]), f"train.seed={1234 + seed}", f"task.seed={seed}"]
+    ov = [*flatten(ARMS[arm]), f"train.seed={1234 + seed}", f"task.seed={seed}"]
     return ov + ([f"train.rl_steps={steps}"] if steps else [])
 
 
@@ -222,7 +222,7 @@ def analyse_run(arm: str, seed: int, status: dict) -> dict:
     evals = [(r["step"], r["eval/accuracy"]) for r in data["eval"] if r.get("eval/accuracy") is not None]
     v = collapse_verdict(rewards)
     clipped_own = (
-        "clip/token_frac_of_clipped_seqs" if ALGOS[arm]["algo"]["name"] == "gspo" else "clip/token_frac"
+        "clip/token_frac_of_clipped_seqs" if ARMS[arm]["algo"]["name"] == "gspo" else "clip/token_frac"
     )
     out = {
         "arm": arm,
@@ -350,7 +350,7 @@ def plot(runs: list[dict], out_png: Path) -> Path:
     for ax, (key, title) in zip(axes.flat, PANELS):
         for r in runs:
             data = read_arm(r["out_dir"])
-            gspo = ALGOS[r["arm"]]["algo"]["name"] == "gspo"
+            gspo = ARMS[r["arm"]]["algo"]["name"] == "gspo"
             k = (
                 key
                 if key != "clipped_own"
@@ -397,7 +397,7 @@ def parse(argv):
         default=None,
         help="warm-start every arm from one cached SFT run (default: on for presets, off for --recipe)",
     )
-    ap.add_argument("--arms", default=",".join(ALGOS), help=f"comma-separated subset of {','.join(ALGOS)}")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
     ap.add_argument("--seeds", type=int, default=None, help="replicates per arm (default: the preset's)")
     ap.add_argument(
         "--steps", type=int, default=None, help="RL steps per run (default: the preset's / recipe's)"
@@ -441,9 +441,9 @@ def main(argv: list[str] | None = None) -> dict:
     seeds = args.seeds or (1 if args.recipe else p["seeds"])
     steps = args.steps or (None if args.recipe else p["steps"])
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = [a for a in arms if a not in ALGOS]
+    unknown = [a for a in arms if a not in ARMS]
     if unknown:
-        raise SystemExit(f"unknown arm(s) {unknown}: use {', '.join(ALGOS)}")
+        raise SystemExit(f"unknown arm(s) {unknown}: use {', '.join(ARMS)}")
     launch = args.launch or (f"{shlex.quote(sys.executable)} -m moe_rl.cli train" if args.jobs > 1 else None)
     use_sft = args.sft if args.sft is not None else not args.recipe
     root = Path(args.runs_dir) / name
@@ -504,7 +504,7 @@ def main(argv: list[str] | None = None) -> dict:
         "setting": {
             "base": str(base),
             "overrides": common,
-            "arms": {a: flatten(ALGOS[a]) for a in arms},
+            "arms": {a: flatten(ARMS[a]) for a in arms},
             "seeds": seeds,
             "steps": steps,
             "sft": use_sft,

@@ -37,7 +37,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.arms import ALGOS, CACHE, DEMO, SMOKE_BASE, cpu_seconds, flatten, mean, warm_start
+from benchmarks.arms import ARMS, CACHE, DEMO, SMOKE_BASE, cpu_seconds, flatten, mean, warm_start
 from benchmarks.common import commit, machine, result_path
 
 log = logging.getLogger("benchmarks.volatility")
@@ -271,7 +271,7 @@ def run_sweep(p: dict, cache: Path) -> tuple[list[dict], dict]:
         try:
             for c in cfgs:
                 t0 = time.perf_counter()
-                recipe = load_recipe(DEMO, [*common, *flatten(ALGOS[c.algo]), f"optim.lr={c.lr}"])
+                recipe = load_recipe(DEMO, [*common, *flatten(ARMS[c.algo]), f"optim.lr={c.lr}"])
                 res = measure(r, recipe, ckpt, p["rl_steps"], p["probe"])
                 res.update(
                     name=c.name,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.megatron.parallel import all_reduce
+from moe_rl.dist import all_reduce
 from moe_rl.tasks.base import make_rng
 
 
