@@ -12,7 +12,8 @@ operands, every step written out: about twice the demo's), and a deeper MoE than
 (8 layers), at the demo's learning rate.
 
 Collapse is decided by :func:`collapse_verdict`, with constants fixed in :data:`CRITERION`
-before any run (see its docstring); a run the trainer stops (non-finite steps) counts as
+before any run (see its docstring): the trainer sentinel's rule (``moe_rl.trainer.sentinel.reward_drop``)
+over a smoothed reward curve; a run the trainer stops (non-finite steps) counts as
 collapsed too. Reported per arm: collapsed runs / runs, final and best reward, held-out accuracy,
 clip fractions at both granularities, flip rates, the sequence log-ratio range; curves in a PNG.
 
@@ -55,6 +56,7 @@ from benchmarks.arms import (
     warm_start,
 )
 from benchmarks.common import commit, machine, result_path
+from moe_rl.trainer.sentinel import reward_drop
 
 log = logging.getLogger("benchmarks.collapse")
 
@@ -124,16 +126,11 @@ def collapse_verdict(rewards: list[float], c: Criterion = CRITERION) -> Verdict:
     best_i = max(range(len(s)), key=s.__getitem__)
     if s[best_i] <= c.min_best:
         return Verdict("never_good", None, s[best_i], best_i + off, s[-1])
-    best, run_start = -math.inf, None
-    for t, v in enumerate(s):
-        if run_start is None:
-            best = max(best, v)
-            if best > c.min_best and v < c.drop_frac * best:
-                run_start = t
-        elif v >= c.drop_frac * best:  # recovered: the threshold stays the one it fell below
-            run_start = None
-            best = max(best, v)
-        if run_start is not None and t - run_start + 1 >= c.window:
+    best, below, run_start = None, 0, None
+    for t, v in enumerate(s):  # the sentinel's rule (reward_drop), over the smoothed curve
+        best, below = reward_drop(best, below, v, drop_frac=c.drop_frac, min_best=c.min_best)
+        run_start = t - below + 1 if below else None
+        if below >= c.window:
             return Verdict("collapsed", run_start + off, s[best_i], best_i + off, s[-1])
     state = "unresolved" if run_start is not None else "fine"
     return Verdict(state, None if run_start is None else run_start + off, s[best_i], best_i + off, s[-1])

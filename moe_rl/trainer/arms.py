@@ -37,7 +37,7 @@ def arm_overrides(name: str) -> list[str]:
     return flatten(ARMS[name])
 
 
-def yaml_value(v) -> str:
+def yaml_value(v: object) -> str:
     """A value as a YAML scalar or flow sequence for an override: plain when YAML reads it back
     unchanged (``grpo``), else JSON (``"+-"``, ``[sft, rl]`` as ``["sft", "rl"]``), which YAML reads."""
     import yaml

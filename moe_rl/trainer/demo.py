@@ -12,13 +12,13 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from moe_rl.config import load_recipe
 from moe_rl.megatron.checkpoint import latest_checkpoint
 from moe_rl.trainer.arms import DEMO_ARMS, arm_dir, arm_overrides
 from moe_rl.trainer.report import report
+from moe_rl.trainer.timer import StepTimer
 
 log = logging.getLogger(__name__)
 
@@ -36,22 +36,24 @@ def run_demo(
     """Run (or reuse) the SFT start and the RL arms; write report.png and report.json under ``out``."""
     recipe_dir, out = Path(recipe_dir), Path(out)
     base_file = recipe_dir / "base.yaml"
-    t0 = time.perf_counter()
-    base = load_recipe(base_file, overrides)
-    sft_ckpt = Path(base.train.out_dir) / "checkpoints"
-    if latest_checkpoint(sft_ckpt) is None:
-        _train(base_file, list(overrides))
-    else:
-        log.info("reusing the SFT start at %s (delete it to retrain)", sft_ckpt)
-    t_sft = time.perf_counter() - t0
+    timer = StepTimer()
+    with timer.record("sft"):
+        base = load_recipe(base_file, overrides)
+        sft_ckpt = Path(base.train.out_dir) / "checkpoints"
+        if latest_checkpoint(sft_ckpt) is None:
+            _train(base_file, list(overrides))
+        else:
+            log.info("reusing the SFT start at %s (delete it to retrain)", sft_ckpt)
     runs = {}
-    for name in DEMO_ARMS:
-        arm_out = out / arm_dir(name)
-        shutil.rmtree(arm_out, ignore_errors=True)
-        rl_only = ["train.stages=[rl]", f"train.out_dir={arm_out}", f"checkpoint.load={sft_ckpt}"]
-        _train(base_file, [*overrides, *arm_overrides(name), *rl_only])
-        runs[name] = str(arm_out)
-    table, rows = report(runs, out / "report.png")
-    wall = time.perf_counter() - t0
+    with timer.record("arms"):
+        for name in DEMO_ARMS:
+            arm_out = out / arm_dir(name)
+            shutil.rmtree(arm_out, ignore_errors=True)
+            rl_only = ["train.stages=[rl]", f"train.out_dir={arm_out}", f"checkpoint.load={sft_ckpt}"]
+            _train(base_file, [*overrides, *arm_overrides(name), *rl_only])
+            runs[name] = str(arm_out)
+    with timer.record("report"):
+        table, rows = report(runs, out / "report.png")
+    t_sft, wall = timer.seconds["sft"], timer.total()
     (out / "report.json").write_text(json.dumps({"rows": rows, "sft_s": t_sft, "wall_s": wall}, indent=1))
     return f"{table}\n\nSFT {t_sft:.0f}s, total {wall:.0f}s; curves: {out / 'report.png'}"

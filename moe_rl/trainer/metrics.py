@@ -11,7 +11,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def _jsonable(v):
+def _jsonable(v: object) -> object:
     """Numbers as floats (non-finite ones as null, which JSON can hold); anything else as is."""
     if isinstance(v, (int, float)):
         return float(v) if math.isfinite(v) else None

@@ -14,6 +14,7 @@ excluded from it), sync (``engine.update_weights``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,8 @@ from moe_rl.trainer.timer import StepTimer
 if TYPE_CHECKING:
     from moe_rl.trainer.run import Run
 
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"A loss of ``moe_rl.losses.LOSSES``: ``(logp, old_logp, adv, mask, *, cfg, ...) -> (loss, metrics)``."
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
@@ -279,7 +282,15 @@ def train_on(run: Run, batch: RLBatch, timer: StepTimer | None = None) -> dict[s
     return metrics
 
 
-def _micro_step(run: Run, batch: RLBatch, rows: slice, loss_fn, global_counts, entropy, flips) -> dict:
+def _micro_step(
+    run: Run,
+    batch: RLBatch,
+    rows: slice,
+    loss_fn: LossFn,
+    global_counts: tuple[float, float],
+    entropy: list[torch.Tensor],
+    flips: dict[str, list[dict]],
+) -> dict[str, torch.Tensor]:
     """Forward and backward of one micro-batch (``rows``); gradients accumulate.
 
     ``global_counts`` is the minibatch's (sequences, tokens) over all ranks; the entropy sums and

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from moe_rl.megatron.policy import Policy
     from moe_rl.rollout.types import HFStateSource, RolloutEngine
     from moe_rl.tasks.base import Task
+    from moe_rl.tasks.tokenizer import Tokenizer
     from moe_rl.trainer.metrics import MetricsSink
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,8 @@ class Run:
 
     recipe: Recipe
     "The resolved recipe (benchmarks swap its algo / optim / train sections between steps)."
-    tok: object
-    "The tokenizer (``encode``, ``decode``, ``pad_id``, ``eos_id``, ``bos_id``)."
+    tok: Tokenizer
+    "The tokenizer."
     task: Task
     "The verifiable task: prompts, rewards, demonstrations."
     info: ParallelInfo

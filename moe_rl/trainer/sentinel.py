@@ -14,6 +14,24 @@ from moe_rl.config import SentinelConfig
 ACTION_RANK = {"off": 0, "log": 1, "rollback": 2, "stop": 3}
 
 
+def reward_drop(
+    best: float | None, below: int, reward: float, *, drop_frac: float, min_best: float
+) -> tuple[float, int]:
+    """One step of the collapse rule, shared by this sentinel and ``benchmarks/collapse.py``.
+
+    ``best`` is the running best reward (None before the first step) and ``below`` the number of
+    consecutive steps under ``drop_frac`` x best, counted once the best exceeds ``min_best``
+    (a run that was never good cannot collapse). Returns the updated ``(best, below)``; a run has
+    collapsed when ``below`` reaches the window. The sentinel feeds it each step's reward as it
+    comes (it must act within the run); the benchmark feeds it a smoothed curve after the run,
+    with its own constants, so one lucky batch cannot set the best it judges against.
+    """
+    if best is None or reward > best:
+        best = reward
+    below = below + 1 if best > min_best and reward < drop_frac * best else 0
+    return best, below
+
+
 @dataclass
 class Verdict:
     """What the sentinel saw in one step: the detectors that fired and the strongest action."""
@@ -35,11 +53,14 @@ class Sentinel:
         fired, reasons, actions = [], [], []
         r = m.get("reward/mean")
         if r is not None and c.reward_action != "off":
-            best = self.state["best_reward"]
-            if best is None or r > best:
-                self.state["best_reward"] = best = r
-            armed = best > c.reward_min_best
-            self.state["below"] = self.state["below"] + 1 if armed and r < c.reward_drop_frac * best else 0
+            best, below = reward_drop(
+                self.state["best_reward"],
+                self.state["below"],
+                r,
+                drop_frac=c.reward_drop_frac,
+                min_best=c.reward_min_best,
+            )
+            self.state.update(best_reward=best, below=below)
             if self.state["below"] >= c.reward_window:
                 fired.append("reward")
                 actions.append(c.reward_action)

@@ -5,13 +5,22 @@ Shape legend: B = demonstrations, T = padded prompt + response tokens.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from moe_rl.dist import all_reduce
 from moe_rl.tasks.base import make_rng
 
+if TYPE_CHECKING:
+    from moe_rl.megatron.optim import Optimizer
+    from moe_rl.megatron.parallel import ParallelInfo
+    from moe_rl.megatron.policy import Policy
+    from moe_rl.tasks.base import Task
+    from moe_rl.tasks.tokenizer import Tokenizer
 
-def encode_pair(tok, prompt: str, response: str | None, max_len: int) -> tuple[list[int], int]:
+
+def encode_pair(tok: Tokenizer, prompt: str, response: str | None, max_len: int) -> tuple[list[int], int]:
     """``<bos> prompt`` (+ ``response <eos>``) ids truncated to ``max_len``, and the prompt length."""
     bos = [tok.bos_id] if getattr(tok, "bos_id", None) is not None else []
     p = bos + tok.encode(prompt)
@@ -29,7 +38,7 @@ def pad_batch(rows: list[list[int]], pad_id: int) -> torch.Tensor:
     return out
 
 
-def sft_batch(task, tok, *, step: int, batch_size: int, seed: int, max_len: int):
+def sft_batch(task: Task, tok: Tokenizer, *, step: int, batch_size: int, seed: int, max_len: int):
     """Demonstrations of SFT step ``step`` as ``tokens_BT`` and a response ``mask_BT``."""
     demo_seed = make_rng("sft", seed, step).randrange(2**31)
     rows, plens = [], []
@@ -44,7 +53,9 @@ def sft_batch(task, tok, *, step: int, batch_size: int, seed: int, max_len: int)
     return tokens, mask
 
 
-def sft_step(policy, optimizer, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, info) -> dict:
+def sft_step(
+    policy: Policy, optimizer: Optimizer, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, info: ParallelInfo
+) -> dict[str, float]:
     """One optimizer step of token-mean NLL on this rank's data-parallel share of the batch."""
     rows = tokens_BT.shape[0] // info.dp_size
     sl = slice(info.dp_rank * rows, (info.dp_rank + 1) * rows)
