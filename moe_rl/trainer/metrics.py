@@ -60,4 +60,4 @@ class MetricsSink:
 def read_metrics(path: str | Path, stage: str | None = None) -> list[dict]:
     """The rows of a ``metrics.jsonl`` (optionally one stage's)."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [r for r in rows if stage is None or r.get("stage") == stage]
+    return [row for row in rows if stage is None or row.get("stage") == stage]

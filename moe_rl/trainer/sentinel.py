@@ -48,49 +48,52 @@ class Sentinel:
         self.cfg = cfg
         self.state = dict(state or {"best_reward": None, "below": 0, "rollbacks": 0})
 
-    def check(self, m: dict[str, float]) -> Verdict:
-        c = self.cfg
-        fired, reasons, actions = [], [], []
-        r = m.get("reward/mean")
-        if r is not None and c.reward_action != "off":
+    def check(self, metrics: dict[str, float]) -> Verdict:
+        """Run every detector on one RL step's metrics; the strongest action of those that fired."""
+        cfg = self.cfg
+        verdict = Verdict(fired=[], action="off", reasons=[])
+        actions = []
+
+        def fire(detector: str, action: str, reason: str) -> None:
+            verdict.fired.append(detector)
+            verdict.reasons.append(reason)
+            actions.append(action)
+
+        reward = metrics.get("reward/mean")
+        if reward is not None and cfg.reward_action != "off":
             best, below = reward_drop(
                 self.state["best_reward"],
                 self.state["below"],
-                r,
-                drop_frac=c.reward_drop_frac,
-                min_best=c.reward_min_best,
+                reward,
+                drop_frac=cfg.reward_drop_frac,
+                min_best=cfg.reward_min_best,
             )
             self.state.update(best_reward=best, below=below)
-            if self.state["below"] >= c.reward_window:
-                fired.append("reward")
-                actions.append(c.reward_action)
-                reasons.append(
-                    f"reward {r:.3f} below {c.reward_drop_frac} x best {best:.3f} for "
-                    f"{self.state['below']} steps"
+            if below >= cfg.reward_window:
+                reason = (
+                    f"reward {reward:.3f} below {cfg.reward_drop_frac} x best {best:.3f} for {below} steps"
                 )
-        lr = max(
-            abs(m.get("ratio/seq_log_sum_min", 0.0) or 0.0), abs(m.get("ratio/seq_log_sum_max", 0.0) or 0.0)
+                fire("reward", cfg.reward_action, reason)
+        seq_log_ratio = max(
+            abs(metrics.get("ratio/seq_log_sum_min", 0.0) or 0.0),
+            abs(metrics.get("ratio/seq_log_sum_max", 0.0) or 0.0),
         )
-        if c.ratio_action != "off" and c.max_abs_seq_log_ratio > 0 and lr > c.max_abs_seq_log_ratio:
-            fired.append("ratio")
-            actions.append(c.ratio_action)
-            reasons.append(f"|sequence log-ratio| {lr:.1f} > {c.max_abs_seq_log_ratio}")
-        g = m.get("grad_norm")
-        if c.grad_action != "off" and g is not None and c.max_grad_norm > 0 and not g <= c.max_grad_norm:
-            fired.append("grad")
-            actions.append(c.grad_action)
-            reasons.append(f"grad norm {g:.3g} > {c.max_grad_norm}")
-        e = m.get("entropy/mean")
-        if c.entropy_action != "off" and e is not None and e < c.min_entropy:
-            fired.append("entropy")
-            actions.append(c.entropy_action)
-            reasons.append(f"entropy {e:.4f} < {c.min_entropy}")
-        action = max(actions, key=ACTION_RANK.__getitem__, default="off")
-        if action == "rollback":
-            if self.state["rollbacks"] >= c.max_rollbacks:
-                action = "stop"
-                reasons.append(f"already rolled back {self.state['rollbacks']} times")
+        limit = cfg.max_abs_seq_log_ratio
+        if cfg.ratio_action != "off" and limit > 0 and seq_log_ratio > limit:
+            fire("ratio", cfg.ratio_action, f"|sequence log-ratio| {seq_log_ratio:.1f} > {limit}")
+        grad_norm = metrics.get("grad_norm")
+        limit = cfg.max_grad_norm
+        if cfg.grad_action != "off" and grad_norm is not None and limit > 0 and not grad_norm <= limit:
+            fire("grad", cfg.grad_action, f"grad norm {grad_norm:.3g} > {limit}")
+        entropy = metrics.get("entropy/mean")
+        if cfg.entropy_action != "off" and entropy is not None and entropy < cfg.min_entropy:
+            fire("entropy", cfg.entropy_action, f"entropy {entropy:.4f} < {cfg.min_entropy}")
+        verdict.action = max(actions, key=ACTION_RANK.__getitem__, default="off")
+        if verdict.action == "rollback":
+            if self.state["rollbacks"] >= cfg.max_rollbacks:
+                verdict.action = "stop"
+                verdict.reasons.append(f"already rolled back {self.state['rollbacks']} times")
             else:
                 self.state["rollbacks"] += 1
                 self.state["below"] = 0
-        return Verdict(fired=fired, action=action, reasons=reasons)
+        return verdict

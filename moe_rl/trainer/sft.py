@@ -23,18 +23,18 @@ if TYPE_CHECKING:
 def encode_pair(tok: Tokenizer, prompt: str, response: str | None, max_len: int) -> tuple[list[int], int]:
     """``<bos> prompt`` (+ ``response <eos>``) ids truncated to ``max_len``, and the prompt length."""
     bos = [tok.bos_id] if getattr(tok, "bos_id", None) is not None else []
-    p = bos + tok.encode(prompt)
-    r = [] if response is None else tok.encode(response) + [tok.eos_id]
-    ids = (p + r)[:max_len]
-    return ids, min(len(p), max_len)
+    prompt_ids = bos + tok.encode(prompt)
+    response_ids = [] if response is None else tok.encode(response) + [tok.eos_id]
+    ids = (prompt_ids + response_ids)[:max_len]
+    return ids, min(len(prompt_ids), max_len)
 
 
 def pad_batch(rows: list[list[int]], pad_id: int) -> torch.Tensor:
     """Right-pad id lists to ``[B, T]`` int64."""
-    t = max(len(r) for r in rows)
+    t = max(len(row) for row in rows)
     out = torch.full((len(rows), t), pad_id, dtype=torch.int64)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
     return out
 
 
@@ -48,7 +48,7 @@ def sft_batch(task: Task, tok: Tokenizer, *, step: int, batch_size: int, seed: i
         plens.append(plen)
     tokens = pad_batch(rows, tok.pad_id)
     pos = torch.arange(tokens.shape[1])[None, :]
-    lens = torch.tensor([len(r) for r in rows])[:, None]
+    lens = torch.tensor([len(row) for row in rows])[:, None]
     mask = ((pos >= torch.tensor(plens)[:, None]) & (pos < lens)).float()
     return tokens, mask
 

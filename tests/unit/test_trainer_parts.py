@@ -130,3 +130,20 @@ def test_arms_are_one_definition_of_overrides():
         assert (algo.clip_low, algo.clip_high) == ((0.2, 0.27) if algo.name == "grpo" else (3e-4, 4e-4))
     with pytest.raises(KeyError, match="GRPO"):
         arm_overrides("PPO")
+
+
+def test_sentinel_reward_rule_and_rollback_budget():
+    from moe_rl.config import SentinelConfig
+    from moe_rl.trainer.sentinel import Sentinel
+
+    cfg = SentinelConfig(reward_window=2, reward_action="rollback", max_rollbacks=1)
+    sentinel = Sentinel(cfg)
+    actions = [sentinel.check({"reward/mean": r}).action for r in (0.02, 0.4, 0.1, 0.1, 0.3, 0.1, 0.1)]
+    # 0.02 never arms it; two steps under 0.5 x 0.4 roll back once, the next two stop the run
+    assert actions == ["off", "off", "off", "rollback", "off", "off", "stop"]
+    state = dict(sentinel.state)
+    assert Sentinel(cfg, state).state == state  # the state survives a checkpoint as a plain dict
+    verdict = Sentinel(SentinelConfig(grad_action="stop", max_grad_norm=10.0)).check(
+        {"grad_norm": float("nan")}
+    )
+    assert verdict.fired == ["grad"] and verdict.action == "stop"
