@@ -25,8 +25,12 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moe_rl.trainer.arms import ARMS, flatten, yaml_value
+
+if TYPE_CHECKING:
+    from moe_rl.config import Recipe
 
 __all__ = ["ARMS", "flatten", "yaml_value"]  # the arms live in the library: one definition
 
@@ -76,7 +80,7 @@ def cpu_seconds() -> float:
 
 
 # -- SFT warm starts -----------------------------------------------------------------------------
-def sft_signature(recipe) -> dict:
+def sft_signature(recipe: Recipe) -> dict:
     """Everything the SFT stage of ``recipe`` depends on, as plain data."""
     from moe_rl.config import to_dict
 
@@ -90,7 +94,7 @@ def sft_signature(recipe) -> dict:
     return {"model": d["model"], "task": task, "optim": optim, "train": train}
 
 
-def sft_key(recipe) -> str:
+def sft_key(recipe: Recipe) -> str:
     """A short hash of :func:`sft_signature` (the cache directory name)."""
     blob = json.dumps(sft_signature(recipe), sort_keys=True, default=str).encode()
     return hashlib.blake2b(blob, digest_size=6).hexdigest()

@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -66,6 +67,10 @@ from benchmarks.throughput_report import (  # noqa: E402
     trl_ratio,
 )
 from moe_rl.trainer.timer import StepTimer  # noqa: E402
+
+if TYPE_CHECKING:
+    from moe_rl.config import Recipe
+    from moe_rl.trainer.run import Run
 
 ALGOS = ("grpo", "gspo", "gspo_token")
 ROUTINGS = ("none", "r2", "r3")
@@ -264,7 +269,7 @@ STEP_PHASES = ("rollout", "old_logprob", "train", "probe", "sync")
 "The phases of the trainer's step (``time/step``); sync_hf is measured after it, not part of it."
 
 
-def bench_step(run, step: int, mem: PeakMemory) -> dict:
+def bench_step(run: Run, step: int, mem: PeakMemory) -> dict:
     """One measured RL step: the trainer's own ``rl_step`` timed by a :class:`PhaseMeter`, then
     sync_hf (every weight gathered to its HF tensor and loaded back: what an out-of-process engine
     would receive; not part of the step)."""
@@ -330,7 +335,7 @@ def combo_name(algo: str, routing: str, old: str) -> str:
 
 
 def measure(
-    recipe,
+    recipe: Recipe,
     combos,
     *,
     warmup: int,
@@ -496,7 +501,9 @@ def worker(args) -> None:
         Path(args.out).write_text(json.dumps(res))
 
 
-def run_trl(model: str, export_dir: str, recipe, p: dict, threads: int, tmp: Path, device: str) -> dict:
+def run_trl(
+    model: str, export_dir: str, recipe: Recipe, p: dict, threads: int, tmp: Path, device: str
+) -> dict:
     """The TRL peer in benchmarks/.venv-trl on the exported policy; its JSON (or an error)."""
     from moe_rl.config import to_dict
 

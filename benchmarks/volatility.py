@@ -36,9 +36,15 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from benchmarks.arms import ARMS, CACHE, DEMO, SMOKE_BASE, cpu_seconds, flatten, mean, warm_start
 from benchmarks.common import commit, machine, result_path
+
+if TYPE_CHECKING:
+    from moe_rl.config import Recipe
+    from moe_rl.megatron.optim import Optimizer
+    from moe_rl.trainer.run import Run
 
 log = logging.getLogger("benchmarks.volatility")
 PAPER = {"layers": 48, "experts": 128, "topk": 8, "flip_per_step": 0.10}
@@ -134,8 +140,8 @@ class StepProbe:
     """Stands in for the run's optimizer: after every step, the natural routes of the probe rows
     against the previous step's (per-step flip) and against pi_old's (drift)."""
 
-    run: object
-    opt: object
+    run: Run
+    opt: Optimizer
     rows: int
     records: list = field(default_factory=list)
 
@@ -203,7 +209,7 @@ TRAINER_KEYS = (
 )
 
 
-def measure(run, recipe, ckpt: Path, rl_steps: int, probe_rows: int) -> dict:
+def measure(run: Run, recipe: Recipe, ckpt: Path, rl_steps: int, probe_rows: int) -> dict:
     """``rl_steps`` real RL steps of ``recipe`` from ``ckpt`` on ``run``; flip records summarised."""
     from moe_rl.megatron.checkpoint import load_checkpoint
     from moe_rl.trainer.rl import collect, train_on
