@@ -6,8 +6,9 @@ Shape legend: B = sequences in this microbatch, T = padded tokens per sequence.
 Every metric is a 0-dim float tensor (float32, float64 for float64 inputs), detached, and either *additive* (a sum divided by the
 global ``num_sequences`` or ``num_tokens``, so the sum over microbatches and ranks is the
 batch value) or a min / max (empty microbatches give +inf / -inf, the identities).
-``METRIC_REDUCTIONS`` says which, for every key; :func:`combine_metrics` applies it locally and
-the trainer all-reduces with the same op.
+``METRIC_REDUCTIONS`` says which, for every key; :func:`combine_metrics` applies it, the one
+reduction path for microbatches, minibatches and (through an all-reduce the caller passes in)
+data-parallel ranks.
 
 Metrics (w = token ratio exp(d), s = sequence ratio exp(mean_t d), A_i = sequence advantage,
 the masked mean of per-token advantages when those are given):

@@ -223,9 +223,7 @@ def run(recipe: Recipe, *, resume: bool = False) -> dict[str, dict[str, float]]:
     the_run = Run(recipe)
     resumed = resume and the_run.resume()
     if not resumed and recipe.checkpoint.load:
-        from moe_rl.megatron.checkpoint import load_checkpoint
-
-        load_checkpoint(recipe.checkpoint.load, the_run.policy.model, load_rng=False)
+        the_run.checkpointer.load_weights(recipe.checkpoint.load)
     try:
         return _run_stages(the_run, resumed)
     finally:

@@ -75,7 +75,8 @@ class RunState:
 
 
 class Checkpointer:
-    """Save, resume and roll back one run's checkpoints: policy, optimizer, RNG and RunState."""
+    """Save, resume and roll back one run's checkpoints (policy, optimizer, RNG and RunState), and
+    warm-start the policy from another run's."""
 
     def __init__(self, root: str | Path, model: torch.nn.Module, *, keep: int):
         self.root = Path(root)
@@ -115,6 +116,13 @@ class Checkpointer:
         state = RunState.from_meta(load_checkpoint(self.root, self.model, optimizer)["extra"])
         log.info("resumed from %s at %s step %d", self.root, state.stage, state.step)
         return state
+
+    def load_weights(self, path: str | Path) -> None:
+        """Start the policy from another run's checkpoint (``checkpoint.load``): weights only."""
+        from moe_rl.megatron.checkpoint import load_checkpoint
+
+        load_checkpoint(path, self.model, load_rng=False)
+        log.info("policy weights from %s", path)
 
     def rollback(self, optimizer: Optimizer, live: RunState, lr_factor: float) -> RunState:
         """Reload the newest (last good) checkpoint and lower the LR by ``lr_factor``.
