@@ -4,7 +4,8 @@ An *arm* is a base recipe plus ``section.field=value`` overrides, exactly what `
 takes, so the same arm runs in this process on a laptop or through a launcher on a cluster
 (``launch/torchrun.sh``, ``sbatch --wait launch/slurm.sbatch``) with the recipe file unchanged.
 
-- :func:`flatten` turns a preset's nested settings into override strings;
+- :func:`flatten` (from ``moe_rl.trainer.arms``, with the arms themselves) turns a preset's
+  nested settings into override strings;
 - :func:`warm_start` trains the SFT start of an architecture once and caches it under
   ``runs/bench_cache/<hash>/`` (the hash covers everything SFT reads: model, task knobs, SFT
   steps, batch, LR, seed, optimizer), and reuses a finished ``runs/demo/sft`` whose recipe
@@ -24,6 +25,14 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from moe_rl.trainer.arms import ARMS, flatten, yaml_value
+
+if TYPE_CHECKING:
+    from moe_rl.config import Recipe
+
+__all__ = ["ARMS", "flatten", "yaml_value"]  # the arms live in the library: one definition
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +46,6 @@ REUSABLE_SFT = (ROOT / "runs" / "demo" / "sft",)
 "Finished SFT runs (recipe.yaml + checkpoints/) reused when their SFT signature matches."
 SFT_TRAIN_KEYS = ("seed", "sft_steps", "sft_batch_size", "sft_lr")
 "The train fields the SFT stage reads (the rest of train is RL only)."
-
-_GRPO = {"name": "grpo", "eps_low": 0.2, "eps_high": 0.27}
-_GSPO = {"name": "gspo", "eps_low": 3e-4, "eps_high": 4e-4}
-ALGOS = {
-    "GRPO": {"algo": {**_GRPO, "routing": "none"}},
-    "GRPO+R2": {"algo": {**_GRPO, "routing": "r2"}},
-    "GRPO+R3": {"algo": {**_GRPO, "routing": "r3"}},
-    "GSPO": {"algo": {**_GSPO, "routing": "none"}},
-    "GSPO+R2": {"algo": {**_GSPO, "routing": "r2"}},
-}
-"The arms of the paper's comparison, with its clip bands, as recipe sections."
 
 SMOKE_BASE = {
     "model": {
@@ -75,25 +73,6 @@ SMOKE_BASE = {
 "The smoke presets' policy and task on top of recipes/demo/base.yaml: a seconds-long SFT start."
 
 
-def yaml_value(v) -> str:
-    """A value as a YAML scalar or flow sequence for an override: plain when YAML reads it back
-    unchanged (``grpo``), else JSON (``"+-"``, ``[sft, rl]`` as ``["sft", "rl"]``), which YAML reads."""
-    import yaml
-
-    if isinstance(v, str) and v and v.strip() == v and yaml.safe_load(v) == v and "," not in v:
-        return v
-    return json.dumps(list(v) if isinstance(v, tuple) else v)
-
-
-def flatten(tree: dict, prefix: str = "") -> list[str]:
-    """``{"model": {"num_layers": 8}}`` -> ``["model.num_layers=8"]`` (nested sections recurse)."""
-    out = []
-    for k, v in tree.items():
-        key = f"{prefix}{k}"
-        out += flatten(v, key + ".") if isinstance(v, dict) else [f"{key}={yaml_value(v)}"]
-    return out
-
-
 def cpu_seconds() -> float:
     """CPU seconds of this process and its finished children (comparable on a shared machine)."""
     t = os.times()
@@ -101,7 +80,7 @@ def cpu_seconds() -> float:
 
 
 # -- SFT warm starts -----------------------------------------------------------------------------
-def sft_signature(recipe) -> dict:
+def sft_signature(recipe: Recipe) -> dict:
     """Everything the SFT stage of ``recipe`` depends on, as plain data."""
     from moe_rl.config import to_dict
 
@@ -115,7 +94,7 @@ def sft_signature(recipe) -> dict:
     return {"model": d["model"], "task": task, "optim": optim, "train": train}
 
 
-def sft_key(recipe) -> str:
+def sft_key(recipe: Recipe) -> str:
     """A short hash of :func:`sft_signature` (the cache directory name)."""
     blob = json.dumps(sft_signature(recipe), sort_keys=True, default=str).encode()
     return hashlib.blake2b(blob, digest_size=6).hexdigest()

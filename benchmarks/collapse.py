@@ -1,6 +1,6 @@
 """Collapse reproduction: matched A/B arms from one SFT start under a stress setting.
 
-Arms (``benchmarks.arms.ALGOS``): GRPO (clip 0.2 / 0.27), GRPO + R2, GRPO + R3, GSPO (clip
+Arms (``moe_rl.trainer.arms.ARMS``): GRPO (clip 0.2 / 0.27), GRPO + R2, GRPO + R3, GSPO (clip
 3e-4 / 4e-4), GSPO + R2. Every arm starts from the same SFT checkpoint; replicate ``s`` sets the
 same ``train.seed`` (sampling) and ``task.seed`` (prompt order) in every arm, so arms differ only
 in the ``algo`` section.
@@ -12,7 +12,8 @@ operands, every step written out: about twice the demo's), and a deeper MoE than
 (8 layers), at the demo's learning rate.
 
 Collapse is decided by :func:`collapse_verdict`, with constants fixed in :data:`CRITERION`
-before any run (see its docstring); a run the trainer stops (non-finite steps) counts as
+before any run (see its docstring): the trainer sentinel's rule (``moe_rl.trainer.sentinel.reward_drop``)
+over a smoothed reward curve; a run the trainer stops (non-finite steps) counts as
 collapsed too. Reported per arm: collapsed runs / runs, final and best reward, held-out accuracy,
 clip fractions at both granularities, flip rates, the sequence log-ratio range; curves in a PNG.
 
@@ -42,7 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.arms import (
-    ALGOS,
+    ARMS,
     CACHE,
     DEMO,
     ROOT,
@@ -55,6 +56,7 @@ from benchmarks.arms import (
     warm_start,
 )
 from benchmarks.common import commit, machine, result_path
+from moe_rl.trainer.sentinel import reward_drop
 
 log = logging.getLogger("benchmarks.collapse")
 
@@ -124,16 +126,11 @@ def collapse_verdict(rewards: list[float], c: Criterion = CRITERION) -> Verdict:
     best_i = max(range(len(s)), key=s.__getitem__)
     if s[best_i] <= c.min_best:
         return Verdict("never_good", None, s[best_i], best_i + off, s[-1])
-    best, run_start = -math.inf, None
-    for t, v in enumerate(s):
-        if run_start is None:
-            best = max(best, v)
-            if best > c.min_best and v < c.drop_frac * best:
-                run_start = t
-        elif v >= c.drop_frac * best:  # recovered: the threshold stays the one it fell below
-            run_start = None
-            best = max(best, v)
-        if run_start is not None and t - run_start + 1 >= c.window:
+    best, below, run_start = None, 0, None
+    for t, v in enumerate(s):  # the sentinel's rule (reward_drop), over the smoothed curve
+        best, below = reward_drop(best, below, v, drop_frac=c.drop_frac, min_best=c.min_best)
+        run_start = t - below + 1 if below else None
+        if below >= c.window:
             return Verdict("collapsed", run_start + off, s[best_i], best_i + off, s[-1])
     state = "unresolved" if run_start is not None else "fine"
     return Verdict(state, None if run_start is None else run_start + off, s[best_i], best_i + off, s[-1])
@@ -203,7 +200,7 @@ PRESETS = {
 
 def arm_overrides(arm: str, seed: int, steps: int | None) -> list[str]:
     """The overrides that make replicate ``seed`` of ``arm`` (the same seeds in every arm)."""
-    ov = [*flatten(ALGOS[arm]), f"train.seed={1234 + seed}", f"task.seed={seed}"]
+    ov = [*flatten(ARMS[arm]), f"train.seed={1234 + seed}", f"task.seed={seed}"]
     return ov + ([f"train.rl_steps={steps}"] if steps else [])
 
 
@@ -222,7 +219,7 @@ def analyse_run(arm: str, seed: int, status: dict) -> dict:
     evals = [(r["step"], r["eval/accuracy"]) for r in data["eval"] if r.get("eval/accuracy") is not None]
     v = collapse_verdict(rewards)
     clipped_own = (
-        "clip/token_frac_of_clipped_seqs" if ALGOS[arm]["algo"]["name"] == "gspo" else "clip/token_frac"
+        "clip/token_frac_of_clipped_seqs" if ARMS[arm]["algo"]["name"] == "gspo" else "clip/token_frac"
     )
     out = {
         "arm": arm,
@@ -350,7 +347,7 @@ def plot(runs: list[dict], out_png: Path) -> Path:
     for ax, (key, title) in zip(axes.flat, PANELS):
         for r in runs:
             data = read_arm(r["out_dir"])
-            gspo = ALGOS[r["arm"]]["algo"]["name"] == "gspo"
+            gspo = ARMS[r["arm"]]["algo"]["name"] == "gspo"
             k = (
                 key
                 if key != "clipped_own"
@@ -397,7 +394,7 @@ def parse(argv):
         default=None,
         help="warm-start every arm from one cached SFT run (default: on for presets, off for --recipe)",
     )
-    ap.add_argument("--arms", default=",".join(ALGOS), help=f"comma-separated subset of {','.join(ALGOS)}")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
     ap.add_argument("--seeds", type=int, default=None, help="replicates per arm (default: the preset's)")
     ap.add_argument(
         "--steps", type=int, default=None, help="RL steps per run (default: the preset's / recipe's)"
@@ -441,9 +438,9 @@ def main(argv: list[str] | None = None) -> dict:
     seeds = args.seeds or (1 if args.recipe else p["seeds"])
     steps = args.steps or (None if args.recipe else p["steps"])
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = [a for a in arms if a not in ALGOS]
+    unknown = [a for a in arms if a not in ARMS]
     if unknown:
-        raise SystemExit(f"unknown arm(s) {unknown}: use {', '.join(ALGOS)}")
+        raise SystemExit(f"unknown arm(s) {unknown}: use {', '.join(ARMS)}")
     launch = args.launch or (f"{shlex.quote(sys.executable)} -m moe_rl.cli train" if args.jobs > 1 else None)
     use_sft = args.sft if args.sft is not None else not args.recipe
     root = Path(args.runs_dir) / name
@@ -504,7 +501,7 @@ def main(argv: list[str] | None = None) -> dict:
         "setting": {
             "base": str(base),
             "overrides": common,
-            "arms": {a: flatten(ALGOS[a]) for a in arms},
+            "arms": {a: flatten(ARMS[a]) for a in arms},
             "seeds": seeds,
             "steps": steps,
             "sft": use_sft,

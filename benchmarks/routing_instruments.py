@@ -82,28 +82,27 @@ def main(argv=None) -> dict:
     data["model"].update(p["model"])
     data["train"].update(p["train"], stages=["rl"], out_dir="/tmp/routing_instruments", minibatches=1)
     recipe = recipe_from_dict(data)
-    r = Run(recipe)
+    run = Run(recipe)
     sft = latest_checkpoint(args.sft) if args.preset == "cpu" else None
     if sft is not None:
-        load_checkpoint(sft, r.policy.model, load_rng=False)
-    r.make_optimizer("rl")
-    r.ensure_engine()
-    m, timing = {}, {}
-    batch = collect(r, 0, m, timing)
-    start = copy.deepcopy(r.policy.model.state_dict())
+        load_checkpoint(sft, run.policy.model, load_rng=False)
+    run.make_optimizer("rl")
+    run.ensure_engine()
+    batch, metrics = collect(run, 0)
+    start = copy.deepcopy(run.policy.model.state_dict())
     b, s = batch.tokens_BT.shape[0], batch.tokens_BT.shape[1] - 1
     valid = batch.valid_BS.reshape(-1)
 
     def natural():
-        with torch.no_grad(), RoutingSession(r.policy, RouterAction.NATURAL) as rs:
-            r.policy.logits(batch.tokens_BT[:, :-1])
+        with torch.no_grad(), RoutingSession(run.policy, RouterAction.NATURAL) as rs:
+            run.policy.logits(batch.tokens_BT[:, :-1])
         return rs.natural_BSLK(b, s).reshape(b * s, -1, recipe.model.moe_router_topk)
 
     def update(routing: str):
         replay = batch.replay_BSLK if routing == "r2" else None
         action = RouterAction.REPLAY if replay is not None else RouterAction.NATURAL
-        with RoutingSession(r.policy, action, routes_BSLK=replay) as rs:
-            out = r.policy.logprobs(batch.tokens_BT, temperature=recipe.train.temperature)
+        with RoutingSession(run.policy, action, routes_BSLK=replay) as rs:
+            out = run.policy.logprobs(batch.tokens_BT, temperature=recipe.train.temperature)
             loss, _ = get_loss("grpo")(
                 out.logp_BT,
                 batch.old_logp_BT,
@@ -120,23 +119,25 @@ def main(argv=None) -> dict:
         "warm_start": str(sft) if sft else None,
         "batch_sequences": b,
         "response_tokens": float(batch.mask_BT.sum()),
-        "reward_mean": m["reward/mean"],
+        "reward_mean": metrics["reward/mean"],
         "per_lr": {},
     }
     before = natural()
     for lr in (1e-4, 1e-3):
-        r.policy.model.load_state_dict(start)
+        run.policy.model.load_state_dict(start)
         from dataclasses import replace
 
         from moe_rl.megatron.optim import Optimizer
 
-        r.optimizer = Optimizer(r.policy.parameters(), replace(recipe.optim, lr=lr, grad_clip=1.0), r.info)
+        run.optimizer = Optimizer(
+            run.policy.parameters(), replace(recipe.optim, lr=lr, grad_clip=1.0), run.info
+        )
         update("none")
-        r.optimizer.step()
+        run.optimizer.step()
         after = natural()
         flips = flip_rate(before, after, valid)
         with torch.no_grad():
-            new = r.policy.logprobs(batch.tokens_BT, temperature=recipe.train.temperature).logp_BT
+            new = run.policy.logprobs(batch.tokens_BT, temperature=recipe.train.temperature).logp_BT
         clips = {}
         for algo in ("grpo", "gspo"):
             cfg = replace(recipe.algo, name=algo, eps_low=None, eps_high=None)
@@ -151,11 +152,11 @@ def main(argv=None) -> dict:
             )
             clips[algo] = {k: float(v) for k, v in mt.items() if k.startswith(("clip/", "ratio/seq_log"))}
         res["per_lr"][str(lr)] = {"flip": flips, "clip": clips}
-    r.policy.model.load_state_dict(start)
+    run.policy.model.load_state_dict(start)
     t = _interleaved(
         {
-            "natural": lambda: (update("none"), r.optimizer.zero_grad()),
-            "r2": lambda: (update("r2"), r.optimizer.zero_grad()),
+            "natural": lambda: (update("none"), run.optimizer.zero_grad()),
+            "r2": lambda: (update("r2"), run.optimizer.zero_grad()),
             "probe": lambda: (natural(), natural()),
         },
         p["repeats"],
@@ -170,7 +171,7 @@ def main(argv=None) -> dict:
     res["probe_overhead_ratio_full_batch"] = t_probe / t_nat
     probe_frac = recipe.train.flip_probe_sequences / b
     res["probe_overhead_ratio_default_probe"] = t_probe * probe_frac / t_nat
-    r.close()
+    run.close()
     path = result_path("routing_instruments", args.preset, args.out)
     path.write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))

@@ -5,18 +5,20 @@ scaling, and Hugging Face TRL's GRPOTrainer (GSPO) on the same model, in one run
     bash benchmarks/trl_env.sh && .venv/bin/python benchmarks/throughput.py --preset cpu  # <= 20 min
     .venv/bin/python benchmarks/throughput.py --preset gpu                # on a CUDA machine
 
-What one measured RL step is: the trainer's own functions, as ``moe_rl.trainer.loop`` calls
-them, on the arithmetic task of recipes/demo/base.yaml, from a random initialisation:
+What one measured RL step is: the trainer's own step, ``moe_rl.trainer.rl.rl_step`` (what
+``moe_rl.trainer.loop`` runs), timed by a subclass of the trainer's ``StepTimer`` that adds CPU
+seconds and peak memory per phase, on the arithmetic task of recipes/demo/base.yaml, from a
+random initialisation. Its phases are the trainer's own ``time/*`` phases:
 
-- rollout: ``engine.generate`` (embedded engine, KV cache, routes captured);
-- old_logprob: the rest of ``collect`` (pi_old forward (+ R2 route recording), rewards, advantages);
-- train: ``train_on`` without its flip probes (M minibatch forward/backward + AdamW steps);
-- probe: the flip probes inside ``train_on`` (natural-routing forwards of the probe sequences);
-- sync: ``engine.update_weights`` as the loop calls it (embedded: a version bump, no copy);
+- rollout: prompt sampling and ``engine.generate`` (embedded engine, KV cache, routes captured);
+- old_logprob: rewards, advantages and the pi_old forward (+ R2 route recording);
+- train: the M minibatch forward/backward + AdamW steps, without the flip probes;
+- probe: the flip probes inside train (natural-routing forwards of the probe sequences);
+- sync: ``engine.update_weights`` (embedded: a version bump, no copy);
 - sync_hf: what an out-of-process engine would receive, in process: every weight gathered to
   its full HF tensor (``PolicyHFSource.hf_tensors``, collective over TP/EP) and copied into the
-  policy through ``load_hf_tensors``; not part of the step;
-- step: collect + train_on + sync, the loop's ``time/step``.
+  policy through ``load_hf_tensors``; measured after the step, not part of it;
+- step: rollout + old_logprob + train + probe + sync, the loop's ``time/step``.
 
 Tokens are response tokens of the rollout batch (all data-parallel ranks); tokens/s of a phase
 is those tokens over the phase's seconds (median over the timed steps). Every phase records wall
@@ -47,8 +49,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -64,6 +66,11 @@ from benchmarks.throughput_report import (  # noqa: E402
     table,
     trl_ratio,
 )
+from moe_rl.trainer.timer import StepTimer  # noqa: E402
+
+if TYPE_CHECKING:
+    from moe_rl.config import Recipe
+    from moe_rl.trainer.run import Run
 
 ALGOS = ("grpo", "gspo", "gspo_token")
 ROUTINGS = ("none", "r2", "r3")
@@ -162,15 +169,15 @@ class PeakMemory:
 
 
 class Clock:
-    """Wall and CPU seconds since construction (CUDA synchronised at both ends)."""
+    """Wall seconds since construction (CUDA synchronised at both ends), for whole runs."""
 
     def __init__(self):
         _cuda_sync()
-        self.w, self.c = time.perf_counter(), time.process_time()
+        self.w = time.perf_counter()
 
-    def read(self) -> tuple[float, float]:
+    def seconds(self) -> float:
         _cuda_sync()
-        return time.perf_counter() - self.w, time.process_time() - self.c
+        return time.perf_counter() - self.w
 
 
 def _cuda_sync() -> None:
@@ -178,27 +185,55 @@ def _cuda_sync() -> None:
         torch.cuda.synchronize()
 
 
-def _phase(s: float, cpu_s: float, mem: PeakMemory | None) -> dict:
-    out = {"s": s, "cpu_s": cpu_s}
-    if mem is not None:
-        out.update(peak_mib=mem.peak_mib(), start_mib=mem.start_mib)
-    return out
+class PhaseMeter(StepTimer):
+    """The trainer's StepTimer, measuring more per phase: CPU seconds beside wall seconds (CUDA
+    synchronised at every reading) and peak memory. A nested phase (the probe inside train) is
+    excluded from the enclosing phase's seconds by StepTimer; peaks are not additive, so the
+    enclosing phase's peak covers its nested phases too."""
+
+    def __init__(self, mem: PeakMemory):
+        super().__init__()
+        self.mem = mem
+        self.peak_mib: dict[str, float] = {}
+        self.start_mib: dict[str, float] = {}
+        self._peaks: list[float] = []  # peak so far of every open phase, innermost last
+
+    def read(self) -> dict[str, float]:
+        _cuda_sync()
+        return {"s": time.perf_counter(), "cpu_s": time.process_time()}
+
+    def on_enter(self, phase: str) -> None:
+        if self._peaks:  # the meter is reset below: keep the enclosing phase's peak so far
+            self._peaks[-1] = max(self._peaks[-1], self.mem.peak_mib())
+        self.mem.reset()
+        self._peaks.append(0.0)
+        self.start_mib.setdefault(phase, self.mem.start_mib)
+
+    def on_exit(self, phase: str) -> None:
+        peak = max(self._peaks.pop(), self.mem.peak_mib())
+        self.peak_mib[phase] = max(self.peak_mib.get(phase, 0.0), peak)
+        if self._peaks:
+            self._peaks[-1] = max(self._peaks[-1], peak)
+
+    def phases(self) -> dict[str, dict[str, float]]:
+        """``{phase: {"s", "cpu_s", "peak_mib", "start_mib"}}`` of everything recorded."""
+        return {
+            p: {**t, "peak_mib": self.peak_mib[p], "start_mib": self.start_mib[p]}
+            for p, t in self.totals.items()
+        }
 
 
-# -- engines wrapped for measurement ------------------------------------------------------------
-class TimedEngine:
-    """The run's engine with the rollout phase measured around ``generate`` (all else passes through)."""
+# -- engines for measurement --------------------------------------------------------------------
+class KeepingEngine:
+    """The run's engine, keeping (rollouts, prompt ids) of every call while ``keep`` is a list
+    (the world-1 run records what the TP=2 worker replays)."""
 
-    def __init__(self, inner, mem: PeakMemory):
-        self.inner, self.mem, self.rec = inner, mem, {}
-        self.keep: list | None = None  # where set, (rollouts, prompt ids) of every call are appended
+    def __init__(self, inner):
+        self.inner = inner
+        self.keep: list | None = None
 
     def generate(self, prompts, n, sampling):
-        self.mem.reset()
-        clock = Clock()
         out = self.inner.generate(prompts, n, sampling)
-        self.rec["rollout"] = _phase(*clock.read(), self.mem)
-        self.mem.reset()  # the old_logprob phase starts here
         if self.keep is not None:
             self.keep.append((out, [list(p) for p in prompts]))
         return out
@@ -216,10 +251,10 @@ class RecordedEngine:
         self.weight_version = "0"
 
     def generate(self, prompts, n, sampling):
-        ro, ids = self.steps[self.step]
+        rollouts, ids = self.steps[self.step]
         if [list(p) for p in prompts] != ids:
             raise RuntimeError(f"recorded rollouts of step {self.step} were made for other prompts")
-        return ro
+        return rollouts
 
     def update_weights(self, source, version):
         self.weight_version = str(version)
@@ -229,76 +264,39 @@ class RecordedEngine:
         pass
 
 
-@contextmanager
-def probe_clock(acc: dict):
-    """Time every flip-probe forward inside ``train_on`` (``moe_rl.trainer.rl._natural``)."""
-    from moe_rl.trainer import rl
-
-    inner = rl._natural
-
-    def timed(r, tokens_BT):
-        clock = Clock()
-        try:
-            return inner(r, tokens_BT)
-        finally:
-            s, c = clock.read()
-            acc["s"] = acc.get("s", 0.0) + s
-            acc["cpu_s"] = acc.get("cpu_s", 0.0) + c
-
-    rl._natural = timed
-    try:
-        yield acc
-    finally:
-        rl._natural = inner
-
-
 # -- one RL step -------------------------------------------------------------------------------
-def rl_step(r, step: int, mem: PeakMemory) -> dict:
-    """One measured RL step on Run ``r`` (its engine a TimedEngine or RecordedEngine)."""
-    from moe_rl.megatron.hf import PolicyHFSource
-    from moe_rl.megatron.parallel import all_reduce
-    from moe_rl.trainer.rl import collect, train_on
+STEP_PHASES = ("rollout", "old_logprob", "train", "probe", "sync")
+"The phases of the trainer's step (``time/step``); sync_hf is measured after it, not part of it."
 
-    eng = r.engine
-    rec = {}
-    if isinstance(eng, TimedEngine):
-        eng.rec = rec
-    if isinstance(eng, RecordedEngine):
-        eng.step = step
-    m, timing = {}, {}
-    mem.reset()
-    clock = Clock()
-    batch = collect(r, step, m, timing)
-    s, c = clock.read()
-    ro = rec.get("rollout", {"s": 0.0, "cpu_s": 0.0})
-    rec["old_logprob"] = _phase(s - ro["s"], c - ro["cpu_s"], mem)
-    mem.reset()
-    with probe_clock({}) as probe:
-        clock = Clock()
-        train_on(r, batch, m, timing)
-        s, c = clock.read()
-    rec["train"] = _phase(s - probe.get("s", 0.0), c - probe.get("cpu_s", 0.0), mem)
-    rec["probe"] = {"s": probe.get("s", 0.0), "cpu_s": probe.get("cpu_s", 0.0)}
-    mem.reset()
-    clock = Clock()
-    r.engine.update_weights(r.weight_source(), str(r.optimizer.step_count))
-    rec["sync"] = _phase(*clock.read(), mem)
-    mem.reset()
-    clock = Clock()
-    PolicyHFSource(r.policy).load_hf_tensors(PolicyHFSource(r.policy).hf_tensors())
-    rec["sync_hf"] = _phase(*clock.read(), mem)
-    rec["step"] = {
-        k: sum(rec[p][k] for p in ("rollout", "old_logprob", "train", "probe", "sync") if p in rec)
-        for k in ("s", "cpu_s")
-    }
-    tokens = all_reduce(batch.mask_BT.sum().double().cpu(), r.info.dp_group)
-    rec["tokens"] = float(tokens)
+
+def bench_step(run: Run, step: int, mem: PeakMemory) -> dict:
+    """One measured RL step: the trainer's own ``rl_step`` timed by a :class:`PhaseMeter`, then
+    sync_hf (every weight gathered to its HF tensor and loaded back: what an out-of-process engine
+    would receive; not part of the step)."""
+    from moe_rl.dist import all_reduce
+    from moe_rl.megatron.hf import PolicyHFSource
+    from moe_rl.trainer.rl import rl_step
+
+    replayed = isinstance(run.engine, RecordedEngine)
+    if replayed:
+        run.engine.step = step
+    timer = PhaseMeter(mem)
+    batch = rl_step(run, step, timer).batch
+    with timer.record("sync_hf"):
+        source = PolicyHFSource(run.policy)
+        source.load_hf_tensors(source.hf_tensors())
+    rec = timer.phases()
+    if replayed:  # no generation happened: the TP=2 step has no rollout phase
+        del rec["rollout"]
+    rec["step"] = {k: sum(rec[p][k] for p in STEP_PHASES if p in rec) for k in ("s", "cpu_s")}
+
+    def total(x: torch.Tensor) -> float:
+        return float(all_reduce(x.double().cpu(), run.info.dp_group))
+
+    rec["tokens"] = total(batch.mask_BT.sum())
     # every input position of every sequence (prompt + response - 1): the forward work of one pass
-    rec["positions"] = float(all_reduce(batch.valid_BS.sum().double().cpu(), r.info.dp_group))
-    rec["sequences"] = float(
-        all_reduce(torch.tensor(float(batch.tokens_BT.shape[0]), dtype=torch.float64), r.info.dp_group)
-    )
-    rec["reward_mean"] = m.get("reward/mean")
+    rec["positions"] = total(batch.valid_BS.sum())
+    rec["sequences"] = total(torch.tensor(float(batch.tokens_BT.shape[0])))
     return rec
 
 
@@ -337,7 +335,7 @@ def combo_name(algo: str, routing: str, old: str) -> str:
 
 
 def measure(
-    recipe,
+    recipe: Recipe,
     combos,
     *,
     warmup: int,
@@ -352,46 +350,46 @@ def measure(
 
     from moe_rl.trainer.run import Run
 
-    r = Run(recipe)
+    run = Run(recipe)
     try:
         if export_dir:
             from moe_rl.megatron.hf import export_hf
 
-            export_hf(r.policy, export_dir, tokenizer=r.tok)  # the TRL peer starts from these weights
-        r.make_optimizer("rl")
-        mem = PeakMemory(r.info.device)
+            export_hf(run.policy, export_dir, tokenizer=run.tok)  # the TRL peer starts from these weights
+        run.make_optimizer("rl")
+        mem = PeakMemory(run.info.device)
         if rollouts_in:
-            r.engine, r.engine_returns_routes = RecordedEngine(rollouts_in), True
+            run.engine, run.engine_gives_routes = RecordedEngine(rollouts_in), True
         else:
-            r.ensure_engine()
-            r.engine = TimedEngine(r.engine, mem)
+            run.ensure_engine()
+            run.engine = KeepingEngine(run.engine)
         recorded = [] if rollouts_out else None
         steps: dict[str, list] = {combo_name(*c): [] for c in combos}
         for rep in range(warmup + repeats):
             for combo in combos:
                 algo, routing, old = combo
-                r.recipe = replace(
+                run.recipe = replace(
                     recipe, algo=replace(recipe.algo, name=algo, routing=routing, old_logprobs=old)
                 )
-                if isinstance(r.engine, TimedEngine):  # the TP=2 worker replays the first combo's
-                    r.engine.keep = recorded if combo == combos[0] else None
-                rec = reduce_over_ranks(rl_step(r, rep, mem))
+                if isinstance(run.engine, KeepingEngine):  # the TP=2 worker replays the first combo's
+                    run.engine.keep = recorded if combo == combos[0] else None
+                rec = reduce_over_ranks(bench_step(run, rep, mem))
                 if rep >= warmup:
                     steps[combo_name(*combo)].append(rec)
-        if rollouts_out and r.info.rank == 0:
+        if rollouts_out and run.info.rank == 0:
             torch.save(recorded, rollouts_out)
-        params = sum(p.numel() for p in r.policy.parameters())
+        params = sum(p.numel() for p in run.policy.parameters())
         info = {
-            "world_size": r.info.world_size,
-            "tp": r.info.tp_size,
-            "ep": r.info.ep_size,
-            "dp": r.info.dp_size,
+            "world_size": run.info.world_size,
+            "tp": run.info.tp_size,
+            "ep": run.info.ep_size,
+            "dp": run.info.dp_size,
             "parameters_per_rank": params,
             "memory_meter": mem.method,
         }
     finally:
-        r.recipe = recipe
-        r.close()
+        run.recipe = recipe
+        run.close()
     return {"layout": info, "combos": {k: summarize(v) for k, v in steps.items()}}
 
 
@@ -480,7 +478,7 @@ def run_world(layout: str, preset: str, threads: int, tmp: Path, rollouts: str |
     if res.returncode != 0 or not out.exists():
         return {"error": f"exit {res.returncode}", "stderr_tail": res.stderr[-3000:]}
     data = json.loads(out.read_text())
-    data["wall_s"] = clock.read()[0]
+    data["wall_s"] = clock.seconds()
     return data
 
 
@@ -503,7 +501,9 @@ def worker(args) -> None:
         Path(args.out).write_text(json.dumps(res))
 
 
-def run_trl(model: str, export_dir: str, recipe, p: dict, threads: int, tmp: Path, device: str) -> dict:
+def run_trl(
+    model: str, export_dir: str, recipe: Recipe, p: dict, threads: int, tmp: Path, device: str
+) -> dict:
     """The TRL peer in benchmarks/.venv-trl on the exported policy; its JSON (or an error)."""
     from moe_rl.config import to_dict
 
@@ -629,7 +629,7 @@ def main(argv=None) -> dict:
                 rollouts_out=rollouts,
                 export_dir=export,
             )
-            d.update(config=dims, overheads=overheads(d["combos"]), wall_s=t0.read()[0])
+            d.update(config=dims, overheads=overheads(d["combos"]), wall_s=t0.seconds())
             res["models"][name] = d
             print(f"[throughput] {name}: {d['wall_s']:.0f} s", flush=True)
         if "tiny" in res["models"]:
@@ -658,7 +658,7 @@ def main(argv=None) -> dict:
                     res["matmul_peak"],
                     peer["median"],
                 )
-            res["trl"][name] = {"peer": peer, "vs": vs, "wall_s": t0.read()[0]}
+            res["trl"][name] = {"peer": peer, "vs": vs, "wall_s": t0.seconds()}
             print(
                 f"[throughput] TRL {name}: {res['trl'][name]['wall_s']:.0f} s {peer.get('error', '')}",
                 flush=True,
@@ -675,7 +675,7 @@ def main(argv=None) -> dict:
         res["trl_skipped"] = (
             "--no-trl" if args.no_trl else "no benchmarks/.venv-trl: bash benchmarks/trl_env.sh"
         )
-    res["wall_s"], res["loadavg_1m_end"] = clock.read()[0], os.getloadavg()[0]
+    res["wall_s"], res["loadavg_1m_end"] = clock.seconds(), os.getloadavg()[0]
     path.write_text(json.dumps(res, indent=1) + "\n")
     plot(res, path.with_suffix(".png"))
     print(table(res))

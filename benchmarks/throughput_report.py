@@ -166,19 +166,19 @@ def plot(res: dict, path: Path) -> None:
 def _phase_series(res: dict) -> list[tuple[str, dict]]:
     """(label, phase -> stats) of gspo/none for every model, world layout and TRL peer."""
     out = [
-        (f"{m}", d["combos"]["gspo/none"]["phases"])
-        for m, d in res["models"].items()
+        (f"{model}", d["combos"]["gspo/none"]["phases"])
+        for model, d in res["models"].items()
         if "gspo/none" in d["combos"]
     ]
     for k, d in res["world"].items():
         if "gspo/none" in d.get("combos", {}):
             out.append((f"tiny {k.upper()}", d["combos"]["gspo/none"]["phases"]))
-    for m, t in res["trl"].items():
+    for model, t in res["trl"].items():
         med = t.get("peer", {}).get("median")
         if med:
             out.append(
                 (
-                    f"TRL {m}",
+                    f"TRL {model}",
                     {
                         p: {
                             "tokens_per_cpu_s": med["tokens"] / med[f"{p}_cpu_s"],
@@ -193,13 +193,13 @@ def _phase_series(res: dict) -> list[tuple[str, dict]]:
 
 def _plot_overheads(a, res: dict) -> None:
     labels, vals = [], []
-    for m, d in res["models"].items():
+    for model, d in res["models"].items():
         ov = d["overheads"]
         for name, v in ov["replay"].items():
-            labels.append(f"{m} {name}\nreplay")
+            labels.append(f"{model} {name}\nreplay")
             vals.append(v["old_logprob_plus_train_cpu"])
         probe = [v["probe_over_train_cpu"] for v in ov["probe"].values()]
-        labels.append(f"{m}\nprobe/train")
+        labels.append(f"{model}\nprobe/train")
         vals.append(statistics.median(probe))
     a.bar(range(len(vals)), vals, color=["C1" if "probe" in s else "C0" for s in labels])
     a.axhline(1.0, color="k", lw=0.8)
@@ -209,13 +209,13 @@ def _plot_overheads(a, res: dict) -> None:
 
 def _plot_trl(a, res: dict) -> None:
     bars = []
-    for m, t in res["trl"].items():
+    for model, t in res["trl"].items():
         vs = t.get("vs")
         if vs:
             bars.append(
-                (f"moe-rl {m}", vs["cpu_seconds_per_step"]["moe_rl"], vs["moe_rl_tokens_per_step"], vs)
+                (f"moe-rl {model}", vs["cpu_seconds_per_step"]["moe_rl"], vs["moe_rl_tokens_per_step"], vs)
             )
-            bars.append((f"TRL {m}", vs["cpu_seconds_per_step"]["trl"], vs["trl_tokens_per_step"], None))
+            bars.append((f"TRL {model}", vs["cpu_seconds_per_step"]["trl"], vs["trl_tokens_per_step"], None))
     if not bars:
         a.text(0.5, 0.5, "TRL peer not run", ha="center")
         return
@@ -248,8 +248,10 @@ def _plot_trl(a, res: dict) -> None:
 def table(res: dict) -> str:
     """A plain-text summary: tokens/s (wall, CPU) and peak MiB per phase, overheads, TRL ratio."""
     lines = [f"{'model':6} {'combo':18} " + " ".join(f"{p:>24}" for p in PHASES)]
-    runs = [(m, d) for m, d in res["models"].items()] + [(f"tiny-{k}", d) for k, d in res["world"].items()]
-    for m, d in runs:
+    runs = [(model, d) for model, d in res["models"].items()] + [
+        (f"tiny-{k}", d) for k, d in res["world"].items()
+    ]
+    for model, d in runs:
         for name, c in d.get("combos", {}).items():
             cells = []
             for p in PHASES:
@@ -260,20 +262,20 @@ def table(res: dict) -> str:
                     if x
                     else f"{'-':>24}"
                 )
-            lines.append(f"{m:6} {name:18} " + " ".join(f"{s:>24}" for s in cells))
+            lines.append(f"{model:6} {name:18} " + " ".join(f"{s:>24}" for s in cells))
     lines.append("cells: tokens/s wall / tokens/s CPU / peak MiB")
-    for m, t in res["trl"].items():
+    for model, t in res["trl"].items():
         if t.get("vs"):
             v = t["vs"]
             lines.append(
-                f"TRL {m}: moe-rl/TRL response tokens per second of an RL step: CPU x{v['ratio_cpu']:.2f} "
+                f"TRL {model}: moe-rl/TRL response tokens per second of an RL step: CPU x{v['ratio_cpu']:.2f} "
                 f"(x{v['ratio_cpu_without_flip_probe']:.2f} without flip probes), wall x{v['ratio_wall']:.2f}"
                 + ("" if v["wall_ratio_reliable"] else " (wall unreliable: other jobs took the cores)")
             )
             if "floor" in v:
                 f = v["floor"]
                 lines.append(
-                    f"TRL {m}: matmul floor of the step {f['floor_s']:.3f} s at "
+                    f"TRL {model}: matmul floor of the step {f['floor_s']:.3f} s at "
                     f"{res['matmul_peak']['flops_per_s'] / 1e9:.0f} GFLOP/s: moe-rl x"
                     f"{f['moe_rl_step_s_over_floor']:.1f}, TRL x{f['trl_step_s_over_floor']:.1f} of it; "
                     f"moe-rl/TRL cannot exceed x{f['trl_step_s_over_floor']:.1f} at equal work"
@@ -281,7 +283,7 @@ def table(res: dict) -> str:
             if "with_rollout_logprobs" in v:
                 w = v["with_rollout_logprobs"]
                 lines.append(
-                    f"TRL {m}: with pi_old = the engine's log-probs: CPU x{w['ratio_cpu']:.2f} "
+                    f"TRL {model}: with pi_old = the engine's log-probs: CPU x{w['ratio_cpu']:.2f} "
                     f"(x{w['ratio_cpu_without_flip_probe']:.2f} without flip probes)"
                 )
     whole = res.get("trl_whole_machine", {}).get("vs")

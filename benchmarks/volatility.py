@@ -36,9 +36,15 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from benchmarks.arms import ALGOS, CACHE, DEMO, SMOKE_BASE, cpu_seconds, flatten, mean, warm_start
+from benchmarks.arms import ARMS, CACHE, DEMO, SMOKE_BASE, cpu_seconds, flatten, mean, warm_start
 from benchmarks.common import commit, machine, result_path
+
+if TYPE_CHECKING:
+    from moe_rl.config import Recipe
+    from moe_rl.megatron.optim import Optimizer
+    from moe_rl.trainer.run import Run
 
 log = logging.getLogger("benchmarks.volatility")
 PAPER = {"layers": 48, "experts": 128, "topk": 8, "flip_per_step": 0.10}
@@ -134,8 +140,8 @@ class StepProbe:
     """Stands in for the run's optimizer: after every step, the natural routes of the probe rows
     against the previous step's (per-step flip) and against pi_old's (drift)."""
 
-    r: object
-    opt: object
+    run: Run
+    opt: Optimizer
     rows: int
     records: list = field(default_factory=list)
 
@@ -146,10 +152,10 @@ class StepProbe:
         self.rl_step, self.j = rl_step, 0
 
     def _routes(self):
-        from moe_rl.trainer.rl import _natural
+        from moe_rl.trainer.rl import natural_routes
 
-        nat = _natural(self.r, self.tokens)
-        return nat.reshape(-1, *nat.shape[2:])
+        routes_BSLK = natural_routes(self.run, self.tokens)
+        return routes_BSLK.reshape(-1, *routes_BSLK.shape[2:])
 
     def step(self) -> dict:
         from moe_rl.routing.flip import flip_counts
@@ -203,26 +209,25 @@ TRAINER_KEYS = (
 )
 
 
-def measure(r, recipe, ckpt: Path, rl_steps: int, probe_rows: int) -> dict:
-    """``rl_steps`` real RL steps of ``recipe`` from ``ckpt`` on run ``r``; flip records summarised."""
+def measure(run: Run, recipe: Recipe, ckpt: Path, rl_steps: int, probe_rows: int) -> dict:
+    """``rl_steps`` real RL steps of ``recipe`` from ``ckpt`` on ``run``; flip records summarised."""
     from moe_rl.megatron.checkpoint import load_checkpoint
     from moe_rl.trainer.rl import collect, train_on
 
-    assert recipe.model == r.recipe.model, "one Run per architecture"
-    r.recipe = recipe  # same policy, this configuration's algo / optim / train
-    load_checkpoint(ckpt, r.policy.model, load_rng=False)
-    r.make_optimizer("rl")
-    probe = StepProbe(r, r.optimizer, probe_rows)
-    r.optimizer = probe
+    assert recipe.model == run.recipe.model, "one Run per architecture"
+    run.recipe = recipe  # same policy, this configuration's algo / optim / train
+    load_checkpoint(ckpt, run.policy.model, load_rng=False)
+    run.make_optimizer("rl")
+    probe = StepProbe(run, run.optimizer, probe_rows)
+    run.optimizer = probe
     trainer = []
     for step in range(rl_steps):
-        m, timing = {}, {}
-        batch = collect(r, step, m, timing)
+        batch, metrics = collect(run, step)
         probe.begin(batch, step)
-        train_on(r, batch, m, timing)
-        r.engine.update_weights(r.weight_source(), str(probe.opt.step_count))
-        trainer.append(m)
-    r.optimizer = probe.opt
+        metrics.update(train_on(run, batch))
+        run.engine.update_weights(run.weights_for_engine(), str(probe.opt.step_count))
+        trainer.append(metrics)
+    run.optimizer = probe.opt
     mcount = recipe.train.minibatches
     # Adam's first updates (bias-corrected to about +-lr per parameter) move the routes about
     # twice as much as later ones: the headline numbers leave the first rollout batch out
@@ -241,7 +246,7 @@ def measure(r, recipe, ckpt: Path, rl_steps: int, probe_rows: int) -> dict:
             rates([x["drift"] for x in recs if x["j"] == j])["rate"] for j in range(1, mcount + 1)
         ],
         "drift_last": rates(last),
-        "trainer": {k: mean(m.get(k) for m in trainer) for k in TRAINER_KEYS},
+        "trainer": {k: mean(step_metrics.get(k) for step_metrics in trainer) for k in TRAINER_KEYS},
     }
 
 
@@ -266,13 +271,13 @@ def run_sweep(p: dict, cache: Path) -> tuple[list[dict], dict]:
             f"train.out_dir={cache / 'volatility_runs' / ckpt.parent.name}",
             "train.flip_probe_sequences=0",
         ]
-        r = Run(load_recipe(DEMO, common))
-        r.ensure_engine()
+        run = Run(load_recipe(DEMO, common))
+        run.ensure_engine()
         try:
             for c in cfgs:
                 t0 = time.perf_counter()
-                recipe = load_recipe(DEMO, [*common, *flatten(ALGOS[c.algo]), f"optim.lr={c.lr}"])
-                res = measure(r, recipe, ckpt, p["rl_steps"], p["probe"])
+                recipe = load_recipe(DEMO, [*common, *flatten(ARMS[c.algo]), f"optim.lr={c.lr}"])
+                res = measure(run, recipe, ckpt, p["rl_steps"], p["probe"])
                 res.update(
                     name=c.name,
                     group=c.group,
@@ -293,7 +298,7 @@ def run_sweep(p: dict, cache: Path) -> tuple[list[dict], dict]:
                 )
                 results.append(res)
         finally:
-            r.close()
+            run.close()
     return results, starts
 
 

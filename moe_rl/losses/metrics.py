@@ -6,8 +6,9 @@ Shape legend: B = sequences in this microbatch, T = padded tokens per sequence.
 Every metric is a 0-dim float tensor (float32, float64 for float64 inputs), detached, and either *additive* (a sum divided by the
 global ``num_sequences`` or ``num_tokens``, so the sum over microbatches and ranks is the
 batch value) or a min / max (empty microbatches give +inf / -inf, the identities).
-``METRIC_REDUCTIONS`` says which, for every key; :func:`combine_metrics` applies it locally and
-the trainer all-reduces with the same op.
+``METRIC_REDUCTIONS`` says which, for every key; :func:`combine_metrics` applies it, the one
+reduction path for microbatches, minibatches and (through an all-reduce the caller passes in)
+data-parallel ranks.
 
 Metrics (w = token ratio exp(d), s = sequence ratio exp(mean_t d), A_i = sequence advantage,
 the masked mean of per-token advantages when those are given):
@@ -29,7 +30,7 @@ the masked mean of per-token advantages when those are given):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -148,14 +149,42 @@ def loss_and_metrics(
     return loss, metrics
 
 
-def combine_metrics(per_microbatch: Iterable[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Combine the metrics of several microbatches (or ranks) with ``METRIC_REDUCTIONS``.
+def combine_metrics(
+    parts: Iterable[dict[str, torch.Tensor]],
+    *,
+    mean: bool = False,
+    all_reduce: Callable[[torch.Tensor, str], object] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Combine the metrics of several microbatches, minibatches or ranks with ``METRIC_REDUCTIONS``.
 
-    Because every loss divides by global counts, the result equals the whole batch's metrics.
+    The one reduction path of the trainer's loss metrics:
+
+    - microbatches of one minibatch: ``combine_metrics(per_micro)``; because every loss divides
+      by global counts, the sum equals the whole minibatch's metrics;
+    - the M minibatches of an RL step: ``mean=True`` averages the additive metrics (each part is
+      already a whole-minibatch value) and keeps the min / max of the rest;
+    - data-parallel ranks: ``all_reduce(t, op)`` (op ``"sum"``, ``"min"`` or ``"max"``) is called
+      once per op on a stacked 1-D tensor, in place, after the local combination. The caller
+      supplies it (the losses package never touches torch.distributed).
+
+    A key missing from ``METRIC_REDUCTIONS`` is an error: say there how it combines.
     """
     stacked: dict[str, list[torch.Tensor]] = {}
-    for metrics in per_microbatch:
+    for metrics in parts:
         for k, v in metrics.items():
-            stacked.setdefault(k, []).append(v)
-    ops = {"sum": torch.sum, "min": torch.amin, "max": torch.amax}
-    return {k: ops[METRIC_REDUCTIONS[k]](torch.stack(v)) for k, v in stacked.items()}
+            stacked.setdefault(k, []).append(v.detach().reshape(()))
+    unknown = sorted(set(stacked) - set(METRIC_REDUCTIONS))
+    if unknown:
+        raise KeyError(f"metrics {unknown} have no entry in METRIC_REDUCTIONS (sum, min or max)")
+    ops = {"sum": torch.mean if mean else torch.sum, "min": torch.amin, "max": torch.amax}
+    local = {k: ops[METRIC_REDUCTIONS[k]](torch.stack(v)) for k, v in stacked.items()}
+    if all_reduce is None:
+        return local
+    out = {}
+    for op in ("sum", "min", "max"):
+        keys = [k for k in local if METRIC_REDUCTIONS[k] == op]
+        if keys:
+            v = torch.stack([local[k] for k in keys])
+            all_reduce(v, op)
+            out.update(zip(keys, v.unbind()))
+    return {k: out[k] for k in local}

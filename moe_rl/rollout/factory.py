@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from moe_rl.rollout.sglang_client import SGLangClient, SGLangEngine
 from moe_rl.rollout.types import HFStateSource, Rollouts, SamplingParams
+
+if TYPE_CHECKING:
+    from moe_rl.trainer.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -47,41 +51,41 @@ class RankedSGLangEngine:
             self.inner.close()
 
 
-def build_sglang_engine(r) -> RankedSGLangEngine:
-    """The engine for ``r`` (a trainer Run): launch a server (rank 0) or attach to rollout.sglang.url."""
+def build_sglang_engine(run: Run) -> RankedSGLangEngine:
+    """The engine for ``run``: launch a server (rank 0) or attach to rollout.sglang.url."""
     from moe_rl.rollout.sglang_launcher import SGLangLauncher, SGLangServerConfig
     from moe_rl.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
 
-    ro, m = r.recipe.rollout, r.recipe.model
+    ro, m = run.recipe.rollout, run.recipe.model
     launcher, url = None, ro.sglang.url
     if url is None:
-        model_path = ro.sglang.model_path or str(r.out / "hf_init")
+        model_path = ro.sglang.model_path or str(run.out / "hf_init")
         if not ro.sglang.model_path:  # the server starts from the policy as it is now
             from moe_rl.megatron.hf import export_hf
 
-            export_hf(r.policy, model_path, tokenizer=r.tok)
-        if r.info.rank == 0:
+            export_hf(run.policy, model_path, tokenizer=run.tok)
+        if run.info.rank == 0:
             cfg = SGLangServerConfig(
                 model_path=model_path,
                 tp_size=ro.sglang.tp,
                 ep_size=ro.sglang.ep,
                 host=ro.sglang.host,
                 port=ro.sglang.port or None,
-                enable_return_routed_experts=r.recipe.algo.routing == "r3",
+                enable_return_routed_experts=run.recipe.algo.routing == "r3",
                 mem_fraction_static=ro.sglang.mem_fraction,
                 module=ro.sglang.module,
             )
             launcher = SGLangLauncher(
-                cfg, log_path=r.out / "logs" / "sglang.log", startup_timeout_s=ro.sglang.startup_timeout_s
+                cfg, log_path=run.out / "logs" / "sglang.log", startup_timeout_s=ro.sglang.startup_timeout_s
             )
             launcher.start()
             url = launcher.url
         url = _broadcast_str(url)
     client = SGLangClient(url, timeout_s=ro.timeout_s, retries=ro.retries)
     sync = None
-    if r.info.rank == 0:
+    if run.info.rank == 0:
         if ro.weight_sync == "disk":
-            sync = DiskWeightSync(client, ro.weight_sync_dir or Path(r.out) / "weights")
+            sync = DiskWeightSync(client, ro.weight_sync_dir or Path(run.out) / "weights")
         else:
             sync = DistributedWeightSync(client, world_size=1 + ro.sglang.tp)
     inner = SGLangEngine(
@@ -89,11 +93,11 @@ def build_sglang_engine(r) -> RankedSGLangEngine:
         num_layers=m.num_layers,
         topk=m.moe_router_topk,
         num_experts=m.num_experts,
-        pad_id=r.tok.pad_id,
+        pad_id=run.tok.pad_id,
         weight_sync=sync,
         launcher=launcher,
     )
-    return RankedSGLangEngine(inner, r.info.rank)
+    return RankedSGLangEngine(inner, run.info.rank)
 
 
 def _broadcast_str(s: str | None) -> str:

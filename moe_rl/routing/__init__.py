@@ -1,4 +1,8 @@
-"""Expert routing: replay modes, natural top-k capture, flip metrics and route storage.
+"""Expert routing: router actions, natural top-k capture, flip metrics and route storage.
+
+One vocabulary: a run's *routing mode* is the recipe field ``algo.routing`` (``none``, ``r2``:
+replay the routes recorded while computing pi_old, ``r3``: replay the rollout engine's routes;
+docs/algorithms.md, Routing Replay). Each forward carries it out as a :class:`RouterAction`.
 
 Torch-only; the megatron-core binding lives in :mod:`moe_rl.megatron.routing`.
 """
@@ -6,17 +10,6 @@ Torch-only; the megatron-core binding lives in :mod:`moe_rl.megatron.routing`.
 from __future__ import annotations
 
 import enum
-
-
-class ReplayMode(enum.Enum):
-    """Which routes the training forwards of a batch use (REFERENCE.md, Routing Replay)."""
-
-    NONE = "none"
-    "The router's own top-k every forward."
-    R2 = "r2"
-    "Replay the top-k the trainer recorded while computing pi_old log-probs."
-    R3 = "r3"
-    "Replay the top-k the rollout engine returned (SGLang return_routed_experts)."
 
 
 class RouterAction(enum.Enum):

@@ -1,4 +1,8 @@
-"""``make demo``: SFT once (cached), then GRPO, GRPO + R2 and GSPO from the same start; report."""
+"""``make demo``: SFT once (cached), then GRPO, GRPO + R2 and GSPO from the same start; report.
+
+The arms are :data:`moe_rl.trainer.arms.DEMO_ARMS`: ``recipes/demo/base.yaml`` plus each arm's
+overrides, so the demo and the benchmarks compare the same algorithm settings.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +12,15 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from moe_rl.config import load_recipe
 from moe_rl.megatron.checkpoint import latest_checkpoint
+from moe_rl.trainer.arms import DEMO_ARMS, arm_dir, arm_overrides
 from moe_rl.trainer.report import report
+from moe_rl.trainer.timer import StepTimer
 
 log = logging.getLogger(__name__)
-
-ARMS = {"GRPO": "grpo.yaml", "GRPO+R2": "grpo_r2.yaml", "GSPO": "gspo.yaml"}
 
 
 def _train(recipe: Path, overrides: list[str]) -> None:
@@ -30,23 +33,27 @@ def _train(recipe: Path, overrides: list[str]) -> None:
 def run_demo(
     recipe_dir: str | Path = "recipes/demo", overrides: list[str] = (), *, out: str | Path = "runs/demo"
 ) -> str:
-    """Run (or reuse) the SFT start and the three RL arms; write report.png and report.json."""
+    """Run (or reuse) the SFT start and the RL arms; write report.png and report.json under ``out``."""
     recipe_dir, out = Path(recipe_dir), Path(out)
-    t0 = time.perf_counter()
-    base = load_recipe(recipe_dir / "base.yaml", overrides)
-    sft_ckpt = Path(base.train.out_dir) / "checkpoints"
-    if latest_checkpoint(sft_ckpt) is None:
-        _train(recipe_dir / "base.yaml", list(overrides))
-    else:
-        log.info("reusing the SFT start at %s (delete it to retrain)", sft_ckpt)
-    t_sft = time.perf_counter() - t0
+    base_file = recipe_dir / "base.yaml"
+    timer = StepTimer()
+    with timer.record("sft"):
+        base = load_recipe(base_file, overrides)
+        sft_ckpt = Path(base.train.out_dir) / "checkpoints"
+        if latest_checkpoint(sft_ckpt) is None:
+            _train(base_file, list(overrides))
+        else:
+            log.info("reusing the SFT start at %s (delete it to retrain)", sft_ckpt)
     runs = {}
-    for name, file in ARMS.items():
-        arm = load_recipe(recipe_dir / file, overrides)
-        shutil.rmtree(arm.train.out_dir, ignore_errors=True)
-        _train(recipe_dir / file, [*overrides, f"checkpoint.load={sft_ckpt}"])
-        runs[name] = arm.train.out_dir
-    table, rows = report(runs, out / "report.png")
-    wall = time.perf_counter() - t0
+    with timer.record("arms"):
+        for name in DEMO_ARMS:
+            arm_out = out / arm_dir(name)
+            shutil.rmtree(arm_out, ignore_errors=True)
+            rl_only = ["train.stages=[rl]", f"train.out_dir={arm_out}", f"checkpoint.load={sft_ckpt}"]
+            _train(base_file, [*overrides, *arm_overrides(name), *rl_only])
+            runs[name] = str(arm_out)
+    with timer.record("report"):
+        table, rows = report(runs, out / "report.png")
+    t_sft, wall = timer.seconds["sft"], timer.total()
     (out / "report.json").write_text(json.dumps({"rows": rows, "sft_s": t_sft, "wall_s": wall}, indent=1))
     return f"{table}\n\nSFT {t_sft:.0f}s, total {wall:.0f}s; curves: {out / 'report.png'}"

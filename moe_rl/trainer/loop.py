@@ -1,15 +1,23 @@
-"""The RL stage driver: the whole loop on one screen (the step itself is in rl.py)."""
+"""The RL stage driver, phase by phase (the step itself is :func:`moe_rl.trainer.rl.rl_step`).
+
+Each RL step: generate, score, pi_old, M minibatch updates, weight sync (``rl_step``); then
+evaluate, guards (non-finite updates, collapse sentinel, rollback), log, checkpoint.
+"""
 
 from __future__ import annotations
 
 import logging
-import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from moe_rl.megatron.parallel import all_reduce
-from moe_rl.trainer.rl import collect, encode_pair, local_prompts, rewards_of, sampling_for, train_on
-from moe_rl.trainer.sentinel import Sentinel
+from moe_rl import dist
+from moe_rl.trainer.rl import StepResult, encode_prompts, local_prompts, rewards_of, rl_step, sampling_for
+from moe_rl.trainer.sentinel import Sentinel, Verdict
+from moe_rl.trainer.timer import StepTimer
+
+if TYPE_CHECKING:
+    from moe_rl.trainer.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -18,64 +26,80 @@ class TrainingStopped(RuntimeError):
     """The run stopped on purpose (sentinel or repeated non-finite steps); the checkpoint is intact."""
 
 
-def evaluate(r, step: int) -> dict[str, float]:
-    """Greedy accuracy on held-out prompts (each rank its share; summed across DP)."""
-    prompts = local_prompts(r, r.task.heldout(r.recipe.train.eval_prompts))
-    ids = [encode_pair(r.tok, p.text, None, r.recipe.model.max_seq_len)[0] for p in prompts]
-    ro = r.engine.generate(ids, 1, sampling_for(r, step, greedy=True))
-    acc = torch.tensor([float((rewards_of(r, prompts, ro, 1) >= 1.0).sum()), float(len(prompts))])
-    all_reduce(acc, r.info.dp_group)
-    return {"eval/accuracy": float(acc[0] / acc[1])}
-
-
-def run_rl(r) -> dict:
-    """RL steps with weight sync, metrics, checkpoints, NaN guard, sentinel and evaluation."""
-    cfg = r.recipe.train
-    r.ensure_engine()
-    start = r.state["step"] if r.state.get("stage") == "rl" else 0
-    r.state.update(stage="rl", step=start)
-    sentinel = Sentinel(r.recipe.sentinel, r.state.get("sentinel"))
-    r.optimizer.lr_scale = r.state.get("lr_scale", 1.0)
-    bad, m, step = 0, {}, start
-    if start == 0:
-        if not r.has_checkpoint():  # the start is the first "last good" state to roll back to
-            r.save()
-        r.sink.log(0, "rl_eval", evaluate(r, 0))
+def run_rl(run: Run) -> dict[str, float]:
+    """RL steps with weight sync, metrics, checkpoints, guards and evaluation; the last metrics."""
+    cfg = run.recipe.train
+    sentinel = _start(run)
+    bad_steps, metrics, step = 0, {}, run.state.step
     while step < cfg.rl_steps:
-        m, timing, t0 = {}, {}, time.perf_counter()
-        batch = collect(r, step, m, timing)
-        ok = train_on(r, batch, m, timing)
-        ts = time.perf_counter()
-        r.engine.update_weights(r.weight_source(), str(r.optimizer.step_count))
-        timing["sync"] = time.perf_counter() - ts
-        m.update({f"time/{k}": v for k, v in timing.items()})
-        m["time/step"] = time.perf_counter() - t0
-        m["tokens_per_s"] = float(batch.mask_BT.sum()) * r.info.dp_size / m["time/step"]
+        result = rl_step(run, step, StepTimer())  # generate, score, pi_old, updates, sync
+        metrics = result.metrics
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-            m.update(evaluate(r, step + 1))
-        bad = 0 if ok else bad + 1
-        if bad >= cfg.max_bad_steps:
-            raise TrainingStopped(
-                f"{bad} consecutive RL steps had non-finite loss or gradients "
-                f"(each skipped); stopping at step {step} with the last good "
-                "checkpoint intact: lower optim.lr or check the data"
-            )
-        verdict = sentinel.check(m)
-        m["sentinel/fired"] = float(len(verdict.fired))
-        r.sink.log(step, "rl", m)
-        r.progress(step, cfg.rl_steps, m)
-        if verdict.fired:
-            log.warning("sentinel (%s): %s", verdict.action, "; ".join(verdict.reasons))
-        if verdict.action == "stop":
-            raise TrainingStopped("collapse sentinel: " + "; ".join(verdict.reasons))
-        if verdict.action == "rollback":
-            step = r.rollback(r.recipe.sentinel.rollback_lr_factor)
+            metrics.update(evaluate(run, step + 1))
+        bad_steps = _guard_non_finite(result, bad_steps, step, cfg.max_bad_steps)
+        verdict = _check_sentinel(sentinel, metrics)
+        run.sink.log(step, "rl", metrics)
+        run.progress(step, cfg.rl_steps, metrics)
+        if _stop_or_roll_back(run, verdict):
+            step = run.state.step
             continue
         step += 1
-        r.state.update(step=step, sentinel=sentinel.state, lr_scale=r.optimizer.lr_scale)
-        every = r.recipe.checkpoint.every
-        if every and step % every == 0 and step < cfg.rl_steps:
-            r.save()
-    final = evaluate(r, cfg.rl_steps)
-    r.sink.log(cfg.rl_steps, "rl_eval", final)
-    return {**m, **final}
+        run.state.step, run.state.sentinel, run.state.lr_scale = step, sentinel.state, run.optimizer.lr_scale
+        if run.recipe.checkpoint.every and step % run.recipe.checkpoint.every == 0 and step < cfg.rl_steps:
+            run.save()
+    final = evaluate(run, cfg.rl_steps)
+    run.sink.log(cfg.rl_steps, "rl_eval", final)
+    return {**metrics, **final}
+
+
+def _start(run: Run) -> Sentinel:
+    """Engine, RL stage state and sentinel; at step 0 the first checkpoint and evaluation."""
+    run.ensure_engine()
+    run.state.step, run.state.stage = run.state.step_of("rl"), "rl"
+    run.optimizer.lr_scale = run.state.lr_scale
+    if run.state.step == 0:
+        if not run.checkpointer.exists():  # the start is the first "last good" state to roll back to
+            run.save()
+        run.sink.log(0, "rl_eval", evaluate(run, 0))
+    return Sentinel(run.recipe.sentinel, run.state.sentinel)
+
+
+def _guard_non_finite(result: StepResult, bad_steps: int, step: int, max_bad_steps: int) -> int:
+    """Consecutive steps with skipped (non-finite) updates; stop the run at ``max_bad_steps``."""
+    bad_steps = bad_steps + 1 if result.skipped_updates else 0
+    if bad_steps >= max_bad_steps:
+        raise TrainingStopped(
+            f"{bad_steps} consecutive RL steps had non-finite loss or gradients "
+            f"(each skipped); stopping at step {step} with the last good "
+            "checkpoint intact: lower optim.lr or check the data"
+        )
+    return bad_steps
+
+
+def _check_sentinel(sentinel: Sentinel, metrics: dict[str, float]) -> Verdict:
+    """The collapse sentinel's verdict on this step (``sentinel/fired`` added to the metrics)."""
+    verdict = sentinel.check(metrics)
+    metrics["sentinel/fired"] = float(len(verdict.fired))
+    if verdict.fired:
+        log.warning("sentinel (%s): %s", verdict.action, "; ".join(verdict.reasons))
+    return verdict
+
+
+def _stop_or_roll_back(run: Run, verdict: Verdict) -> bool:
+    """Carry out the verdict (after the step is logged): ``stop`` raises; ``rollback`` reloads the
+    last good checkpoint at a lower LR and returns True (the loop continues from its step)."""
+    if verdict.action == "stop":
+        raise TrainingStopped("collapse sentinel: " + "; ".join(verdict.reasons))
+    if verdict.action != "rollback":
+        return False
+    run.state = run.checkpointer.rollback(run.optimizer, run.state, run.recipe.sentinel.rollback_lr_factor)
+    return True
+
+
+def evaluate(run: Run, step: int) -> dict[str, float]:
+    """Greedy accuracy on held-out prompts (each rank its share; summed across DP)."""
+    prompts = local_prompts(run, run.task.heldout(run.recipe.train.eval_prompts))
+    rollouts = run.engine.generate(encode_prompts(run, prompts), 1, sampling_for(run, step, greedy=True))
+    correct = float((rewards_of(run, prompts, rollouts, 1) >= 1.0).sum())
+    counts = dist.all_reduce(torch.tensor([correct, float(len(prompts))]), run.info.dp_group)
+    return {"eval/accuracy": float(counts[0] / counts[1])}

@@ -11,7 +11,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def _jsonable(v):
+def _jsonable(v: object) -> object:
     """Numbers as floats (non-finite ones as null, which JSON can hold); anything else as is."""
     if isinstance(v, (int, float)):
         return float(v) if math.isfinite(v) else None
@@ -60,4 +60,4 @@ class MetricsSink:
 def read_metrics(path: str | Path, stage: str | None = None) -> list[dict]:
     """The rows of a ``metrics.jsonl`` (optionally one stage's)."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [r for r in rows if stage is None or r.get("stage") == stage]
+    return [row for row in rows if stage is None or row.get("stage") == stage]

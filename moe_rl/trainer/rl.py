@@ -1,31 +1,42 @@
-"""The RL step (DESIGN.md, "One RL step"): rollouts, rewards, advantages, pi_old, M updates.
+"""The RL step (docs/design.md, "One RL step"): generate, score, pi_old, M minibatch updates, sync.
 
 Shape legend: B = sequences of this data-parallel rank, T = padded tokens, S = T - 1 model
 input positions, L = MoE layers, K = top-k. Rows of one prompt's group are adjacent.
 
 The three algorithms differ only in ``algo.name`` and ``algo.routing``; everything else,
 including prompt order and sampling seeds, is shared, so A/B runs change one field.
+
+Phases, as :func:`rl_step` times them (``time/<phase>`` in the metrics; they add up to
+``time/step``): rollout (sample prompts, ``engine.generate``), old_logprob (rewards,
+advantages, the pi_old forward), train (the M updates), probe (the flip probes inside train,
+excluded from it), sync (``engine.update_weights``).
 """
 
 from __future__ import annotations
 
-import logging
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from moe_rl.losses import METRIC_REDUCTIONS, get_loss, group_advantages, k3
-from moe_rl.megatron.parallel import all_reduce
+from moe_rl import dist
+from moe_rl.losses import combine_metrics, get_loss, group_advantages, k3
 from moe_rl.megatron.routing import RoutingSession
-from moe_rl.rollout.types import SamplingParams
+from moe_rl.rollout.types import Rollouts, SamplingParams
 from moe_rl.routing import RouterAction
 from moe_rl.routing.codec import decode_routes
 from moe_rl.routing.flip import flip_counts, flip_metrics
-from moe_rl.tasks.base import make_rng
+from moe_rl.tasks.base import Prompt, make_rng
 from moe_rl.trainer.sft import encode_pair
+from moe_rl.trainer.timer import StepTimer
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from moe_rl.trainer.run import Run
+
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"A loss of ``moe_rl.losses.LOSSES``: ``(logp, old_logp, adv, mask, *, cfg, ...) -> (loss, metrics)``."
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
 @dataclass
@@ -41,22 +52,164 @@ class RLBatch:
     old_routes_BSLK: torch.Tensor | None  # pi_old's natural routes, for drift
 
 
-def _flip(a, b, valid_BS, prefix):
-    n = a.shape[0] * a.shape[1]
-    c = flip_counts(a.reshape(n, *a.shape[2:]), b.reshape(n, *b.shape[2:]), valid_BS.reshape(n))
-    return c, prefix
+@dataclass
+class StepResult:
+    """What one RL step produced."""
+
+    batch: RLBatch
+    "The rollout batch it trained on (this rank's rows)."
+    metrics: dict[str, float]
+    "Every metric of the step, reduced over data-parallel ranks, ``time/*`` included."
+    skipped_updates: int
+    "Optimizer steps skipped for non-finite loss or gradients (0 in a healthy step)."
 
 
-def _reduce_flip(parts, info) -> dict[str, float]:
-    """Sum flip counts across pieces and data-parallel ranks, then turn them into rates."""
-    out = {}
-    for prefix in dict.fromkeys(p for _, p in parts):
-        c = [cc for cc, p in parts if p == prefix]
-        tot = {k: sum(x[k] for x in c).float().clone() for k in c[0]}
-        for v in tot.values():
-            all_reduce(v, info.dp_group)
-        out.update(flip_metrics(tot, prefix))
-    return out
+def rl_step(run: Run, step: int, timer: StepTimer) -> StepResult:
+    """RL step ``step``: generate, score, pi_old, M minibatch updates, weight sync."""
+    batch, metrics = collect(run, step, timer)
+    with timer.record("train"):
+        train_metrics = train_on(run, batch, timer)  # flip probes are recorded as "probe"
+    with timer.record("sync"):
+        run.engine.update_weights(run.weights_for_engine(), str(run.optimizer.step_count))
+    metrics.update(train_metrics)
+    metrics.update({f"time/{phase}": s for phase, s in timer.seconds.items()})
+    metrics["time/step"] = timer.total()
+    metrics["tokens_per_s"] = float(batch.mask_BT.sum()) * run.info.dp_size / metrics["time/step"]
+    return StepResult(batch, metrics, int(train_metrics["optim/skipped_updates"]))
+
+
+# -- generate and score ----------------------------------------------------------------------------
+def collect(run: Run, step: int, timer: StepTimer | None = None) -> tuple[RLBatch, dict[str, float]]:
+    """Rollouts, rewards, advantages and pi_old log-probs (+ routes) of RL step ``step``."""
+    timer = timer or StepTimer()
+    with timer.record("rollout"):
+        prompts, rollouts = generate(run, step)
+    with timer.record("old_logprob"):  # scoring is cheap: it is timed with the pi_old forward
+        adv_B, metrics = score(run, prompts, rollouts)
+        batch, pi_old_metrics = old_policy(run, rollouts, adv_B)
+    return batch, {**metrics, **pi_old_metrics}
+
+
+def generate(run: Run, step: int) -> tuple[list[Prompt], Rollouts]:
+    """This rank's prompts of step ``step`` and ``train.group_size`` rollouts of each."""
+    cfg = run.recipe.train
+    prompts = local_prompts(run, run.task.sample(step, cfg.prompts_per_step, run.recipe.task.seed))
+    want_routes = run.recipe.algo.routing == "r3" or run.engine_gives_routes
+    rollouts = run.engine.generate(
+        encode_prompts(run, prompts), cfg.group_size, sampling_for(run, step, routes=want_routes)
+    )
+    return prompts, rollouts
+
+
+def score(run: Run, prompts: list[Prompt], rollouts: Rollouts) -> tuple[torch.Tensor, dict[str, float]]:
+    """Group-normalised advantages ``adv_B`` and the reward and response metrics."""
+    cfg, algo = run.recipe.train, run.recipe.algo
+    rewards_B = rewards_of(run, prompts, rollouts, cfg.group_size)
+    adv_B, stats = group_advantages(
+        rewards_B,
+        cfg.group_size,
+        eps=algo.adv_eps,
+        std_normalize=algo.adv_std_normalize,
+        unbiased=algo.adv_std_unbiased,
+    )
+    metrics = {k: float(v) for k, v in stats.items()}
+    metrics["reward/accuracy"] = float((rewards_B >= 1.0).float().mean())
+    metrics["response/len_mean"] = float(rollouts.response_mask_BT.sum(1).mean())
+    metrics["response/truncated"] = sum(f == "length" for f in rollouts.finish_reasons) / rollouts.batch_size
+    return adv_B, metrics
+
+
+def sampling_for(run: Run, step: int, *, greedy: bool = False, routes: bool = False) -> SamplingParams:
+    """Sampling of step ``step``: its seed is a function of ``train.seed`` and the step only."""
+    cfg = run.recipe.train
+    seed = make_rng("rollout", cfg.seed, step).randrange(2**31)
+    return SamplingParams(
+        temperature=0.0 if greedy else cfg.temperature,
+        top_p=cfg.top_p,
+        max_new_tokens=cfg.max_new_tokens,
+        stop_token_ids=(run.tok.eos_id,),
+        seed=seed,
+        return_routes=routes,
+    )
+
+
+def local_prompts(run: Run, prompts: list[Prompt]) -> list[Prompt]:
+    """This data-parallel rank's share of the step's prompts (all ranks draw the same list)."""
+    per_rank = len(prompts) // run.info.dp_size
+    return prompts[run.info.dp_rank * per_rank : (run.info.dp_rank + 1) * per_rank]
+
+
+def encode_prompts(run: Run, prompts: list[Prompt]) -> list[list[int]]:
+    return [encode_pair(run.tok, p.text, None, run.recipe.model.max_seq_len)[0] for p in prompts]
+
+
+def rewards_of(run: Run, prompts: list[Prompt], rollouts: Rollouts, group: int) -> torch.Tensor:
+    """The task's reward of every rollout row, ``[B]`` float32 (row i answers prompt i // group)."""
+    out = []
+    for i in range(rollouts.batch_size):
+        start, end = int(rollouts.prompt_lens_B[i]), int(rollouts.total_lens_B[i])
+        text = run.tok.decode(rollouts.tokens_BT[i, start:end].tolist())
+        out.append(run.task.reward(prompts[i // group], text))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+# -- pi_old -----------------------------------------------------------------------------------------
+def old_policy(run: Run, rollouts: Rollouts, adv_B: torch.Tensor) -> tuple[RLBatch, dict[str, float]]:
+    """pi_old log-probs and routes (recomputed, or the engine's) and the train/rollout mismatch."""
+    algo = run.recipe.algo
+    tokens_BT, mask_BT = rollouts.tokens_BT, rollouts.response_mask_BT
+    s = tokens_BT.shape[1] - 1
+    valid_BS = (torch.arange(s)[None, :] < (rollouts.total_lens_B[:, None] - 1)).float()
+    rollout_routes_BSLK = (
+        decode_routes(rollouts.routes_BTLK[:, :s]) if rollouts.routes_BTLK is not None else None
+    )
+    old_logp_BT = rollouts.logprobs_BT.to(run.info.device)
+    metrics: dict[str, float] = {}
+    if algo.old_logprobs == "recompute" or algo.routing == "r2":
+        recomputed_BT, old_routes_BSLK, recorded_BSLK = old_policy_pass(run, tokens_BT, rollout_routes_BSLK)
+        replay_BSLK = recorded_BSLK if algo.routing == "r2" else rollout_routes_BSLK
+        n = mask_BT.sum().clamp(min=1)
+        metrics["mismatch/abs_log_ratio"] = float(((recomputed_BT - old_logp_BT) * mask_BT).abs().sum() / n)
+        metrics["mismatch/k3"] = float((k3(recomputed_BT, old_logp_BT) * mask_BT).sum() / n)
+        if algo.old_logprobs == "recompute":
+            old_logp_BT = recomputed_BT
+    else:
+        replay_BSLK = old_routes_BSLK = rollout_routes_BSLK
+    if rollout_routes_BSLK is not None and old_routes_BSLK is not None:
+        counts = {"flip/rollout_vs_trainer": [route_flips(rollout_routes_BSLK, old_routes_BSLK, valid_BS)]}
+        metrics.update(flip_rates(run, counts))
+    batch = RLBatch(tokens_BT, mask_BT, valid_BS, adv_B, old_logp_BT, replay_BSLK, old_routes_BSLK)
+    return batch, metrics
+
+
+def old_policy_pass(
+    run: Run, tokens_BT: torch.Tensor, rollout_routes_BSLK: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """pi_old's ``logp_BT``, its natural ``routes_BSLK`` and (R2) the recorded routes, micro-batch
+    by micro-batch (R3 replays the rollout's routes)."""
+    algo, s = run.recipe.algo, tokens_BT.shape[1] - 1
+    action = {"r2": RouterAction.RECORD, "r3": RouterAction.REPLAY}.get(algo.routing, RouterAction.NATURAL)
+    logps, naturals, recorded = [], [], []
+    for rows in chunks(tokens_BT.shape[0], run.recipe.train.micro_batch_size):
+        routes = rollout_routes_BSLK[rows] if action is RouterAction.REPLAY else None
+        with torch.no_grad(), RoutingSession(run.policy, action, routes_BSLK=routes) as session:
+            out = run.policy.logprobs(tokens_BT[rows], temperature=run.recipe.train.temperature)
+        logps.append(out.logp_BT)
+        b = rows.stop - rows.start
+        naturals.append(session.natural_BSLK(b, s))
+        if action is RouterAction.RECORD:
+            recorded.append(session.recorded_BSLK(b, s))
+    return torch.cat(logps), torch.cat(naturals), torch.cat(recorded) if recorded else None
+
+
+def natural_routes(run: Run, tokens_BT: torch.Tensor) -> torch.Tensor:
+    """The policy's own top-k experts ``[B, S, L, K]`` for ``tokens_BT`` (no gradients)."""
+    out = []
+    for rows in chunks(tokens_BT.shape[0], run.recipe.train.micro_batch_size):
+        with torch.no_grad(), RoutingSession(run.policy, RouterAction.NATURAL) as session:
+            run.policy.logits(tokens_BT[rows, :-1])
+        out.append(session.natural_BSLK(rows.stop - rows.start, tokens_BT.shape[1] - 1))
+    return torch.cat(out)
 
 
 def chunks(n: int, size: int) -> list[slice]:
@@ -65,204 +218,126 @@ def chunks(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def sampling_for(r, step: int, *, greedy: bool = False, routes: bool = False) -> SamplingParams:
-    cfg = r.recipe.train
-    seed = make_rng("rollout", cfg.seed, step).randrange(2**31)
-    return SamplingParams(
-        temperature=0.0 if greedy else cfg.temperature,
-        top_p=cfg.top_p,
-        max_new_tokens=cfg.max_new_tokens,
-        stop_token_ids=(r.tok.eos_id,),
-        seed=seed,
-        return_routes=routes,
+# -- flip counting -----------------------------------------------------------------------------------
+def route_flips(a_BSLK: torch.Tensor, b_BSLK: torch.Tensor, valid_BS: torch.Tensor) -> dict:
+    """Additive flip counts between two route sets of the same tokens (``flip_counts``)."""
+    n = a_BSLK.shape[0] * a_BSLK.shape[1]
+    return flip_counts(
+        a_BSLK.reshape(n, *a_BSLK.shape[2:]), b_BSLK.reshape(n, *b_BSLK.shape[2:]), valid_BS.reshape(n)
     )
 
 
-def local_prompts(r, prompts: list) -> list:
-    """This data-parallel rank's share of the step's prompts (all ranks draw the same list)."""
-    per = len(prompts) // r.info.dp_size
-    return prompts[r.info.dp_rank * per : (r.info.dp_rank + 1) * per]
-
-
-def rewards_of(r, prompts, rollouts, group: int) -> torch.Tensor:
-    out = []
-    for i in range(rollouts.batch_size):
-        p, t = int(rollouts.prompt_lens_B[i]), int(rollouts.total_lens_B[i])
-        text = r.tok.decode(rollouts.tokens_BT[i, p:t].tolist())
-        out.append(r.task.reward(prompts[i // group], text))
-    return torch.tensor(out, dtype=torch.float32)
-
-
-def collect(r, step: int, m: dict, timing: dict) -> RLBatch:
-    """Rollouts, rewards, advantages and pi_old log-probs (+ routes) of one RL step."""
-    cfg, algo = r.recipe.train, r.recipe.algo
-    t0 = time.perf_counter()
-    prompts = local_prompts(r, r.task.sample(step, cfg.prompts_per_step, r.recipe.task.seed))
-    ids = [encode_pair(r.tok, p.text, None, r.recipe.model.max_seq_len)[0] for p in prompts]
-    want_routes = algo.routing == "r3" or r.engine_returns_routes
-    ro = r.engine.generate(ids, cfg.group_size, sampling_for(r, step, routes=want_routes))
-    timing["rollout"] = time.perf_counter() - t0
-    rewards = rewards_of(r, prompts, ro, cfg.group_size)
-    adv, st = group_advantages(
-        rewards,
-        cfg.group_size,
-        eps=algo.adv_eps,
-        std_normalize=algo.adv_std_normalize,
-        unbiased=algo.adv_std_unbiased,
-    )
-    m.update({k: float(v) for k, v in st.items()})
-    m["reward/accuracy"] = float((rewards >= 1.0).float().mean())
-    m["response/len_mean"] = float(ro.response_mask_BT.sum(1).mean())
-    m["response/truncated"] = sum(f == "length" for f in ro.finish_reasons) / ro.batch_size
-    tokens, mask = ro.tokens_BT, ro.response_mask_BT
-    s = tokens.shape[1] - 1
-    valid = (torch.arange(s)[None, :] < (ro.total_lens_B[:, None] - 1)).float()
-    rollout_routes = decode_routes(ro.routes_BTLK[:, :s]) if ro.routes_BTLK is not None else None
-
-    t0 = time.perf_counter()
-    replay = old_routes = None
-    old_logp = ro.logprobs_BT.to(r.info.device)
-    if algo.old_logprobs == "recompute" or algo.routing == "r2":
-        recomputed, old_routes, recorded = old_pass(r, tokens, rollout_routes)
-        replay = recorded if algo.routing == "r2" else rollout_routes
-        d = (recomputed - old_logp) * mask
-        n = mask.sum().clamp(min=1)
-        m["mismatch/abs_log_ratio"] = float(d.abs().sum() / n)
-        m["mismatch/k3"] = float((k3(recomputed, old_logp) * mask).sum() / n)
-        if algo.old_logprobs == "recompute":
-            old_logp = recomputed
-    else:
-        replay, old_routes = rollout_routes, rollout_routes
-    timing["old_logprob"] = time.perf_counter() - t0
-    if rollout_routes is not None and old_routes is not None:
-        m.update(_reduce_flip([_flip(rollout_routes, old_routes, valid, "flip/rollout_vs_trainer")], r.info))
-    return RLBatch(tokens, mask, valid, adv, old_logp, replay, old_routes)
-
-
-def old_pass(r, tokens_BT, rollout_routes):
-    """pi_old log-probs, its natural routes and (R2) the recorded routes, micro-batch by micro-batch."""
-    algo, s = r.recipe.algo, tokens_BT.shape[1] - 1
-    action = {"r2": RouterAction.RECORD, "r3": RouterAction.REPLAY}.get(algo.routing, RouterAction.NATURAL)
-    logps, naturals, recorded = [], [], []
-    for sl in chunks(tokens_BT.shape[0], r.recipe.train.micro_batch_size):
-        routes = rollout_routes[sl] if action is RouterAction.REPLAY else None
-        with torch.no_grad(), RoutingSession(r.policy, action, routes_BSLK=routes) as rs:
-            logps.append(r.policy.logprobs(tokens_BT[sl], temperature=r.recipe.train.temperature).logp_BT)
-        b = sl.stop - sl.start
-        naturals.append(rs.natural_BSLK(b, s))
-        if action is RouterAction.RECORD:
-            recorded.append(rs.recorded_BSLK(b, s))
-    return torch.cat(logps), torch.cat(naturals), torch.cat(recorded) if recorded else None
-
-
-def _natural(r, tokens_BT) -> torch.Tensor:
-    out = []
-    for sl in chunks(tokens_BT.shape[0], r.recipe.train.micro_batch_size):
-        with torch.no_grad(), RoutingSession(r.policy, RouterAction.NATURAL) as rs:
-            r.policy.logits(tokens_BT[sl, :-1])
-        out.append(rs.natural_BSLK(sl.stop - sl.start, tokens_BT.shape[1] - 1))
-    return torch.cat(out)
-
-
-def _global_counts(r, mb_masks: list[torch.Tensor]) -> list[tuple[float, float]]:
-    """(sequences, tokens) of every minibatch summed over data-parallel ranks: one all-reduce."""
-    t = torch.tensor([[mk.shape[0], float(mk.sum())] for mk in mb_masks], dtype=torch.float64)
-    all_reduce(t, r.info.dp_group)
-    return [tuple(x) for x in t.tolist()]
-
-
-def _reduce_loss_metrics(r, per_mb: list[dict]) -> dict[str, float]:
-    """Average sum-type metrics over the M updates, min/max the rest; one all-reduce per op across DP."""
-    ops = {
-        "sum": torch.distributed.ReduceOp.SUM,
-        "min": torch.distributed.ReduceOp.MIN,
-        "max": torch.distributed.ReduceOp.MAX,
-    }
+def flip_rates(run: Run, counts: dict[str, list[dict]]) -> dict[str, float]:
+    """Flip counts (metric prefix -> pieces) summed over pieces and data-parallel ranks, as rates."""
     out = {}
-    for op, reduce_op in ops.items():
-        keys = [k for k in per_mb[0] if METRIC_REDUCTIONS.get(k, "sum") == op]
-        if not keys:
-            continue
-        v = torch.stack([torch.stack([mb[k].detach().float().reshape(()) for k in keys]) for mb in per_mb])
-        v = v.mean(0) if op == "sum" else (v.amin(0) if op == "min" else v.amax(0))
-        all_reduce(v, r.info.dp_group, reduce_op)
-        out.update(zip(keys, v.tolist()))
+    for prefix, pieces in counts.items():
+        total = {k: sum(c[k] for c in pieces).float().clone() for k in pieces[0]}
+        for v in total.values():
+            dist.all_reduce(v, run.info.dp_group)
+        out.update(flip_metrics(total, prefix))
     return out
 
 
-def _micro_step(r, batch: RLBatch, u: slice, count, loss_fn, entropies, flips) -> dict:
-    """Forward and backward of one micro-batch (rows ``u``); gradients accumulate."""
-    cfg, algo = r.recipe.train, r.recipe.algo
-    replay = batch.replay_BSLK[u] if algo.routing != "none" else None
-    action = RouterAction.REPLAY if replay is not None else RouterAction.NATURAL
-    mask = batch.mask_BT[u].to(r.info.device)
-    with RoutingSession(r.policy, action, routes_BSLK=replay) as rs:
-        out = r.policy.logprobs(batch.tokens_BT[u], temperature=cfg.temperature, with_entropy=True)
+# -- the M minibatch updates -------------------------------------------------------------------------
+def train_on(run: Run, batch: RLBatch, timer: StepTimer | None = None) -> dict[str, float]:
+    """M minibatch updates with flip probes (timed as "probe"); their metrics, reduced over DP.
+
+    ``optim/skipped_updates`` counts the updates the optimizer skipped (non-finite).
+    """
+    cfg = run.recipe.train
+    timer = timer or StepTimer()
+    loss_fn = get_loss(run.recipe.algo.name)
+    b = batch.tokens_BT.shape[0]
+    per_minibatch = b // cfg.minibatches
+    minibatches = [slice(i * per_minibatch, (i + 1) * per_minibatch) for i in range(cfg.minibatches)]
+    counts = _global_counts(run, [batch.mask_BT[mb] for mb in minibatches])
+    probe_BT = batch.tokens_BT[: min(cfg.flip_probe_sequences, b)]
+    before = None
+    if probe_BT.shape[0]:
+        with timer.record("probe"):
+            before = natural_routes(run, probe_BT)
+    loss_metrics, grad_norms, entropy, flips, skipped = [], [], [], {}, 0
+    for mb, (num_sequences, num_tokens) in zip(minibatches, counts):
+        micro = [
+            slice(mb.start + c.start, mb.start + c.stop) for c in chunks(per_minibatch, cfg.micro_batch_size)
+        ]
+        per_micro = [
+            _micro_step(run, batch, rows, loss_fn, (num_sequences, num_tokens), entropy, flips)
+            for rows in micro
+        ]
+        loss_metrics.append(combine_metrics(per_micro))
+        stats = run.optimizer.step()
+        skipped += int(stats["skipped"])
+        grad_norms.append(stats["grad_norm"])  # already global: the optimizer reduces the gradients
+        if before is not None and run.optimizer.step_count % cfg.flip_probe_every == 0:
+            with timer.record("probe"):
+                after = natural_routes(run, probe_BT)
+            probe_valid_BS = batch.valid_BS[: probe_BT.shape[0]]
+            flips.setdefault("flip/step", []).append(route_flips(before, after, probe_valid_BS))
+            before = after
+    metrics = _reduce_over_dp(run, loss_metrics, entropy, flips)
+    metrics["grad_norm"] = max(grad_norms)
+    metrics["lr"] = stats["lr"]
+    metrics["optim/skipped_updates"] = float(skipped)
+    return metrics
+
+
+def _micro_step(
+    run: Run,
+    batch: RLBatch,
+    rows: slice,
+    loss_fn: LossFn,
+    global_counts: tuple[float, float],
+    entropy: list[torch.Tensor],
+    flips: dict[str, list[dict]],
+) -> dict[str, torch.Tensor]:
+    """Forward and backward of one micro-batch (``rows``); gradients accumulate.
+
+    ``global_counts`` is the minibatch's (sequences, tokens) over all ranks; the entropy sums and
+    the drift flip counts of these rows are appended to ``entropy`` and ``flips``.
+    """
+    cfg, algo = run.recipe.train, run.recipe.algo
+    replay_BSLK = batch.replay_BSLK[rows] if algo.routing != "none" else None
+    action = RouterAction.REPLAY if replay_BSLK is not None else RouterAction.NATURAL
+    mask_BT = batch.mask_BT[rows].to(run.info.device)
+    with RoutingSession(run.policy, action, routes_BSLK=replay_BSLK) as session:
+        out = run.policy.logprobs(batch.tokens_BT[rows], temperature=cfg.temperature, with_entropy=True)
         loss, metrics = loss_fn(
             out.logp_BT,
-            batch.old_logp_BT[u],
-            batch.adv_B[u],
-            mask,
+            batch.old_logp_BT[rows],
+            batch.adv_B[rows],
+            mask_BT,
             cfg=algo,
-            num_sequences=count[0],
-            num_tokens=count[1],
+            num_sequences=global_counts[0],
+            num_tokens=global_counts[1],
         )
-        rs.backward(loss)
-    entropies.append(((out.entropy_BT.detach() * mask).sum(), mask.sum()))
+        session.backward(loss)
+    entropy.append(torch.stack([(out.entropy_BT.detach() * mask_BT).sum(), mask_BT.sum()]))
     if batch.old_routes_BSLK is not None:
-        nat = rs.natural_BSLK(u.stop - u.start, batch.tokens_BT.shape[1] - 1)
-        flips.append(_flip(nat, batch.old_routes_BSLK[u], batch.valid_BS[u], "flip/drift"))
-    return {k: v.detach() for k, v in metrics.items()}
+        natural_BSLK = session.natural_BSLK(rows.stop - rows.start, batch.tokens_BT.shape[1] - 1)
+        drift = route_flips(natural_BSLK, batch.old_routes_BSLK[rows], batch.valid_BS[rows])
+        flips.setdefault("flip/drift", []).append(drift)
+    return metrics
 
 
-def train_on(r, batch: RLBatch, m: dict, timing: dict) -> bool:
-    """M minibatch updates with flip probes; returns False if any update was skipped."""
-    cfg = r.recipe.train
-    loss_fn = get_loss(r.recipe.algo.name)
-    b = batch.tokens_BT.shape[0]
-    per = b // cfg.minibatches
-    slices = [slice(i * per, (i + 1) * per) for i in range(cfg.minibatches)]
-    counts = _global_counts(r, [batch.mask_BT[sl] for sl in slices])
-    probe = batch.tokens_BT[: min(cfg.flip_probe_sequences, b)]
-    probe_valid = batch.valid_BS[: probe.shape[0]]
-    t_probe = 0.0
-    before = None
-    if probe.shape[0]:
-        t0 = time.perf_counter()
-        before = _natural(r, probe)
-        t_probe += time.perf_counter() - t0
-    per_mb, flips, entropies, steps_ok = [], [], [], True
-    t0 = time.perf_counter()
-    for i, sl in enumerate(slices):
-        micro = [slice(sl.start + c.start, sl.start + c.stop) for c in chunks(per, cfg.micro_batch_size)]
-        metrics = [_micro_step(r, batch, u, counts[i], loss_fn, entropies, flips) for u in micro]
-        stats = r.optimizer.step()
-        steps_ok &= stats["skipped"] == 0.0
-        per_mb.append(
-            {
-                **{
-                    k: sum(mt[k] for mt in metrics)
-                    if METRIC_REDUCTIONS[k] == "sum"
-                    else (min if METRIC_REDUCTIONS[k] == "min" else max)(mt[k] for mt in metrics)
-                    for k in metrics[0]
-                },
-                "grad_norm": torch.tensor(stats["grad_norm"]),
-            }
-        )
-        if before is not None and (r.optimizer.step_count % cfg.flip_probe_every == 0):
-            tp = time.perf_counter()
-            after = _natural(r, probe)
-            flips.append(_flip(before, after, probe_valid, "flip/step"))
-            before = after
-            t_probe += time.perf_counter() - tp
-    timing["train"] = time.perf_counter() - t0 - t_probe
-    timing["probe"] = t_probe
-    m.update(_reduce_loss_metrics(r, per_mb))
-    m["grad_norm"] = max(float(mb["grad_norm"]) for mb in per_mb)
-    ent = torch.stack([torch.stack(e) for e in entropies]).sum(0)
-    all_reduce(ent, r.info.dp_group)
-    m["entropy/mean"] = float(ent[0] / ent[1].clamp(min=1))
+def _global_counts(run: Run, minibatch_masks: list[torch.Tensor]) -> list[tuple[float, float]]:
+    """(sequences, tokens) of every minibatch summed over data-parallel ranks: one all-reduce."""
+    t = torch.tensor([[mk.shape[0], float(mk.sum())] for mk in minibatch_masks], dtype=torch.float64)
+    dist.all_reduce(t, run.info.dp_group)
+    return [tuple(x) for x in t.tolist()]
+
+
+def _reduce_over_dp(run: Run, loss_metrics: list[dict], entropy: list, flips: dict) -> dict[str, float]:
+    """Loss metrics averaged over the minibatches (``combine_metrics``), entropy and flip rates,
+    each reduced over data-parallel ranks."""
+
+    def all_reduce(t: torch.Tensor, op: str) -> None:
+        dist.all_reduce(t, run.info.dp_group, REDUCE_OPS[op])
+
+    combined = combine_metrics(loss_metrics, mean=True, all_reduce=all_reduce)
+    metrics = {k: float(v) for k, v in combined.items()}
+    entropy_sum, tokens = dist.all_reduce(torch.stack(entropy).sum(0), run.info.dp_group).tolist()
+    metrics["entropy/mean"] = entropy_sum / max(tokens, 1.0)
     if flips:
-        m.update(_reduce_flip(flips, r.info))
-    m["lr"] = stats["lr"]
-    return steps_ok
+        metrics.update(flip_rates(run, flips))
+    return metrics

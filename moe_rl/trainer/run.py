@@ -6,19 +6,55 @@ Every rank of a torchrun / Slurm job calls :func:`run` with the same recipe.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
 
 from moe_rl.config import ConfigError, Recipe, to_dict
+from moe_rl.trainer.state import Checkpointer, RunState
+from moe_rl.trainer.timer import StepTimer
+
+if TYPE_CHECKING:
+    from moe_rl.megatron.optim import Optimizer
+    from moe_rl.megatron.parallel import ParallelInfo
+    from moe_rl.megatron.policy import Policy
+    from moe_rl.rollout.types import HFStateSource, RolloutEngine
+    from moe_rl.tasks.base import Task
+    from moe_rl.tasks.tokenizer import Tokenizer
+    from moe_rl.trainer.metrics import MetricsSink
 
 log = logging.getLogger(__name__)
 
 
 class Run:
-    """The objects one run holds, built in dependency order."""
+    """The objects one run holds, built in dependency order; every trainer function takes it."""
+
+    recipe: Recipe
+    "The resolved recipe (benchmarks swap its algo / optim / train sections between steps)."
+    tok: Tokenizer
+    "The tokenizer."
+    task: Task
+    "The verifiable task: prompts, rewards, demonstrations."
+    info: ParallelInfo
+    "This process's ranks and process groups."
+    policy: Policy
+    "The megatron-core policy being trained."
+    optimizer: Optimizer | None
+    "The optimizer of the current stage (None until :meth:`make_optimizer`)."
+    engine: RolloutEngine | None
+    "The rollout engine (None until :meth:`ensure_engine`)."
+    engine_gives_routes: bool
+    "Ask the engine for every token's routed experts (free on the embedded engine; SGLang: R3 only)."
+    sink: MetricsSink
+    "Where metrics go (JSONL + TensorBoard, rank 0)."
+    state: RunState
+    "The run's position (stage, step, counters); saved in every checkpoint."
+    checkpointer: Checkpointer
+    "Saves, resumes and rolls back this run's checkpoints."
+    out: Path
+    "``train.out_dir``."
 
     def __init__(self, recipe: Recipe):
         from moe_rl.megatron.parallel import init_parallel
@@ -35,15 +71,17 @@ class Run:
                 f"{self.tok.vocab_size} (rounded up to a multiple of tensor_parallel)"
             )
         self.task = build_task(recipe.task)
-        self.owns_dist = not torch.distributed.is_initialized()
+        self._owns_dist = not torch.distributed.is_initialized()
         self.info = init_parallel(recipe.parallel, seed=recipe.train.seed)
         self.policy = build_policy(recipe.model, recipe.parallel, self.info)
         self.optimizer = None
+        self.engine = None
+        self.engine_gives_routes = False
         self.out = Path(recipe.train.out_dir)
         self.sink = MetricsSink(self.out, enabled=self.info.rank == 0)
-        self.state = {"stage": None, "step": 0, "done": []}
-        self.engine = None
-        self.engine_returns_routes = False
+        self.state = RunState()
+        root = recipe.checkpoint.dir or str(self.out / "checkpoints")
+        self.checkpointer = Checkpointer(root, self.policy.model, keep=recipe.checkpoint.keep)
         self._bar = None
         if self.info.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -61,40 +99,18 @@ class Run:
             cfg = replace(cfg, lr=lr, min_lr=min(cfg.min_lr, lr))
         self.optimizer = Optimizer(self.policy.parameters(), cfg, self.info)
 
-    def ckpt_root(self) -> str:
-        return self.recipe.checkpoint.dir or str(self.out / "checkpoints")
-
-    def has_checkpoint(self) -> bool:
-        from moe_rl.megatron.checkpoint import latest_checkpoint
-
-        return latest_checkpoint(self.ckpt_root()) is not None
-
     def save(self) -> None:
-        """Checkpoint policy, optimizer, RNG and run state; names increase across stages."""
-        from moe_rl.megatron.checkpoint import save_checkpoint
+        """Checkpoint policy, optimizer, RNG and run state."""
+        self.checkpointer.save(self.optimizer, self.state)
 
-        root = self.ckpt_root()
-        self.state["ckpt_seq"] = self.state.get("ckpt_seq", 0) + 1
-        save_checkpoint(
-            root,
-            self.state["ckpt_seq"],
-            self.policy.model,
-            self.optimizer,
-            extra=self.state,
-            keep=self.recipe.checkpoint.keep,
-        )
-
-    def close(self) -> None:
-        """Flush metrics, stop the engine, and end the process groups this run started."""
-        self.sink.close()
-        if self._bar is not None:
-            self._bar.close()
-        if self.engine is not None:
-            self.engine.close()
-        if self.owns_dist and torch.distributed.is_initialized():
-            from moe_rl.megatron.parallel import destroy_parallel
-
-            destroy_parallel()
+    def resume(self) -> bool:
+        """Load the newest checkpoint of this run's directory, if any (with its stage's optimizer)."""
+        saved = self.checkpointer.saved_state()
+        if saved is None:
+            return False
+        self.make_optimizer(saved.stage or "sft")
+        self.state = self.checkpointer.load(self.optimizer)
+        return True
 
     def ensure_engine(self) -> None:
         """Build the rollout engine the recipe names (once)."""
@@ -102,27 +118,31 @@ class Run:
             return
         from moe_rl.rollout import get_engine_class
 
-        ro = self.recipe.rollout
-        if ro.engine == "embedded":
+        rollout_cfg = self.recipe.rollout
+        if rollout_cfg.engine == "embedded":
             self.engine = get_engine_class("embedded")(
-                self.policy, pad_id=self.tok.pad_id, eos_id=self.tok.eos_id, decoder=ro.embedded_decoder
+                self.policy,
+                pad_id=self.tok.pad_id,
+                eos_id=self.tok.eos_id,
+                decoder=rollout_cfg.embedded_decoder,
             )
-            self.engine_returns_routes = True  # free: captured during generation
+            self.engine_gives_routes = True  # free: captured during generation
         else:
             from moe_rl.rollout.factory import build_sglang_engine
 
             self.engine = build_sglang_engine(self)
-            self.engine_returns_routes = self.recipe.algo.routing == "r3"
+            self.engine_gives_routes = self.recipe.algo.routing == "r3"
 
-    def weight_source(self):
-        """What the engine reads new weights from (the policy, in HF names)."""
+    def weights_for_engine(self) -> HFStateSource | None:
+        """What ``engine.update_weights`` reads: None for the embedded engine (it shares the
+        policy's weights in process), else the policy's weights under HF names."""
         if self.recipe.rollout.engine == "embedded":
-            return None  # shares the policy's weights in process
+            return None
         from moe_rl.megatron.hf import PolicyHFSource
 
         return PolicyHFSource(self.policy)
 
-    def progress(self, step: int, total: int, m: dict) -> None:
+    def progress(self, step: int, total: int, metrics: dict[str, float]) -> None:
         """A progress bar with reward and step time on rank 0's terminal."""
         if self.info.rank != 0:
             return
@@ -132,116 +152,93 @@ class Run:
             self._bar = tqdm(total=total, initial=step, desc="rl", dynamic_ncols=True)
         self._bar.update(1)
         self._bar.set_postfix(
-            reward=f"{m.get('reward/mean', 0):.3f}",
-            acc=f"{m.get('reward/accuracy', 0):.2f}",
-            flip=f"{m.get('flip/step/rate', float('nan')):.3f}",
-            step_s=f"{m.get('time/step', 0):.1f}",
+            reward=f"{metrics.get('reward/mean', 0):.3f}",
+            acc=f"{metrics.get('reward/accuracy', 0):.2f}",
+            flip=f"{metrics.get('flip/step/rate', float('nan')):.3f}",
+            step_s=f"{metrics.get('time/step', 0):.1f}",
         )
 
-    def rollback(self, lr_factor: float) -> int:
-        """Reload the last good checkpoint, lower the LR; return the RL step to continue from."""
-        from moe_rl.megatron.checkpoint import load_checkpoint
+    def close(self) -> None:
+        """Flush metrics, stop the engine, and end the process groups this run started."""
+        self.sink.close()
+        if self._bar is not None:
+            self._bar.close()
+        if self.engine is not None:
+            self.engine.close()
+        if self._owns_dist and torch.distributed.is_initialized():
+            from moe_rl.megatron.parallel import destroy_parallel
 
-        root = self.ckpt_root()
-        keep_sentinel = self.state.get("sentinel")
-        meta = load_checkpoint(root, self.policy.model, self.optimizer)
-        self.state = {**meta["extra"], "sentinel": keep_sentinel}
-        self.optimizer.lr_scale = self.state.get("lr_scale", 1.0) * lr_factor
-        self.state["lr_scale"] = self.optimizer.lr_scale
-        step = self.state["step"] if self.state.get("stage") == "rl" else 0
-        self.state.update(stage="rl", step=step)
-        log.warning("rolled back to %s (RL step %d), lr scale now %.3g", root, step, self.optimizer.lr_scale)
-        return step
-
-    def resume(self) -> bool:
-        """Load the newest checkpoint of this run's directory, if any."""
-        from moe_rl.megatron.checkpoint import latest_checkpoint, load_checkpoint
-
-        root = self.ckpt_root()
-        ckpt = latest_checkpoint(root)
-        if ckpt is None:
-            return False
-        import json
-
-        extra = json.loads((ckpt / "meta.json").read_text())["extra"]
-        self.make_optimizer(extra.get("stage") or "sft")
-        meta = load_checkpoint(root, self.policy.model, self.optimizer)
-        self.state = meta["extra"]
-        log.info("resumed from %s at %s step %s", root, self.state["stage"], self.state["step"])
-        return True
+            destroy_parallel()
 
 
-def run_sft(r: Run) -> dict:
+def run_sft(run: Run) -> dict[str, float]:
     """The SFT stage; resumable at any checkpoint."""
     from moe_rl.trainer.sft import sft_batch, sft_step
 
-    cfg = r.recipe.train
-    start = r.state["step"] if r.state.get("stage") == "sft" else 0
-    r.state["stage"] = "sft"
-    last = {}
+    cfg = run.recipe.train
+    start = run.state.step_of("sft")
+    run.state.stage = "sft"
+    metrics: dict[str, float] = {}
     for step in range(start, cfg.sft_steps):
-        t0 = time.perf_counter()
-        tokens, mask = sft_batch(
-            r.task,
-            r.tok,
-            step=step,
-            batch_size=cfg.sft_batch_size,
-            seed=cfg.seed,
-            max_len=r.recipe.model.max_seq_len,
-        )
-        last = sft_step(r.policy, r.optimizer, tokens, mask, r.info)
-        last["step_s"] = time.perf_counter() - t0
-        r.sink.log(step, "sft", last)
-        if r.info.rank == 0 and (step % cfg.log_every == 0 or step == cfg.sft_steps - 1):
+        timer = StepTimer()
+        with timer.record("step"):
+            tokens_BT, mask_BT = sft_batch(
+                run.task,
+                run.tok,
+                step=step,
+                batch_size=cfg.sft_batch_size,
+                seed=cfg.seed,
+                max_len=run.recipe.model.max_seq_len,
+            )
+            metrics = sft_step(run.policy, run.optimizer, tokens_BT, mask_BT, run.info)
+        metrics["step_s"] = timer.total()
+        run.sink.log(step, "sft", metrics)
+        if run.info.rank == 0 and (step % cfg.log_every == 0 or step == cfg.sft_steps - 1):
             log.info(
                 "sft step %d/%d loss %.4f grad_norm %.3f %.3fs",
                 step + 1,
                 cfg.sft_steps,
-                last["loss"],
-                last["grad_norm"],
-                last["step_s"],
+                metrics["loss"],
+                metrics["grad_norm"],
+                metrics["step_s"],
             )
-        r.state["step"] = step + 1
-        every = r.recipe.checkpoint.every
+        run.state.step = step + 1
+        every = run.recipe.checkpoint.every
         if every and (step + 1) % every == 0 and step + 1 < cfg.sft_steps:
-            r.save()
-    return last
+            run.save()
+    return metrics
 
 
-def _run_rl(r: Run) -> dict:
+def _run_rl(run: Run) -> dict[str, float]:
     from moe_rl.trainer.loop import run_rl
 
-    return run_rl(r)
+    return run_rl(run)
 
 
 STAGES = {"sft": run_sft, "rl": _run_rl}
 
 
-def run(recipe: Recipe, *, resume: bool = False) -> dict:
+def run(recipe: Recipe, *, resume: bool = False) -> dict[str, dict[str, float]]:
     """Run every stage of ``recipe``; return the last metrics of each."""
-    r = Run(recipe)
-    resumed = resume and r.resume()
+    the_run = Run(recipe)
+    resumed = resume and the_run.resume()
     if not resumed and recipe.checkpoint.load:
-        from moe_rl.megatron.checkpoint import load_checkpoint
-
-        load_checkpoint(recipe.checkpoint.load, r.policy.model, load_rng=False)
-    results = {}
+        the_run.checkpointer.load_weights(recipe.checkpoint.load)
     try:
-        results = _run_stages(r, resumed)
+        return _run_stages(the_run, resumed)
     finally:
-        r.close()
-    return results
+        the_run.close()
 
 
-def _run_stages(r: Run, resumed: bool) -> dict:
+def _run_stages(run: Run, resumed: bool) -> dict[str, dict[str, float]]:
     results = {}
-    for stage in r.recipe.train.stages:
-        if stage in r.state.get("done", []):
+    for stage in run.recipe.train.stages:
+        if stage in run.state.finished:
             continue
-        if not (resumed and r.state.get("stage") == stage):
-            r.make_optimizer(stage)
-        results[stage] = STAGES[stage](r)
-        r.state["done"] = [*r.state.get("done", []), stage]
-        r.state["step"] = 0
-        r.save()
+        if not (resumed and run.state.stage == stage):
+            run.make_optimizer(stage)
+        results[stage] = STAGES[stage](run)
+        run.state.finished.append(stage)
+        run.state.step = 0
+        run.save()
     return results

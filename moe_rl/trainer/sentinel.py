@@ -14,6 +14,24 @@ from moe_rl.config import SentinelConfig
 ACTION_RANK = {"off": 0, "log": 1, "rollback": 2, "stop": 3}
 
 
+def reward_drop(
+    best: float | None, below: int, reward: float, *, drop_frac: float, min_best: float
+) -> tuple[float, int]:
+    """One step of the collapse rule, shared by this sentinel and ``benchmarks/collapse.py``.
+
+    ``best`` is the running best reward (None before the first step) and ``below`` the number of
+    consecutive steps under ``drop_frac`` x best, counted once the best exceeds ``min_best``
+    (a run that was never good cannot collapse). Returns the updated ``(best, below)``; a run has
+    collapsed when ``below`` reaches the window. The sentinel feeds it each step's reward as it
+    comes (it must act within the run); the benchmark feeds it a smoothed curve after the run,
+    with its own constants, so one lucky batch cannot set the best it judges against.
+    """
+    if best is None or reward > best:
+        best = reward
+    below = below + 1 if best > min_best and reward < drop_frac * best else 0
+    return best, below
+
+
 @dataclass
 class Verdict:
     """What the sentinel saw in one step: the detectors that fired and the strongest action."""
@@ -30,46 +48,52 @@ class Sentinel:
         self.cfg = cfg
         self.state = dict(state or {"best_reward": None, "below": 0, "rollbacks": 0})
 
-    def check(self, m: dict[str, float]) -> Verdict:
-        c = self.cfg
-        fired, reasons, actions = [], [], []
-        r = m.get("reward/mean")
-        if r is not None and c.reward_action != "off":
-            best = self.state["best_reward"]
-            if best is None or r > best:
-                self.state["best_reward"] = best = r
-            armed = best > c.reward_min_best
-            self.state["below"] = self.state["below"] + 1 if armed and r < c.reward_drop_frac * best else 0
-            if self.state["below"] >= c.reward_window:
-                fired.append("reward")
-                actions.append(c.reward_action)
-                reasons.append(
-                    f"reward {r:.3f} below {c.reward_drop_frac} x best {best:.3f} for "
-                    f"{self.state['below']} steps"
+    def check(self, metrics: dict[str, float]) -> Verdict:
+        """Run every detector on one RL step's metrics; the strongest action of those that fired."""
+        cfg = self.cfg
+        verdict = Verdict(fired=[], action="off", reasons=[])
+        actions = []
+
+        def fire(detector: str, action: str, reason: str) -> None:
+            verdict.fired.append(detector)
+            verdict.reasons.append(reason)
+            actions.append(action)
+
+        reward = metrics.get("reward/mean")
+        if reward is not None and cfg.reward_action != "off":
+            best, below = reward_drop(
+                self.state["best_reward"],
+                self.state["below"],
+                reward,
+                drop_frac=cfg.reward_drop_frac,
+                min_best=cfg.reward_min_best,
+            )
+            self.state.update(best_reward=best, below=below)
+            if below >= cfg.reward_window:
+                reason = (
+                    f"reward {reward:.3f} below {cfg.reward_drop_frac} x best {best:.3f} for {below} steps"
                 )
-        lr = max(
-            abs(m.get("ratio/seq_log_sum_min", 0.0) or 0.0), abs(m.get("ratio/seq_log_sum_max", 0.0) or 0.0)
+                fire("reward", cfg.reward_action, reason)
+        seq_log_ratio = max(
+            abs(metrics.get("ratio/seq_log_sum_min", 0.0) or 0.0),
+            abs(metrics.get("ratio/seq_log_sum_max", 0.0) or 0.0),
         )
-        if c.ratio_action != "off" and c.max_abs_seq_log_ratio > 0 and lr > c.max_abs_seq_log_ratio:
-            fired.append("ratio")
-            actions.append(c.ratio_action)
-            reasons.append(f"|sequence log-ratio| {lr:.1f} > {c.max_abs_seq_log_ratio}")
-        g = m.get("grad_norm")
-        if c.grad_action != "off" and g is not None and c.max_grad_norm > 0 and not g <= c.max_grad_norm:
-            fired.append("grad")
-            actions.append(c.grad_action)
-            reasons.append(f"grad norm {g:.3g} > {c.max_grad_norm}")
-        e = m.get("entropy/mean")
-        if c.entropy_action != "off" and e is not None and e < c.min_entropy:
-            fired.append("entropy")
-            actions.append(c.entropy_action)
-            reasons.append(f"entropy {e:.4f} < {c.min_entropy}")
-        action = max(actions, key=ACTION_RANK.__getitem__, default="off")
-        if action == "rollback":
-            if self.state["rollbacks"] >= c.max_rollbacks:
-                action = "stop"
-                reasons.append(f"already rolled back {self.state['rollbacks']} times")
+        limit = cfg.max_abs_seq_log_ratio
+        if cfg.ratio_action != "off" and limit > 0 and seq_log_ratio > limit:
+            fire("ratio", cfg.ratio_action, f"|sequence log-ratio| {seq_log_ratio:.1f} > {limit}")
+        grad_norm = metrics.get("grad_norm")
+        limit = cfg.max_grad_norm
+        if cfg.grad_action != "off" and grad_norm is not None and limit > 0 and not grad_norm <= limit:
+            fire("grad", cfg.grad_action, f"grad norm {grad_norm:.3g} > {limit}")
+        entropy = metrics.get("entropy/mean")
+        if cfg.entropy_action != "off" and entropy is not None and entropy < cfg.min_entropy:
+            fire("entropy", cfg.entropy_action, f"entropy {entropy:.4f} < {cfg.min_entropy}")
+        verdict.action = max(actions, key=ACTION_RANK.__getitem__, default="off")
+        if verdict.action == "rollback":
+            if self.state["rollbacks"] >= cfg.max_rollbacks:
+                verdict.action = "stop"
+                verdict.reasons.append(f"already rolled back {self.state['rollbacks']} times")
             else:
                 self.state["rollbacks"] += 1
                 self.state["below"] = 0
-        return Verdict(fired=fired, action=action, reasons=reasons)
+        return verdict
