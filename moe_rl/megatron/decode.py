@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moe_rl.dist import all_gather_cat
 from moe_rl.megatron.local_layers import GroupedExperts, SDPAttention
 
 
@@ -101,7 +102,7 @@ class Decoder:
         for layer in self.policy.model.decoder.layers:
             w1, w2 = layer.mlp.experts.stacked_weights()
             if info.ep_size > 1:
-                w1, w2 = (_gather_experts(w, info.ep_group, info.ep_size) for w in (w1, w2))
+                w1, w2 = (all_gather_cat(w, info.ep_group, dim=0) for w in (w1, w2))
             self._experts.append((w1, w2))
             self._routers.append(layer.mlp.router.weight.float())  # fp32 like megatron's router
 
@@ -190,15 +191,6 @@ class Decoder:
         )
         out = torch.zeros_like(t).index_add_(0, token, ys)
         return out.view(shape), idx
-
-
-def _gather_experts(w_E: torch.Tensor, group, size: int) -> torch.Tensor:
-    """Concatenate the EP ranks' local expert stacks along dim 0, in rank order."""
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(w_E) for _ in range(size)]
-    dist.all_gather(parts, w_E.contiguous(), group=group)
-    return torch.cat(parts, dim=0)
 
 
 def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

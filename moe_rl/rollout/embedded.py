@@ -42,8 +42,8 @@ import time
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 
+from moe_rl import dist
 from moe_rl.rollout.types import HFStateSource, Rollouts, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -346,7 +346,6 @@ class EmbeddedEngine:
         self.device = policy.info.device
         self.impl = pick_forward(policy, decoder)
         self._hf_sink = None
-        self.world = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
 
     @property
     def max_context_length(self) -> int:
@@ -415,7 +414,7 @@ class EmbeddedEngine:
         busy = lambda: chunk is not None and not chunk.finished  # noqa: E731
         with session or contextlib.nullcontext():
             try:
-                while self._any_over_world(busy()) if impl.collective else busy():
+                while self._max_over_world(int(busy())) if impl.collective else busy():
                     if busy():
                         chunk.step()
                     else:
@@ -432,19 +431,10 @@ class EmbeddedEngine:
         steps = session.natural_steps() if session is not None else chunk.route_steps
         return chunk.routes_bTLK(steps, self.policy.num_moe_layers, cfg.moe_router_topk)
 
-    def _any_over_world(self, flag: bool) -> bool:
-        if self.world is None:
-            return flag
-        t = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.world)
-        return bool(t.item())
-
     def _max_over_world(self, value: int) -> int:
-        if self.world is None:
-            return value
+        """The largest ``value`` over every rank (one all-reduce on the policy's device: NCCL needs CUDA)."""
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.world)
-        return int(t.item())
+        return int(dist.all_reduce(t, op=dist.ReduceOp.MAX).item())
 
     def _check(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> None:
         if n < 1:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch.distributed as dist
-
+from moe_rl import dist
 from moe_rl.rollout.sglang_client import SGLangClient, SGLangEngine
 from moe_rl.rollout.types import HFStateSource, Rollouts, SamplingParams
 
@@ -38,8 +37,7 @@ class RankedSGLangEngine:
             for _ in source.hf_tensors():  # the gathers are collective: take part, keep nothing
                 pass
             self.inner.weight_version = version
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
+        dist.barrier()
         return version
 
     def close(self) -> None:
@@ -76,7 +74,7 @@ def build_sglang_engine(r) -> RankedSGLangEngine:
             )
             launcher.start()
             url = launcher.url
-        url = _broadcast_str(url)
+        url = dist.broadcast_object(url)
     client = SGLangClient(url, timeout_s=ro.timeout_s, retries=ro.retries)
     sync = None
     if r.info.rank == 0:
@@ -94,11 +92,3 @@ def build_sglang_engine(r) -> RankedSGLangEngine:
         launcher=launcher,
     )
     return RankedSGLangEngine(inner, r.info.rank)
-
-
-def _broadcast_str(s: str | None) -> str:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return s
-    box = [s]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
