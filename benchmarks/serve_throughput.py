@@ -2,7 +2,7 @@
 
 Tiny policy (hidden 128, 4 layers, 8 experts top-2, vocab 104). The server is started
 by the same launcher code that starts ``sglang.launch_server`` (module
-``moe_rl.rollout.serve_embedded``) and driven by the SGLang client; generation asks for
+``moe_rl.serve.embedded``) and driven by the SGLang client; generation asks for
 log-probs and routed experts. Then weights of a same-shaped policy in this process are
 pushed by the distributed path (gloo broadcast) and the disk path (safetensors).
 
@@ -90,7 +90,7 @@ def main(argv=None) -> dict:
         SGLangServerConfig(
             model_path=str(tmp / "tiny.yaml"),
             enable_return_routed_experts=True,
-            module="moe_rl.rollout.serve_embedded",
+            module="moe_rl.serve.embedded",
         ),
         log_path=tmp / "server.log",
         startup_timeout_s=300,
