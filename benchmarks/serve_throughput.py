@@ -78,12 +78,12 @@ def main(argv=None) -> dict:
     sp = SamplingParams(temperature=0.0, max_new_tokens=a.new_tokens, return_routes=True)
     eng.generate(prompts[:2], 1, SamplingParams(temperature=0.0, max_new_tokens=2))
     t0 = time.perf_counter()
-    ro = eng.generate(prompts, 1, sp)
+    rollouts = eng.generate(prompts, 1, sp)
     wall = time.perf_counter() - t0
     res["in_process"] = {
         "wall_s": wall,
-        "generated_tokens": ro.num_response_tokens,
-        "tokens_per_s": ro.num_response_tokens / wall,
+        "generated_tokens": rollouts.num_response_tokens,
+        "tokens_per_s": rollouts.num_response_tokens / wall,
     }
 
     launcher = SGLangLauncher(

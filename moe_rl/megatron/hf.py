@@ -128,26 +128,26 @@ def local_plan(policy, *, fused: bool = False) -> dict[str, list[Piece]]:
 
     Raises ValueError if a parameter has no mapping or the pieces do not cover it exactly once.
     """
-    lay, by_hf, problems = _layout(policy), {}, []
-    for mg, p in policy.model.named_parameters():
+    layout, by_hf, problems = _layout(policy), {}, []
+    for mg_name, p in policy.model.named_parameters():
         try:
-            pieces = param_pieces(mg, policy.cfg, lay, fused=fused)
+            pieces = param_pieces(mg_name, policy.cfg, layout, fused=fused)
         except KeyError as e:
             problems.append(str(e.args[0]))
             continue
-        covered = sum(p.data[pc.dst].numel() for pc in pieces)
-        regions = {tuple((s.start, s.stop) for s in pc.dst) for pc in pieces}  # slices hash from 3.12
+        covered = sum(p.data[piece.dst].numel() for piece in pieces)
+        regions = {tuple((s.start, s.stop) for s in piece.dst) for piece in pieces}  # slices hash from 3.12
         if covered != p.numel() or len(regions) != len(pieces):
-            problems.append(f"{mg}: HF pieces cover {covered} of {p.numel()} elements")
-        for pc in pieces:
-            by_hf.setdefault(pc.hf, []).append(pc)
+            problems.append(f"{mg_name}: HF pieces cover {covered} of {p.numel()} elements")
+        for piece in pieces:
+            by_hf.setdefault(piece.hf, []).append(piece)
     if problems:
         raise ValueError("megatron parameters without an exact HF mapping: " + "; ".join(problems))
     return by_hf
 
 
-def _copy(param: torch.Tensor, pc: Piece, src: torch.Tensor) -> int:
-    dst = param.data[pc.dst]
+def _copy(param: torch.Tensor, piece: Piece, src: torch.Tensor) -> int:
+    dst = param.data[piece.dst]
     dst.copy_(src.reshape(dst.shape))
     return dst.numel()
 
@@ -172,15 +172,15 @@ def import_hf(policy, path: str | Path) -> int:
     plan = local_plan(policy, fused=_check_names(policy.cfg, header, root))
     params = dict(policy.model.named_parameters())
     filled = dict.fromkeys(params, 0)
-    for fname in sorted({f for f, _ in header.values()}):
-        names = [n for n, (f, _) in header.items() if f == fname and n in plan]
+    for fname in sorted({file for file, _ in header.values()}):
+        names = [n for n, (file, _) in header.items() if file == fname and n in plan]
         if not names:
             continue
-        with safe_open(str(root / fname), framework="pt", device="cpu") as f:
+        with safe_open(str(root / fname), framework="pt", device="cpu") as shard:
             for name in names:
-                sl = f.get_slice(name)
-                for pc in plan[name]:
-                    filled[pc.mg] += _copy(params[pc.mg], pc, sl[pc.src])
+                hf_slice = shard.get_slice(name)
+                for piece in plan[name]:
+                    filled[piece.mg] += _copy(params[piece.mg], piece, hf_slice[piece.src])
     wrong = [f"{n} ({filled[n]} of {p.numel()})" for n, p in params.items() if filled[n] != p.numel()]
     if wrong:
         raise RuntimeError(f"import_hf filled parameters a wrong number of elements: {wrong}")
@@ -252,8 +252,8 @@ class PolicyHFSource:
             self._plan = local_plan(self.policy)
         params = dict(self.policy.model.named_parameters())
         for name, t in staged.items():
-            for pc in self._plan.get(name, ()):
-                _copy(params[pc.mg], pc, t[pc.src])
+            for piece in self._plan.get(name, ()):
+                _copy(params[piece.mg], piece, t[piece.src])
 
 
 # -- writing -----------------------------------------------------------------------------------

@@ -45,50 +45,52 @@ class RankedSGLangEngine:
             self.inner.close()
 
 
-def build_sglang_engine(r) -> RankedSGLangEngine:
-    """The engine for ``r`` (a trainer Run): launch a server (rank 0) or attach to rollout.sglang_url."""
+def build_sglang_engine(run) -> RankedSGLangEngine:
+    """The engine for ``run`` (a trainer Run): launch a server (rank 0) or attach to rollout.sglang_url."""
     from moe_rl.rollout.sglang_launcher import SGLangLauncher, SGLangServerConfig
     from moe_rl.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
 
-    ro, m = r.recipe.rollout, r.recipe.model
-    launcher, url = None, ro.sglang_url
+    rollout_cfg, model_cfg = run.recipe.rollout, run.recipe.model
+    launcher, url = None, rollout_cfg.sglang_url
     if url is None:
-        model_path = ro.sglang_model_path or str(r.out / "hf_init")
-        if not ro.sglang_model_path:  # the server starts from the policy as it is now
+        model_path = rollout_cfg.sglang_model_path or str(run.out / "hf_init")
+        if not rollout_cfg.sglang_model_path:  # the server starts from the policy as it is now
             from moe_rl.megatron.hf import export_hf
 
-            export_hf(r.policy, model_path, tokenizer=r.tok)
-        if r.info.rank == 0:
-            cfg = SGLangServerConfig(
+            export_hf(run.policy, model_path, tokenizer=run.tok)
+        if run.info.rank == 0:
+            server_cfg = SGLangServerConfig(
                 model_path=model_path,
-                tp_size=ro.sglang_tp,
-                ep_size=ro.sglang_ep,
-                host=ro.sglang_host,
-                port=ro.sglang_port or None,
-                enable_return_routed_experts=r.recipe.algo.routing == "r3",
-                mem_fraction_static=ro.sglang_mem_fraction,
-                module=ro.sglang_module,
+                tp_size=rollout_cfg.sglang_tp,
+                ep_size=rollout_cfg.sglang_ep,
+                host=rollout_cfg.sglang_host,
+                port=rollout_cfg.sglang_port or None,
+                enable_return_routed_experts=run.recipe.algo.routing == "r3",
+                mem_fraction_static=rollout_cfg.sglang_mem_fraction,
+                module=rollout_cfg.sglang_module,
             )
             launcher = SGLangLauncher(
-                cfg, log_path=r.out / "logs" / "sglang.log", startup_timeout_s=ro.sglang_startup_timeout_s
+                server_cfg,
+                log_path=run.out / "logs" / "sglang.log",
+                startup_timeout_s=rollout_cfg.sglang_startup_timeout_s,
             )
             launcher.start()
             url = launcher.url
         url = dist.broadcast_object(url)
-    client = SGLangClient(url, timeout_s=ro.timeout_s, retries=ro.retries)
+    client = SGLangClient(url, timeout_s=rollout_cfg.timeout_s, retries=rollout_cfg.retries)
     sync = None
-    if r.info.rank == 0:
-        if ro.weight_sync == "disk":
-            sync = DiskWeightSync(client, ro.weight_sync_dir or Path(r.out) / "weights")
+    if run.info.rank == 0:
+        if rollout_cfg.weight_sync == "disk":
+            sync = DiskWeightSync(client, rollout_cfg.weight_sync_dir or Path(run.out) / "weights")
         else:
-            sync = DistributedWeightSync(client, world_size=1 + ro.sglang_tp)
+            sync = DistributedWeightSync(client, world_size=1 + rollout_cfg.sglang_tp)
     inner = SGLangEngine(
         client,
-        num_layers=m.num_layers,
-        topk=m.moe_router_topk,
-        num_experts=m.num_experts,
-        pad_id=r.tok.pad_id,
+        num_layers=model_cfg.num_layers,
+        topk=model_cfg.moe_router_topk,
+        num_experts=model_cfg.num_experts,
+        pad_id=run.tok.pad_id,
         weight_sync=sync,
         launcher=launcher,
     )
-    return RankedSGLangEngine(inner, r.info.rank)
+    return RankedSGLangEngine(inner, run.info.rank)

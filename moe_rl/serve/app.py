@@ -192,20 +192,20 @@ class SGLangProtocolApp:
                 j += 1
             sp = dataclasses.replace(params, seed=seed0, return_routes=want_routes)
             t0 = time.perf_counter()
-            ro = self.engine.generate(batch[i:j], 1, sp)
+            rollouts = self.engine.generate(batch[i:j], 1, sp)
             dt = time.perf_counter() - t0
             for b in range(j - i):
-                P, T = int(ro.prompt_lens_B[b]), int(ro.total_lens_B[b])
+                P, T = int(rollouts.prompt_lens_B[b]), int(rollouts.total_lens_B[b])
                 out = {
-                    "output_ids": ro.tokens_BT[b, P:T].tolist(),
-                    "logprobs": ro.logprobs_BT[b, P:T].tolist(),
-                    "finish": ro.finish_reasons[b],
+                    "output_ids": rollouts.tokens_BT[b, P:T].tolist(),
+                    "logprobs": rollouts.logprobs_BT[b, P:T].tolist(),
+                    "finish": rollouts.finish_reasons[b],
                     "prompt_tokens": P,
                     "max_new_tokens": params.max_new_tokens,
                     "latency": dt,
                 }
-                if want_routes and ro.routes_BTLK is not None:
-                    out["routes"] = encode_sglang_routes(decode_routes(ro.routes_BTLK[b, : T - 1]))
+                if want_routes and rollouts.routes_BTLK is not None:
+                    out["routes"] = encode_sglang_routes(decode_routes(rollouts.routes_BTLK[b, : T - 1]))
                 outs.append(out)
             i = j
         return outs
