@@ -7,7 +7,6 @@
 - :mod:`.http`: the standard-library HTTP server around the app and the SGLang-style ``main``.
 - :mod:`.embedded`: the engine factory of ``moe-rl serve`` (HF checkpoint or recipe -> EmbeddedEngine).
 
-
 The same client, launcher and weight-sync code then run end to end on a CPU machine.
 Requests and responses follow SGLang 0.5.x (sgl-project/sglang):
 ``python/sglang/srt/entrypoints/http_server.py`` (paths, status codes, error bodies),
