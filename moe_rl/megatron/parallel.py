@@ -136,5 +136,13 @@ def destroy_parallel() -> None:
         dist.destroy_process_group()
 
 
-__all__ = ["ParallelInfo", "all_reduce", "backend_for", "check_world", "destroy_parallel", "init_parallel"]
 # ``all_reduce`` is re-exported for moe_rl/trainer until it imports moe_rl.dist itself.
+__all__ = [
+    "ParallelInfo",
+    "all_reduce",
+    "backend_for",
+    "check_world",
+    "destroy_parallel",
+    "init_parallel",
+    "parallel_info",
+]
