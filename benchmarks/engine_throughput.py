@@ -53,13 +53,13 @@ def naive_generate(policy, eng, prompts, sampling) -> torch.Tensor:
 
 def summary(runs: list[tuple]) -> dict:
     """Best of the repeats by CPU seconds; tokens/s by wall and by CPU."""
-    ro, wall, cpu = min(runs, key=lambda r: r[2])
-    n = ro.extras["generated_tokens"] if hasattr(ro, "extras") else ro.numel()
+    rollouts, wall, cpu = min(runs, key=lambda r: r[2])
+    n = rollouts.extras["generated_tokens"] if hasattr(rollouts, "extras") else rollouts.numel()
     out = {"wall_s": wall, "cpu_s": cpu, "tokens_per_wall_s": n / wall, "tokens_per_cpu_s": n / cpu}
     out["generated_tokens"] = n
     out["wall_s_all_repeats"] = [r[1] for r in runs]
-    if hasattr(ro, "extras"):
-        out.update({k: ro.extras[k] for k in ("prefill_s", "decode_s", "forwards", "compactions")})
+    if hasattr(rollouts, "extras"):
+        out.update({k: rollouts.extras[k] for k in ("prefill_s", "decode_s", "forwards", "compactions")})
     return out
 
 
@@ -109,7 +109,7 @@ def main() -> None:
         "prompt_len": p,
         "mixed_prompt_lens": [min(lens), max(lens)],
         "new_tokens": m,
-        "decoders": {d: e.impl.name for d, e in engines.items()},
+        "decoders": {d: e.decoder.name for d, e in engines.items()},
         "loadavg_1m_start": os.getloadavg()[0],
     }
     cases = {}

@@ -2,7 +2,7 @@
 
 Tiny policy (hidden 128, 4 layers, 8 experts top-2, vocab 104). The server is started
 by the same launcher code that starts ``sglang.launch_server`` (module
-``moe_rl.rollout.serve_embedded``) and driven by the SGLang client; generation asks for
+``moe_rl.serve.embedded``) and driven by the SGLang client; generation asks for
 log-probs and routed experts. Then weights of a same-shaped policy in this process are
 pushed by the distributed path (gloo broadcast) and the disk path (safetensors).
 
@@ -78,19 +78,19 @@ def main(argv=None) -> dict:
     sp = SamplingParams(temperature=0.0, max_new_tokens=a.new_tokens, return_routes=True)
     eng.generate(prompts[:2], 1, SamplingParams(temperature=0.0, max_new_tokens=2))
     t0 = time.perf_counter()
-    ro = eng.generate(prompts, 1, sp)
+    rollouts = eng.generate(prompts, 1, sp)
     wall = time.perf_counter() - t0
     res["in_process"] = {
         "wall_s": wall,
-        "generated_tokens": ro.num_response_tokens,
-        "tokens_per_s": ro.num_response_tokens / wall,
+        "generated_tokens": rollouts.num_response_tokens,
+        "tokens_per_s": rollouts.num_response_tokens / wall,
     }
 
     launcher = SGLangLauncher(
         SGLangServerConfig(
             model_path=str(tmp / "tiny.yaml"),
             enable_return_routed_experts=True,
-            module="moe_rl.rollout.serve_embedded",
+            module="moe_rl.serve.embedded",
         ),
         log_path=tmp / "server.log",
         startup_timeout_s=300,

@@ -302,15 +302,14 @@ def bench_step(run: Run, step: int, mem: PeakMemory) -> dict:
 
 def reduce_over_ranks(rec: dict) -> dict:
     """Seconds and peaks: max over ranks; CPU seconds: summed over ranks (a no-op in a world of one)."""
-    import torch.distributed as dist
+    from moe_rl import dist
 
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if dist.world_size() == 1:
         return rec
     keys = [(p, k) for p in PHASES if p in rec for k in rec[p]]
     vals = torch.tensor([rec[p][k] for p, k in keys], dtype=torch.float64)
-    mx, sm = vals.clone(), vals.clone()
-    dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-    dist.all_reduce(sm, op=dist.ReduceOp.SUM)
+    mx = dist.all_reduce(vals.clone(), op=dist.ReduceOp.MAX)
+    sm = dist.all_reduce(vals.clone())
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in rec.items()}
     for i, (p, k) in enumerate(keys):
         out[p][k] = float(sm[i] if k == "cpu_s" else mx[i])

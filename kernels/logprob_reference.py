@@ -14,11 +14,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moe_rl.dist import all_reduce
+
 
 def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=op, group=group)
-    return t
+    """All-reduce over the tensor-parallel ``group``; None means no tensor parallelism (no-op)."""
+    return t if group is None else all_reduce(t, group, op)
 
 
 class _VocabParallelLogProb(torch.autograd.Function):

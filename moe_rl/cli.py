@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         return plan_main(argv[1:])
     if argv[:1] == ["serve"]:  # SGLang's launch_server flags: moe-rl serve --model-path P [--port N]
         _setup_logging(False)
-        from moe_rl.rollout.serve_embedded import main as serve_main
+        from moe_rl.serve.embedded import main as serve_main
 
         return serve_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -339,7 +339,7 @@ class SGLangConfig:
     mem_fraction: float = 0.8
     "SGLang --mem-fraction-static."
     module: str = "sglang.launch_server"
-    "Server module the launcher runs (moe_rl.rollout.serve_embedded: our SGLang-protocol server, CPU)."
+    "Server module the launcher runs (moe_rl.serve.embedded: our SGLang-protocol server, CPU)."
     startup_timeout_s: float = 900.0
     "How long a launched server may take to answer /health_generate."
 

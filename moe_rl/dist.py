@@ -58,21 +58,23 @@ def all_gather_cat(t: torch.Tensor, group: Any = None, dim: int = 0) -> torch.Te
     return torch.cat(parts, dim=dim)
 
 
-def any_rank(flag: bool, group: Any = None) -> bool:
-    """True when ``flag`` is true on at least one member of ``group``."""
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+def any_rank(flag: bool, group: Any = None, device: Any = None) -> bool:
+    """True when ``flag`` is true on at least one member of ``group``.
+
+    ``device``: where the one-element tensor lives (a CUDA device for an NCCL group)."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     return bool(all_reduce(t, group, ReduceOp.MAX).item())
 
 
-def all_ranks(flag: bool, group: Any = None) -> bool:
-    """True when ``flag`` is true on every member of ``group``."""
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+def all_ranks(flag: bool, group: Any = None, device: Any = None) -> bool:
+    """True when ``flag`` is true on every member of ``group`` (``device`` as in :func:`any_rank`)."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     return bool(all_reduce(t, group, ReduceOp.MIN).item())
 
 
-def max_over(value: int | float, group: Any = None) -> int | float:
-    """The largest ``value`` over the members of ``group``."""
-    t = torch.tensor([value], dtype=torch.float64)
+def max_over(value: int | float, group: Any = None, device: Any = None) -> int | float:
+    """The largest ``value`` over the members of ``group`` (``device`` as in :func:`any_rank`)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     out = all_reduce(t, group, ReduceOp.MAX).item()
     return type(value)(out)
 

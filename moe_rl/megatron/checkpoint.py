@@ -25,22 +25,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
+
+from moe_rl import dist
 
 log = logging.getLogger(__name__)
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -106,20 +94,20 @@ def save_checkpoint(
     root = Path(root)
     name = f"step-{step:08d}"
     tmp = root / f".tmp-{name}"
-    if _rank() == 0:
+    if dist.rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
-    _barrier()
+    dist.barrier()
     dist_checkpointing.save(_sharded_state(model, optimizer), str(tmp))
-    torch.save(_rng_state(), tmp / f"rng-{_rank()}.pt")
-    _barrier()
+    torch.save(_rng_state(), tmp / f"rng-{dist.rank()}.pt")
+    dist.barrier()
     final = root / name
-    if _rank() == 0:
+    if dist.rank() == 0:
         meta = {
             "step": step,
-            "world_size": _world(),
+            "world_size": dist.world_size(),
             "optimizer_step": optimizer.step_count if optimizer is not None else None,
             "extra": extra or {},
         }
@@ -131,7 +119,7 @@ def save_checkpoint(
         done = sorted(p for p in root.glob("step-*") if p.is_dir())
         for old in done[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    dist.barrier()
     log.info("saved checkpoint %s", final)
     return final
 
@@ -180,7 +168,7 @@ def load_checkpoint(path: str | Path, model, optimizer=None, *, load_rng: bool =
         osd["state"] = {pid: {**s, "step": step.clone()} for pid, s in state.items()}
         optimizer.opt.load_state_dict(osd)
         optimizer.step_count = int(meta["optimizer_step"])
-    rng = ckpt / f"rng-{_rank()}.pt"
-    if load_rng and meta.get("world_size") == _world() and rng.exists():
+    rng = ckpt / f"rng-{dist.rank()}.pt"
+    if load_rng and meta.get("world_size") == dist.world_size() and rng.exists():
         _set_rng_state(torch.load(rng, weights_only=False))
     return meta

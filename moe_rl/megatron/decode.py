@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moe_rl.dist import all_gather_cat
 from moe_rl.megatron.local_layers import GroupedExperts, SDPAttention
 
 
@@ -77,15 +78,15 @@ class Decoder:
         if reason is not None:
             raise ValueError(f"Decoder cannot run this policy: {reason}")
         self.policy = policy
-        m, cfg = policy.model, policy.cfg
-        self.heads, self.groups, self.hd = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
-        self.rep = self.heads // self.groups
+        model, cfg = policy.model, policy.cfg
+        self.heads, self.groups, self.head_dim = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
+        self.heads_per_group = self.heads // self.groups
         self.topk, self.num_experts = cfg.moe_router_topk, cfg.num_experts
         self.pre_softmax = not cfg.moe_norm_topk_prob
-        self.scale = m.decoder.layers[0].self_attention.core_attention.softmax_scale
-        freqs = m.rotary_pos_emb(cfg.max_seq_len)  # [S, 1, 1, hd], megatron's own table
-        self.cos = torch.cos(freqs).reshape(cfg.max_seq_len, self.hd)
-        self.sin = torch.sin(freqs).reshape(cfg.max_seq_len, self.hd)
+        self.scale = model.decoder.layers[0].self_attention.core_attention.softmax_scale
+        freqs = model.rotary_pos_emb(cfg.max_seq_len)  # [S, 1, 1, hd], megatron's own table
+        self.cos = torch.cos(freqs).reshape(cfg.max_seq_len, self.head_dim)
+        self.sin = torch.sin(freqs).reshape(cfg.max_seq_len, self.head_dim)
         self._experts: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._routers: list[torch.Tensor] = []
 
@@ -101,7 +102,7 @@ class Decoder:
         for layer in self.policy.model.decoder.layers:
             w1, w2 = layer.mlp.experts.stacked_weights()
             if info.ep_size > 1:
-                w1, w2 = (_gather_experts(w, info.ep_group, info.ep_size) for w in (w1, w2))
+                w1, w2 = (all_gather_cat(w, info.ep_group, dim=0) for w in (w1, w2))
             self._experts.append((w1, w2))
             self._routers.append(layer.mlp.router.weight.float())  # fp32 like megatron's router
 
@@ -111,7 +112,7 @@ class Decoder:
             raise RuntimeError("Decoder.begin() must run before the first cache of a generate call")
         layers = self.policy.model.decoder.layers
         p = self.policy.model.embedding.word_embeddings.weight
-        shape = (batch, self.groups, max_len, self.hd)
+        shape = (batch, self.groups, max_len, self.head_dim)
         return KVCache(k=[p.new_empty(shape) for _ in layers], v=[p.new_empty(shape) for _ in layers])
 
     # -- forward ----------------------------------------------------------------------------
@@ -130,24 +131,24 @@ class Decoder:
             raise ValueError(f"start={start} but the cache holds {cache.length} tokens")
         if n > 1 and start != 0:
             raise ValueError("several tokens per row only for the prefill (start 0)")
-        m = self.policy.model
-        x = F.embedding(tokens_bn, m.embedding.word_embeddings.weight)  # [b, n, H]
+        model = self.policy.model
+        x = F.embedding(tokens_bn, model.embedding.word_embeddings.weight)  # [b, n, H]
         cos, sin = self.cos[start : start + n].to(x.dtype), self.sin[start : start + n].to(x.dtype)
         routes = [] if want_routes else None
-        for i, layer in enumerate(m.decoder.layers):
-            x = x + self._attention(layer, layer.input_layernorm(x), cache, i, start, cos, sin)
-            y, idx = self._moe(layer, i, layer.pre_mlp_layernorm(x))
+        for layer_idx, layer in enumerate(model.decoder.layers):
+            x = x + self._attention(layer, layer.input_layernorm(x), cache, layer_idx, start, cos, sin)
+            y, idx = self._moe(layer, layer_idx, layer.pre_mlp_layernorm(x))
             x = x + y
             if routes is not None:
                 routes.append(idx.view(b, n, -1).transpose(0, 1).reshape(n * b, -1))
         cache.length = start + n
-        h = m.decoder.final_layernorm(x[:, -1])
+        h = model.decoder.final_layernorm(x[:, -1])
         return F.linear(h, self.policy.output_weight()), routes
 
-    def _attention(self, layer, x, cache: KVCache, i: int, start: int, cos, sin):
+    def _attention(self, layer, x, cache: KVCache, layer_idx: int, start: int, cos, sin):
         att = layer.self_attention
         b, n, _ = x.shape
-        g, rep, hd = self.groups, self.rep, self.hd
+        g, rep, hd = self.groups, self.heads_per_group, self.head_dim  # groups, heads per group, head dim
         qkv = F.linear(x, att.linear_qkv.weight).view(b, n, g, (rep + 2) * hd)
         q, k, v = torch.split(qkv, [rep * hd, hd, hd], dim=-1)
         q = q.reshape(b, n, g * rep, hd)
@@ -155,9 +156,9 @@ class Decoder:
             q, k = att.q_layernorm(q), att.k_layernorm(k)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)  # [b, n, heads, hd]
         end = start + n
-        cache.k[i][:, :, start:end] = k.transpose(1, 2)
-        cache.v[i][:, :, start:end] = v.transpose(1, 2)
-        keys, values = cache.k[i][:, :, :end], cache.v[i][:, :, :end]
+        cache.k[layer_idx][:, :, start:end] = k.transpose(1, 2)
+        cache.v[layer_idx][:, :, start:end] = v.transpose(1, 2)
+        keys, values = cache.k[layer_idx][:, :, :end], cache.v[layer_idx][:, :, :end]
         if n == 1:  # one query per row: fold the group's heads into the query dimension
             qg = q.view(b, g, rep, hd)
             s = torch.matmul(qg, keys.transpose(2, 3)) * self.scale  # [b, g, rep, T]
@@ -170,12 +171,12 @@ class Decoder:
             out = out.transpose(1, 2).reshape(b, n, g * rep * hd)
         return F.linear(out, att.linear_proj.weight)
 
-    def _moe(self, layer, i: int, x):
+    def _moe(self, layer, layer_idx: int, x):
         """Routed experts of ``x [b, n, H]`` -> (output [b, n, H], top-k indices [b*n, K])."""
         mlp = layer.mlp
         shape = x.shape
         t = x.reshape(-1, shape[-1])
-        logits = F.linear(t.float(), self._routers[i])  # [N, E]
+        logits = F.linear(t.float(), self._routers[layer_idx])  # [N, E]
         if self.pre_softmax:
             probs, idx = torch.topk(torch.softmax(logits, dim=-1), self.topk, dim=-1)
         else:
@@ -186,19 +187,10 @@ class Decoder:
         token = order // self.topk
         counts = torch.bincount(flat, minlength=self.num_experts)
         ys = mlp.experts.grouped(
-            t.index_select(0, token), counts, probs.reshape(-1)[order], *self._experts[i]
+            t.index_select(0, token), counts, probs.reshape(-1)[order], *self._experts[layer_idx]
         )
         out = torch.zeros_like(t).index_add_(0, token, ys)
         return out.view(shape), idx
-
-
-def _gather_experts(w_E: torch.Tensor, group, size: int) -> torch.Tensor:
-    """Concatenate the EP ranks' local expert stacks along dim 0, in rank order."""
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(w_E) for _ in range(size)]
-    dist.all_gather(parts, w_E.contiguous(), group=group)
-    return torch.cat(parts, dim=0)
 
 
 def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@
   (``safe_open(...).get_slice``), so no rank ever holds a full copy of the model.
 - :func:`export_hf` gathers TP shards (over the TP group) and experts (over the EP group) one
   parameter at a time; global rank 0 writes HF-named safetensors shards + index + ``config.json``
-  (+ tokenizer) into a temp directory renamed into place.
+  (+ tokenizer) into a temp directory renamed into place (:mod:`moe_rl.hf_io`).
 - :class:`PolicyHFSource` is the trainer side of weight sync (``HFStateSource.hf_tensors``) and
   the engine side (``WeightSink.hf_param_meta`` / ``load_hf_tensors``) for the embedded engine
   and ``moe-rl serve``.
@@ -20,14 +20,14 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from moe_rl import dist
 from moe_rl.config import ModelConfig
+from moe_rl.hf_io import ShardWriter, atomic_dir, scan_headers
 from moe_rl.megatron.hf_mapping import (
     Layout,
     Piece,
@@ -45,7 +45,6 @@ from moe_rl.megatron.hf_mapping import (
 
 log = logging.getLogger(__name__)
 
-INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -83,30 +82,6 @@ def model_config_from_path(path: str | Path, **overrides) -> ModelConfig:
     if (Path(path) / "tokenizer.json").is_file():
         defaults["tokenizer"] = str(path)
     return config_from_hf(read_hf_config(path), **{**defaults, **overrides})
-
-
-def _shard_files(root: Path) -> list[str]:
-    index = root / INDEX
-    if index.is_file():
-        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    files = sorted(p.name for p in root.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{root} has no {INDEX} and no *.safetensors files")
-    return files
-
-
-def _scan(root: Path, files: list[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """HF name -> (file, shape), from the safetensors headers only."""
-    from safetensors import safe_open
-
-    header: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for fname in files:
-        with safe_open(str(root / fname), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name in header:
-                    raise ValueError(f"{root}: {name!r} appears in both {header[name][0]} and {fname}")
-                header[name] = (fname, tuple(f.get_slice(name).get_shape()))
-    return header
 
 
 def _expected(cfg: ModelConfig, header: dict, root: Path) -> tuple[dict[str, tuple[int, ...]], bool]:
@@ -153,26 +128,26 @@ def local_plan(policy, *, fused: bool = False) -> dict[str, list[Piece]]:
 
     Raises ValueError if a parameter has no mapping or the pieces do not cover it exactly once.
     """
-    lay, by_hf, problems = _layout(policy), {}, []
-    for mg, p in policy.model.named_parameters():
+    layout, by_hf, problems = _layout(policy), {}, []
+    for mg_name, p in policy.model.named_parameters():
         try:
-            pieces = param_pieces(mg, policy.cfg, lay, fused=fused)
+            pieces = param_pieces(mg_name, policy.cfg, layout, fused=fused)
         except KeyError as e:
             problems.append(str(e.args[0]))
             continue
-        covered = sum(p.data[pc.dst].numel() for pc in pieces)
-        regions = {tuple((s.start, s.stop) for s in pc.dst) for pc in pieces}  # slices hash from 3.12
+        covered = sum(p.data[piece.dst].numel() for piece in pieces)
+        regions = {tuple((s.start, s.stop) for s in piece.dst) for piece in pieces}  # slices hash from 3.12
         if covered != p.numel() or len(regions) != len(pieces):
-            problems.append(f"{mg}: HF pieces cover {covered} of {p.numel()} elements")
-        for pc in pieces:
-            by_hf.setdefault(pc.hf, []).append(pc)
+            problems.append(f"{mg_name}: HF pieces cover {covered} of {p.numel()} elements")
+        for piece in pieces:
+            by_hf.setdefault(piece.hf, []).append(piece)
     if problems:
         raise ValueError("megatron parameters without an exact HF mapping: " + "; ".join(problems))
     return by_hf
 
 
-def _copy(param: torch.Tensor, pc: Piece, src: torch.Tensor) -> int:
-    dst = param.data[pc.dst]
+def _copy(param: torch.Tensor, piece: Piece, src: torch.Tensor) -> int:
+    dst = param.data[piece.dst]
     dst.copy_(src.reshape(dst.shape))
     return dst.numel()
 
@@ -193,20 +168,19 @@ def import_hf(policy, path: str | Path) -> int:
             f"checkpoint {root} does not match the policy's model config "
             f"(checkpoint vs policy): {'; '.join(diffs)}"
         )
-    files = _shard_files(root)
-    header = _scan(root, files)
+    header = scan_headers(root)
     plan = local_plan(policy, fused=_check_names(policy.cfg, header, root))
     params = dict(policy.model.named_parameters())
     filled = dict.fromkeys(params, 0)
-    for fname in files:
-        names = [n for n, (f, _) in header.items() if f == fname and n in plan]
+    for fname in sorted({file for file, _ in header.values()}):
+        names = [n for n, (file, _) in header.items() if file == fname and n in plan]
         if not names:
             continue
-        with safe_open(str(root / fname), framework="pt", device="cpu") as f:
+        with safe_open(str(root / fname), framework="pt", device="cpu") as shard:
             for name in names:
-                sl = f.get_slice(name)
-                for pc in plan[name]:
-                    filled[pc.mg] += _copy(params[pc.mg], pc, sl[pc.src])
+                hf_slice = shard.get_slice(name)
+                for piece in plan[name]:
+                    filled[piece.mg] += _copy(params[piece.mg], piece, hf_slice[piece.src])
     wrong = [f"{n} ({filled[n]} of {p.numel()})" for n, p in params.items() if filled[n] != p.numel()]
     if wrong:
         raise RuntimeError(f"import_hf filled parameters a wrong number of elements: {wrong}")
@@ -216,15 +190,6 @@ def import_hf(policy, path: str | Path) -> int:
 
 
 # -- gathering ---------------------------------------------------------------------------------
-def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
-    """``t`` from every rank of ``group``, in rank order; ``[t]`` in a group of one."""
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [t]
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return parts
-
-
 class PolicyHFSource:
     """A policy's weights under HF Qwen3-MoE names: ``HFStateSource`` and ``WeightSink``.
 
@@ -254,9 +219,9 @@ class PolicyHFSource:
         for name, p in self.policy.model.named_parameters():
             kind, arg = shard_kind(name)
             if kind == "tp":
-                fulls = [(name, torch.cat(_all_gather(p.detach(), info.tp_group), dim=arg))]
-            elif kind == "ep":
-                parts = _all_gather(p.detach(), info.ep_group)
+                fulls = [(name, dist.all_gather_cat(p.detach(), info.tp_group, dim=arg))]
+            elif kind == "ep":  # rank r's local expert ``arg`` is global expert r * local_experts + arg
+                parts = dist.all_gather_cat(p.detach()[None], info.ep_group).unbind(0)
                 fulls = [(global_expert_name(name, r * local_experts + arg), t) for r, t in enumerate(parts)]
             else:
                 fulls = [(name, p.detach())]
@@ -287,54 +252,11 @@ class PolicyHFSource:
             self._plan = local_plan(self.policy)
         params = dict(self.policy.model.named_parameters())
         for name, t in staged.items():
-            for pc in self._plan.get(name, ()):
-                _copy(params[pc.mg], pc, t[pc.src])
+            for piece in self._plan.get(name, ()):
+                _copy(params[piece.mg], piece, t[piece.src])
 
 
 # -- writing -----------------------------------------------------------------------------------
-class _ShardWriter:
-    """Buffers tensors up to ``max_bytes`` per safetensors file; ``finish`` names and indexes them."""
-
-    def __init__(self, root: Path, max_bytes: int):
-        self.root, self.max_bytes = root, max_bytes
-        self.buf: dict[str, torch.Tensor] = {}
-        self.buf_bytes = self.total = 0
-        self.files: list[tuple[str, list[str]]] = []
-        self.names: set[str] = set()
-
-    def add(self, name: str, t: torch.Tensor) -> None:
-        if name in self.names:
-            raise ValueError(f"{name!r} yielded twice")
-        self.names.add(name)
-        nbytes = t.numel() * t.element_size()
-        if self.buf and self.buf_bytes + nbytes > self.max_bytes:
-            self._flush()
-        self.buf[name] = t
-        self.buf_bytes += nbytes
-        self.total += nbytes
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        if self.buf:
-            fname = f"part-{len(self.files) + 1:05d}.safetensors"
-            save_file(self.buf, str(self.root / fname), metadata={"format": "pt"})
-            self.files.append((fname, list(self.buf)))
-            self.buf, self.buf_bytes = {}, 0
-
-    def finish(self) -> int:
-        """Write the last shard, rename to ``model-0000k-of-0000N``, write the index; return N."""
-        self._flush()
-        n, weight_map = len(self.files), {}
-        for k, (tmp_name, names) in enumerate(self.files, 1):
-            final = f"model-{k:05d}-of-{n:05d}.safetensors"
-            (self.root / tmp_name).rename(self.root / final)
-            weight_map.update(dict.fromkeys(names, final))
-        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.root / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        return n
-
-
 def _save_tokenizer(tokenizer, root: Path) -> None:
     """``tokenizer.save_pretrained(root)``, or copy the tokenizer files of a directory / ``.path``."""
     if hasattr(tokenizer, "save_pretrained"):
@@ -348,55 +270,29 @@ def _save_tokenizer(tokenizer, root: Path) -> None:
         shutil.copy2(src / f, root / f)
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
-    trash = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}" if dst.exists() else None
-    if trash is not None:
-        dst.rename(trash)
-    src.rename(dst)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
-
-
-def _all_ok(ok: bool, device: torch.device) -> bool:
-    """Whether every rank of the world says ok (one all-reduce; trivially ``ok`` in a world of one)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return ok
-    flag = torch.tensor([int(ok)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def _write(source: PolicyHFSource, tmp: Path, out: Path, tokenizer, max_shard_bytes: int):
-    """Rank 0: stream every tensor into ``tmp``, add config + tokenizer, rename ``tmp`` to ``out``.
+def _write(source: PolicyHFSource, out: Path, tokenizer, max_shard_bytes: int) -> Exception | None:
+    """Rank 0: stream every tensor into a temp directory, add config + tokenizer, rename it to ``out``.
 
     Returns the first error instead of raising, after draining ``source`` to the end (the other
     ranks wait in its gathers), so that every rank reaches the final agreement.
     """
-    error: Exception | None = None
+    tensors = source.hf_tensors()
     try:
-        tmp.mkdir()
-        writer = _ShardWriter(tmp, max_shard_bytes)
-    except Exception as e:  # noqa: BLE001 - returned, raised after the collectives
-        error = e
-    for name, t in source.hf_tensors():
-        if error is None:
-            try:
+        with atomic_dir(out) as tmp:
+            writer = ShardWriter(tmp, max_shard_bytes)
+            for name, t in tensors:
                 writer.add(name, t)
-            except Exception as e:  # noqa: BLE001
-                error = e
-    if error is not None:
-        return error
-    try:
-        shards = writer.finish()
-        dtype = source.dtype or next(source.policy.model.parameters()).dtype
-        cfg_json = hf_config(source.policy.cfg, dtype=dtype)
-        (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
-        if tokenizer is not None:
-            _save_tokenizer(tokenizer, tmp)
-        _replace_dir(tmp, out)
-    except Exception as e:  # noqa: BLE001
+            written = writer.finish()
+            dtype = source.dtype or next(source.policy.model.parameters()).dtype
+            cfg_json = hf_config(source.policy.cfg, dtype=dtype)
+            (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
+            if tokenizer is not None:
+                _save_tokenizer(tokenizer, tmp)
+    except Exception as e:  # noqa: BLE001 - returned, raised after the collectives
+        for _ in tensors:
+            pass
         return e
-    log.info("exported %s: %d shards, %.1f MB", out, shards, writer.total / 1e6)
+    log.info("exported %s: %d shards, %.1f MB", out, written.num_shards, written.num_bytes / 1e6)
     return None
 
 
@@ -422,18 +318,14 @@ def export_hf(
     ):
         raise ValueError(f"tokenizer {tokenizer!r}: give an object with save_pretrained() or a directory")
     source = PolicyHFSource(policy, dtype=dtype)
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if dist.rank() != 0:
         for _ in source.hf_tensors():
             pass
-        if not _all_ok(True, policy.info.device):
+        if not dist.all_ranks(True, device=policy.info.device):
             raise RuntimeError(f"export_hf to {out} failed on rank 0 (see its log)")
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    error = _write(source, tmp, out, tokenizer, max_shard_bytes)
-    if error is not None:
-        shutil.rmtree(tmp, ignore_errors=True)
-    _all_ok(error is None, policy.info.device)
+    error = _write(source, out, tokenizer, max_shard_bytes)
+    dist.all_ranks(error is None, device=policy.info.device)
     if error is not None:
         raise error
     return out

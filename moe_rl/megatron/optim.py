@@ -17,7 +17,8 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from moe_rl.config import OptimConfig
-from moe_rl.megatron.parallel import ParallelInfo, all_reduce
+from moe_rl.dist import all_reduce
+from moe_rl.megatron.parallel import ParallelInfo
 
 
 def lr_at(cfg: OptimConfig, step: int) -> float:

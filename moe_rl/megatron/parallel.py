@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from moe_rl.config import ConfigError, ParallelConfig
+from moe_rl.dist import free_port
 
 
 @dataclass(frozen=True)
@@ -36,13 +36,6 @@ class ParallelInfo:
     expert_dp_group: object
     mp_group: object
     device: torch.device
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def backend_for(cfg: ParallelConfig) -> str:
@@ -143,8 +136,11 @@ def destroy_parallel() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce over ``group``; a no-op without distributed or in a group of one."""
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=op, group=group)
-    return t
+__all__ = [
+    "ParallelInfo",
+    "backend_for",
+    "check_world",
+    "destroy_parallel",
+    "init_parallel",
+    "parallel_info",
+]

@@ -114,13 +114,14 @@ class Policy:
             return self.model.shared_embedding_or_output_weight()
         return self.model.output_layer.weight
 
-    def _impl(self) -> str:
-        impl = self.cfg.logprob_impl
-        if impl == "auto":
+    def _logprob_path(self) -> str:
+        """``model.logprob_impl`` resolved: "logits", "triton" or "torch" ("auto": triton on CUDA)."""
+        path = self.cfg.logprob_impl
+        if path == "auto":
             from moe_rl.kernels import triton_available
 
             return "triton" if self.info.device.type == "cuda" and triton_available() else "logits"
-        return impl
+        return path
 
     def logprobs(
         self, tokens_BT: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = False
@@ -141,8 +142,8 @@ class Policy:
             vocab_start=self.vocab_start,
             with_entropy=with_entropy,
         )
-        impl = self._impl()
-        if impl == "logits":
+        path = self._logprob_path()
+        if path == "logits":
             logits = self.logits(tokens_BT[:, :-1])
             logp, ent = logprobs_entropy(logits.reshape(-1, logits.shape[-1]), target, **kw)
         else:
@@ -150,7 +151,7 @@ class Policy:
 
             h = self.hidden(tokens_BT[:, :-1])
             logp, ent = logprobs_from_hidden(
-                h.reshape(-1, h.shape[-1]), self.output_weight(), target, impl=impl, **kw
+                h.reshape(-1, h.shape[-1]), self.output_weight(), target, impl=path, **kw
             )
         zero = torch.zeros(b, 1, device=logp.device, dtype=logp.dtype)
         logp_BT = torch.cat([zero, logp.view(b, t - 1)], dim=1)

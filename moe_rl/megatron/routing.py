@@ -23,18 +23,9 @@ Usage::
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from moe_rl.dist import all_gather_cat
 from moe_rl.routing import RouterAction
-
-
-def _gather_seq(t_SBX: torch.Tensor, group, size: int) -> torch.Tensor:
-    """All-gather sequence-parallel shards along dim 0 (no-op for a group of one)."""
-    if size == 1:
-        return t_SBX
-    parts = [torch.empty_like(t_SBX) for _ in range(size)]
-    dist.all_gather(parts, t_SBX.contiguous(), group=group)
-    return torch.cat(parts, dim=0)
 
 
 def sanitize_routes(routes_NK: torch.Tensor, topk: int) -> torch.Tensor:
@@ -96,7 +87,7 @@ class RoutingSession:
         out = []
         for r in per_layer_RK:
             r_SBK = r.view(-1, b, r.shape[-1])
-            r_SBK = _gather_seq(r_SBK, info.tp_group, info.tp_size)
+            r_SBK = all_gather_cat(r_SBK, info.tp_group, dim=0)  # sequence-parallel shards
             out.append(r_SBK[:s].transpose(0, 1))
         return torch.stack(out, dim=2)
 

@@ -42,8 +42,8 @@ import time
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 
+from moe_rl import dist
 from moe_rl.rollout.types import HFStateSource, Rollouts, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class _Chunk:
     ):
         self.engine, self.sampling, self.gens = engine, sampling, gens
         # routes from the forward itself (lean); megatron's are captured by a RoutingSession
-        self.want_routes = sampling.return_routes and not engine.impl.routes_by_session
+        self.want_routes = sampling.return_routes and not engine.decoder.routes_from_session
         b = len(prompts)
         self.prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         width = int(self.prompt_len.max()) + sampling.max_new_tokens
@@ -120,7 +120,7 @@ class _Chunk:
         self.finish = ["length"] * b
         self.live = torch.arange(b)  # chunk rows in the cache, in cache order
         self.cur = 0  # tokens fed so far (= the static context's sequence_len_offset)
-        self.ctx = engine.impl.new_cache(b, width)
+        self.cache = engine.decoder.new_cache(b, width)
         self.log: list[tuple[torch.Tensor, int, int] | None] = []  # (rows, start, n) per forward
         self.route_steps: list[list[torch.Tensor] | None] = []  # per forward: [n * rows, K] per layer
         self.prefill_s = self.decode_s = 0.0
@@ -137,7 +137,7 @@ class _Chunk:
         n = int(self.prompt_len.min()) if start == 0 else 1
         dev = self.engine.device
         inp = self.tokens_bT[self.live, start : start + n].to(dev)
-        logits, routes = self.engine.impl.forward(self.ctx, inp, start, self.want_routes)
+        logits, routes = self.engine.decoder.forward(self.cache, inp, start, self.want_routes)
         self.log.append((self.live.clone(), start, n))
         self.route_steps.append(routes)
         self.cur = start + n
@@ -152,29 +152,28 @@ class _Chunk:
 
     def _sample(self, logits_bV: torch.Tensor) -> None:
         """Choose the token at position ``cur`` for every live row that is past its prompt."""
-        sp, cur = self.sampling, self.cur
-        rows = self.live
-        want = ~self.done[rows] & (self.prompt_len[rows] <= cur)
+        sampling, cur = self.sampling, self.cur
+        want = ~self.done[self.live] & (self.prompt_len[self.live] <= cur)
         if not bool(want.any()):
             return
-        idx = want.nonzero().squeeze(1)
-        rows = rows[idx]
-        logits = logits_bV[idx.to(logits_bV.device)]
-        u = None
-        if sp.temperature > 0:
-            u = torch.stack([torch.rand((), generator=self.gens[int(r)]) for r in rows])
-        tok = sample_tokens(logits, sp, u)
-        logp = self.engine.token_logprobs(logits, tok, sp.temperature or 1.0)
-        tok, logp = tok.cpu(), logp.float().cpu()
-        self.tokens_bT[rows, cur] = tok
-        self.logp_bT[rows, cur] = logp
-        self.total_len[rows] = cur + 1
-        stop = torch.isin(tok, self.engine.stop_ids(sp))
-        full = (self.total_len[rows] - self.prompt_len[rows]) >= sp.max_new_tokens
-        for r, s, f in zip(rows.tolist(), stop.tolist(), full.tolist()):
-            if s or f:
-                self.done[r] = True
-                self.finish[r] = "stop" if s else "length"
+        cache_rows_N = want.nonzero().squeeze(1)
+        rows_N = self.live[cache_rows_N]
+        logits_NV = logits_bV[cache_rows_N.to(logits_bV.device)]
+        uniforms_N = None
+        if sampling.temperature > 0:
+            uniforms_N = torch.stack([torch.rand((), generator=self.gens[int(r)]) for r in rows_N])
+        tok_N = sample_tokens(logits_NV, sampling, uniforms_N)
+        logp_N = self.engine.token_logprobs(logits_NV, tok_N, sampling.temperature or 1.0)
+        tok_N, logp_N = tok_N.cpu(), logp_N.float().cpu()
+        self.tokens_bT[rows_N, cur] = tok_N
+        self.logp_bT[rows_N, cur] = logp_N
+        self.total_len[rows_N] = cur + 1
+        stopped_N = torch.isin(tok_N, self.engine.stop_ids(sampling))
+        full_N = (self.total_len[rows_N] - self.prompt_len[rows_N]) >= sampling.max_new_tokens
+        for row, stopped, full in zip(rows_N.tolist(), stopped_N.tolist(), full_N.tolist()):
+            if stopped or full:
+                self.done[row] = True
+                self.finish[row] = "stop" if stopped else "length"
 
     def _maybe_compact(self) -> None:
         """Drop finished rows from the cache once at most half of it is live."""
@@ -182,7 +181,7 @@ class _Chunk:
         n_live = int(keep.sum())
         if n_live > len(self.live) // 2:
             return
-        self.engine.impl.keep_rows(self.ctx, keep.nonzero().squeeze(1).to(self.engine.device))
+        self.engine.decoder.keep_rows(self.cache, keep.nonzero().squeeze(1).to(self.engine.device))
         self.live = self.live[keep]
         self.compactions += 1
 
@@ -207,8 +206,8 @@ class MegatronForward:
     (expert parallelism included); routes are captured by a RoutingSession."""
 
     name = "megatron-core StaticInferenceContext"
-    collective = True  # expert all-to-alls: every rank runs every forward
-    routes_by_session = True
+    lockstep = True  # expert all-to-alls: every rank runs every forward, idle or not
+    routes_from_session = True
 
     def __init__(self, policy):
         self.policy = policy
@@ -260,22 +259,22 @@ class LeanForward:
     forward itself."""
 
     name = "moe_rl.megatron.decode (rotated-key cache, folded GQA, grouped experts)"
-    collective = False
-    routes_by_session = False
+    lockstep = False  # no collectives while decoding: ranks step independently
+    routes_from_session = False
 
     def __init__(self, policy):
         from moe_rl.megatron.decode import Decoder
 
-        self.decoder = Decoder(policy)
+        self.lean = Decoder(policy)
 
     def begin(self) -> None:
-        self.decoder.begin()
+        self.lean.begin()
 
     def new_cache(self, batch: int, width: int):
-        return self.decoder.new_cache(batch, width)
+        return self.lean.new_cache(batch, width)
 
     def forward(self, cache, inp: torch.Tensor, start: int, want_routes: bool):
-        return self.decoder.forward(cache, inp, start, want_routes)
+        return self.lean.forward(cache, inp, start, want_routes)
 
     def idle(self) -> None:
         """Nothing to keep in step with."""
@@ -344,9 +343,8 @@ class EmbeddedEngine:
         self.pad_id, self.eos_id, self.max_batch = int(pad_id), eos_id, max_batch
         self.weight_version = weight_version
         self.device = policy.info.device
-        self.impl = pick_forward(policy, decoder)
+        self.decoder = pick_forward(policy, decoder)
         self._hf_sink = None
-        self.world = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
 
     @property
     def max_context_length(self) -> int:
@@ -385,21 +383,21 @@ class EmbeddedEngine:
         gens = row_generators(len(rows), sampling.seed)
         size = self.max_batch or max(1, len(rows))
         spans = [(i, min(i + size, len(rows))) for i in range(0, len(rows), size)]
-        n_chunks = self._max_over_world(len(spans)) if self.impl.collective else len(spans)
+        n_chunks = dist.max_over(len(spans), device=self.device) if self.decoder.lockstep else len(spans)
         model = self.policy.model
         was_training = model.training
         model.eval()
         chunks, routes = [], []
-        self.impl.begin()  # collective under EP with the lean decoder: every rank calls generate
+        self.decoder.begin()  # collective under EP with the lean decoder: every rank calls generate
         try:
             with torch.no_grad():
                 for c in range(n_chunks):
                     i, j = spans[c] if c < len(spans) else (0, 0)
                     chunk = _Chunk(self, rows[i:j], gens[i:j], sampling) if j > i else None
-                    r = self._run_chunk(chunk, sampling.return_routes)
+                    chunk_routes = self._run_chunk(chunk, sampling.return_routes)
                     if chunk is not None:
                         chunks.append(chunk)
-                        routes.append(r)
+                        routes.append(chunk_routes)
         finally:
             model.train(was_training)
         return self._assemble(chunks, routes, prompts, n, sampling, time.perf_counter() - t_start)
@@ -409,42 +407,28 @@ class EmbeddedEngine:
         from moe_rl.megatron.routing import RoutingSession
         from moe_rl.routing import RouterAction
 
-        impl = self.impl
-        by_session = want_routes and chunk is not None and impl.routes_by_session
+        decoder = self.decoder
+        by_session = want_routes and chunk is not None and decoder.routes_from_session
         session = RoutingSession(self.policy, RouterAction.NATURAL) if by_session else None
         busy = lambda: chunk is not None and not chunk.finished  # noqa: E731
         with session or contextlib.nullcontext():
             try:
-                while self._any_over_world(busy()) if impl.collective else busy():
+                while dist.any_rank(busy(), device=self.device) if decoder.lockstep else busy():
                     if busy():
                         chunk.step()
                     else:
-                        impl.idle()
+                        decoder.idle()
                         if chunk is not None:
                             chunk.log.append(None)
                             chunk.route_steps.append(None)
             finally:
                 if chunk is not None:
-                    impl.release(chunk.ctx)
+                    decoder.release(chunk.cache)
         if not want_routes or chunk is None:
             return None
         cfg = self.policy.cfg
         steps = session.natural_steps() if session is not None else chunk.route_steps
         return chunk.routes_bTLK(steps, self.policy.num_moe_layers, cfg.moe_router_topk)
-
-    def _any_over_world(self, flag: bool) -> bool:
-        if self.world is None:
-            return flag
-        t = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.world)
-        return bool(t.item())
-
-    def _max_over_world(self, value: int) -> int:
-        if self.world is None:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.world)
-        return int(t.item())
 
     def _check(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> None:
         if n < 1:
@@ -504,7 +488,7 @@ class EmbeddedEngine:
             "forwards": sum(c.forwards for c in chunks),
             "chunks": len(chunks),
             "compactions": sum(c.compactions for c in chunks),
-            "decoder": self.impl.name,
+            "decoder": self.decoder.name,
         }
         return Rollouts(
             tokens_BT=tokens,

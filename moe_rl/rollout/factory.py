@@ -11,8 +11,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
+from moe_rl import dist
 from moe_rl.rollout.sglang_client import SGLangClient, SGLangEngine
 from moe_rl.rollout.types import HFStateSource, Rollouts, SamplingParams
 
@@ -42,8 +41,7 @@ class RankedSGLangEngine:
             for _ in source.hf_tensors():  # the gathers are collective: take part, keep nothing
                 pass
             self.inner.weight_version = version
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
+        dist.barrier()
         return version
 
     def close(self) -> None:
@@ -52,57 +50,51 @@ class RankedSGLangEngine:
 
 
 def build_sglang_engine(run: Run) -> RankedSGLangEngine:
-    """The engine for ``run``: launch a server (rank 0) or attach to rollout.sglang.url."""
+    """The engine for ``run`` (a trainer Run): launch a server (rank 0) or attach to rollout.sglang.url."""
     from moe_rl.rollout.sglang_launcher import SGLangLauncher, SGLangServerConfig
     from moe_rl.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
 
-    ro, m = run.recipe.rollout, run.recipe.model
-    launcher, url = None, ro.sglang.url
+    rollout_cfg, model_cfg = run.recipe.rollout, run.recipe.model
+    launcher, url = None, rollout_cfg.sglang.url
     if url is None:
-        model_path = ro.sglang.model_path or str(run.out / "hf_init")
-        if not ro.sglang.model_path:  # the server starts from the policy as it is now
+        model_path = rollout_cfg.sglang.model_path or str(run.out / "hf_init")
+        if not rollout_cfg.sglang.model_path:  # the server starts from the policy as it is now
             from moe_rl.megatron.hf import export_hf
 
             export_hf(run.policy, model_path, tokenizer=run.tok)
         if run.info.rank == 0:
-            cfg = SGLangServerConfig(
+            server_cfg = SGLangServerConfig(
                 model_path=model_path,
-                tp_size=ro.sglang.tp,
-                ep_size=ro.sglang.ep,
-                host=ro.sglang.host,
-                port=ro.sglang.port or None,
+                tp_size=rollout_cfg.sglang.tp,
+                ep_size=rollout_cfg.sglang.ep,
+                host=rollout_cfg.sglang.host,
+                port=rollout_cfg.sglang.port or None,
                 enable_return_routed_experts=run.recipe.algo.routing == "r3",
-                mem_fraction_static=ro.sglang.mem_fraction,
-                module=ro.sglang.module,
+                mem_fraction_static=rollout_cfg.sglang.mem_fraction,
+                module=rollout_cfg.sglang.module,
             )
             launcher = SGLangLauncher(
-                cfg, log_path=run.out / "logs" / "sglang.log", startup_timeout_s=ro.sglang.startup_timeout_s
+                server_cfg,
+                log_path=run.out / "logs" / "sglang.log",
+                startup_timeout_s=rollout_cfg.sglang.startup_timeout_s,
             )
             launcher.start()
             url = launcher.url
-        url = _broadcast_str(url)
-    client = SGLangClient(url, timeout_s=ro.timeout_s, retries=ro.retries)
+        url = dist.broadcast_object(url)
+    client = SGLangClient(url, timeout_s=rollout_cfg.timeout_s, retries=rollout_cfg.retries)
     sync = None
     if run.info.rank == 0:
-        if ro.weight_sync == "disk":
-            sync = DiskWeightSync(client, ro.weight_sync_dir or Path(run.out) / "weights")
+        if rollout_cfg.weight_sync == "disk":
+            sync = DiskWeightSync(client, rollout_cfg.weight_sync_dir or Path(run.out) / "weights")
         else:
-            sync = DistributedWeightSync(client, world_size=1 + ro.sglang.tp)
+            sync = DistributedWeightSync(client, world_size=1 + rollout_cfg.sglang.tp)
     inner = SGLangEngine(
         client,
-        num_layers=m.num_layers,
-        topk=m.moe_router_topk,
-        num_experts=m.num_experts,
+        num_layers=model_cfg.num_layers,
+        topk=model_cfg.moe_router_topk,
+        num_experts=model_cfg.num_experts,
         pad_id=run.tok.pad_id,
         weight_sync=sync,
         launcher=launcher,
     )
     return RankedSGLangEngine(inner, run.info.rank)
-
-
-def _broadcast_str(s: str | None) -> str:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return s
-    box = [s]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

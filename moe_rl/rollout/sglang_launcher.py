@@ -6,7 +6,7 @@ module ``sglang.launch_server`` by default. Option names are SGLang's ServerArgs
 ``--mem-fraction-static``, ``--dtype``, ``--skip-tokenizer-init``,
 ``--enable-return-routed-experts``, ``--weight-version`` (initial ``weight_version``, default
 "default") and ``--enable-deterministic-inference`` (needed for ``sampling_seed`` to make
-non-greedy sampling reproducible). Tests point ``python``/``module`` at ``moe_rl.rollout.server``
+non-greedy sampling reproducible). Tests point ``python``/``module`` at ``moe_rl.serve.http``
 to launch ``moe-rl serve`` through the same code path.
 
 The process is started in its own session, so stopping it signals exactly the process group
@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_rl.dist import free_port
 from moe_rl.rollout.sglang_client import SGLangClient, SGLangError, SGLangHTTPError, SGLangUnavailable
-from moe_rl.rollout.weight_sync import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class SGLangServerConfig:
     python: str = sys.executable
     "Python executable that runs the server."
     module: str = "sglang.launch_server"
-    "Module run with -m (tests use moe_rl.rollout.server)."
+    "Module run with -m (tests use moe_rl.serve.http)."
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.ep_size < 1:

@@ -8,13 +8,14 @@ sglang overrides, and stop the server afterwards. tests/dist/test_slurm.py runs 
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from moe_rl.dist import free_port
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).parents[2]
@@ -108,12 +109,6 @@ FAKE_SRUN = textwrap.dedent('''\
     ''')
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def fake_slurm(tmp_path):
     bin_dir = tmp_path / "bin"
@@ -159,7 +154,7 @@ def _opt(argv, name):
 
 
 def test_sbatch_sglang_node_and_two_trainer_nodes(fake_slurm, tmp_path):
-    port = _free_port()
+    port = free_port()
     res, calls, stopped = fake_slurm(
         [
             "recipes/cluster/qwen3_30b_a3b_gspo.yaml",
@@ -204,7 +199,7 @@ def test_sbatch_sglang_node_and_two_trainer_nodes(fake_slurm, tmp_path):
 
 
 def test_sbatch_routes_off_and_multi_node_server(fake_slurm, tmp_path):
-    port = _free_port()
+    port = free_port()
     res, calls, _ = fake_slurm(
         [
             "recipes/cluster/qwen3_30b_a3b_gspo.yaml",
@@ -247,7 +242,7 @@ def test_sbatch_reports_a_server_that_dies(fake_slurm, tmp_path):
     res, calls, _ = fake_slurm(
         ["recipes/cluster/qwen3_30b_a3b_gspo.yaml", f"train.out_dir={tmp_path / 'r'}"],
         SGLANG_NODES="1",
-        SGLANG_PORT=str(_free_port()),
+        SGLANG_PORT=str(free_port()),
         FAKE_SGLANG_FAIL="1",
     )
     assert res.returncode != 0 and "exited before becoming healthy" in res.stderr

@@ -1,6 +1,6 @@
 """RL through the whole SGLang path on CPU: launcher, client, routes, weight sync, versions.
 
-The trainer (this process) launches our SGLang-protocol server (``moe_rl.rollout.serve_embedded``)
+The trainer (this process) launches our SGLang-protocol server (``moe_rl.serve.embedded``)
 with the same launcher code that starts ``sglang.launch_server``, samples through the
 client with ``return_routed_experts`` (R3), and pushes new weights after every step by the
 distributed path (gloo broadcast) or the disk path (safetensors). After each push the
@@ -26,7 +26,7 @@ def test_rl_over_the_sglang_protocol(tmp_path, parallel_info, sync):
     data["rollout"] = {
         "engine": "sglang",
         "weight_sync": sync,
-        "sglang": {"module": "moe_rl.rollout.serve_embedded", "port": 0, "startup_timeout_s": 180.0},
+        "sglang": {"module": "moe_rl.serve.embedded", "port": 0, "startup_timeout_s": 180.0},
     }
     res = run(recipe_from_dict(data))
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl", "rl")

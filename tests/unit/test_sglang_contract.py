@@ -28,7 +28,7 @@ import msgspec
 import pytest
 import torch
 
-from moe_rl.rollout import server as srv
+from moe_rl.dist import free_port
 from moe_rl.rollout.sglang_client import (
     ROUTES_MISSING,
     RoutesMissing,
@@ -44,8 +44,9 @@ from moe_rl.rollout.sglang_client import (
 )
 from moe_rl.rollout.sglang_launcher import SGLangServerConfig, build_command
 from moe_rl.rollout.types import Rollouts, SamplingParams
-from moe_rl.rollout.weight_sync import free_port
 from moe_rl.routing.codec import decode_sglang_routes
+from moe_rl.serve import http as srv_http
+from moe_rl.serve import protocol as srv
 
 
 # ---------------------------------------------------------------- the contract (msgspec)
@@ -540,7 +541,7 @@ class _EchoEngine:
 
 @pytest.fixture
 def local_server():
-    httpd = srv.make_server(
+    httpd = srv_http.make_server(
         _EchoEngine(), "127.0.0.1", 0, weight_version="v0", enable_return_routed_experts=True
     )
     th = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)

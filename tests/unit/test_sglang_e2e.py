@@ -191,7 +191,7 @@ def recompute(w, ro: Rollouts, b: int, temperature: float) -> tuple[torch.Tensor
 def _launcher(tmp: Path, name: str, routes: bool, **env: str) -> SGLangLauncher:
     cfg = SGLangServerConfig(
         model_path="tiny-moe",
-        module="moe_rl.rollout.server",
+        module="moe_rl.serve.http",
         python=sys.executable,
         enable_return_routed_experts=routes,
         weight_version="v0",
@@ -377,7 +377,7 @@ def test_kill_mid_request_is_a_clear_error(tmp_path):
 
 
 def test_launcher_reports_early_exit(tmp_path):
-    cfg = SGLangServerConfig(model_path="x", module="moe_rl.rollout.server", python=sys.executable)
+    cfg = SGLangServerConfig(model_path="x", module="moe_rl.serve.http", python=sys.executable)
     launcher = SGLangLauncher(
         cfg, log_path=tmp_path / "bad.log", startup_timeout_s=60, poll_s=0.2, env={"PYTHONPATH": str(REPO)}
     )

@@ -1,169 +1,44 @@
-"""``moe-rl serve``: SGLang's native HTTP protocol around any RolloutEngine + WeightSink.
+"""The SGLang endpoints of ``moe-rl serve`` around a RolloutEngine + WeightSink, without HTTP.
 
-The same client, launcher and weight-sync code then run end to end on a CPU machine.
-Requests and responses follow SGLang 0.5.x (sgl-project/sglang):
-``python/sglang/srt/entrypoints/http_server.py`` (paths, status codes, error bodies),
-``python/sglang/srt/managers/io_struct.py`` (request fields and defaults),
-``python/sglang/srt/managers/tokenizer_manager.py`` (meta_info keys) and
-``python/sglang/srt/sampling/sampling_params.py`` (sampling fields). The server behaves like
-SGLang launched with ``--skip-tokenizer-init``: token ids in, token ids out, no ``text``.
-
-Ours, not SGLang 0.5.x: ``/begin_weight_update`` and ``/end_weight_update`` exist only on later
-SGLang main (BeginWeightUpdateReqInput); here they open an *atomic* session: generation waits,
-updates are staged, and ``/end_weight_update`` applies everything or nothing
-(``{"abort": true}`` discards). ``server_info`` advertises this as ``weight_update_session``.
-Malformed requests get 400 with SGLang's ErrorResponse body naming the field.
+:class:`SGLangProtocolApp` maps ``(method, path, JSON body)`` to ``(status, body)``. Generation
+waits while generation is paused or a weight-update session is open; an open session stages
+every update and ``/end_weight_update`` applies all of it or nothing (see :mod:`moe_rl.serve`).
+meta_info keys: ``python/sglang/srt/managers/tokenizer_manager.py`` (sgl-project/sglang).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import importlib
-import json
 import logging
-import signal
-import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
 
 import moe_rl
+from moe_rl.hf_io import read_tensors
 from moe_rl.rollout.types import SamplingParams
-from moe_rl.rollout.weight_sync import (
+from moe_rl.rollout.weight_sync.distributed import (
     destroy_process_group,
     init_custom_process_group,
     parse_dtype,
-    read_hf_checkpoint,
-    validate_hf_tensors,
 )
 from moe_rl.routing.codec import decode_routes, encode_sglang_routes
+from moe_rl.serve.protocol import (
+    BadRequest,
+    check_kind,
+    error_response,
+    get_field,
+    to_sampling,
+    update_result,
+    validate_hf_tensors,
+)
 
 logger = logging.getLogger(__name__)
-
-# SGLang SamplingParams fields (api/v1/api_types.py _FIELDS_SamplingParams); anything else is a 400.
-_SAMPLING_FIELDS = (
-    "max_new_tokens",
-    "stop",
-    "stop_token_ids",
-    "stop_regex",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "min_new_tokens",
-    "n",
-    "json_schema",
-    "regex",
-    "ebnf",
-    "structural_tag",
-    "ignore_eos",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "no_stop_trim",
-    "stream_interval",
-    "logit_bias",
-    "sampling_seed",
-    "custom_params",
-    "beam_width",
-)
-# Accepted only at their neutral value (we have no tokenizer, penalties or grammars).
-_NEUTRAL = {
-    "stop": None,
-    "stop_regex": None,
-    "min_p": 0.0,
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_new_tokens": 0,
-    "n": 1,
-    "json_schema": None,
-    "regex": None,
-    "ebnf": None,
-    "structural_tag": None,
-    "logit_bias": None,
-    "custom_params": None,
-    "beam_width": None,
-}
-_TOP_K_ALL = 1 << 30  # sampling_params.py TOP_K_ALL: "whole vocabulary"
-_MISSING = object()
-
-
-class BadRequest(ValueError):
-    """A malformed request; the message names the field."""
-
-
-def _check(value: Any, kind: str) -> bool:
-    if kind == "int":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "num":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind == "str":
-        return isinstance(value, str)
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind == "dict":
-        return isinstance(value, dict)
-    if kind.startswith("list[") and isinstance(value, list):
-        return all(_check(v, kind[5:-1]) for v in value)
-    return False
-
-
-def _field(body: dict, name: str, kind: str, default: Any = _MISSING, where: str = "body") -> Any:
-    """``body[name]`` checked against ``kind`` (None means the default, as in SGLang)."""
-    value = body.get(name)
-    if value is None:
-        if default is _MISSING:
-            raise BadRequest(f"{where}.{name}: field required")
-        return default
-    if not _check(value, kind):
-        raise BadRequest(f"{where}.{name}: expected {kind}, got {json.dumps(value)[:80]}")
-    return value
-
-
-def _error_response(message: str) -> dict:
-    """SGLang's ErrorResponse for request validation errors (http_server.py, status 400)."""
-    return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
-
-
-def _result(ok: bool, message: str, **extra: Any) -> tuple[int, dict]:
-    """SGLang's weight-update answer: 200 {"success": true, ...} or 400 {"success": false, ...}."""
-    return (200 if ok else 400), {"success": ok, "message": message, **extra}
-
-
-def to_sampling(sp: dict, where: str) -> tuple[SamplingParams, int | None]:
-    """One SGLang ``sampling_params`` dict -> (our SamplingParams without seed, sampling_seed)."""
-    if not isinstance(sp, dict):
-        raise BadRequest(f"{where}: expected an object")
-    for key, value in sp.items():
-        if key not in _SAMPLING_FIELDS:
-            raise BadRequest(
-                f"{where}.{key}: unknown sampling parameter (SGLang's are: {', '.join(_SAMPLING_FIELDS)})"
-            )
-        if key in _NEUTRAL and value not in (_NEUTRAL[key], None) and value not in ([], {}):
-            raise BadRequest(f"{where}.{key}={value!r} is not supported by moe-rl serve")
-    top_k = _field(sp, "top_k", "int", -1, where)
-    try:
-        params = SamplingParams(
-            temperature=float(_field(sp, "temperature", "num", 1.0, where)),
-            top_p=float(_field(sp, "top_p", "num", 1.0, where)),
-            top_k=-1 if top_k >= _TOP_K_ALL else top_k,
-            max_new_tokens=_field(sp, "max_new_tokens", "int", 128, where),
-            stop_token_ids=tuple(_field(sp, "stop_token_ids", "list[int]", [], where)),
-            ignore_eos=bool(_field(sp, "ignore_eos", "bool", False, where)),
-        )
-    except ValueError as e:
-        raise BadRequest(f"{where}: {e}") from e
-    return params, _field(sp, "sampling_seed", "int", None, where)
 
 
 @dataclass
@@ -226,11 +101,11 @@ class SGLangProtocolApp:
         if method not in route[0]:
             return 405, {"detail": "Method Not Allowed"}
         if body is not None and not isinstance(body, dict) and path != "/generate":
-            return 400, _error_response("body: expected a JSON object")
+            return 400, error_response("body: expected a JSON object")
         try:
             return route[1](body or {})
         except BadRequest as e:
-            return 400, _error_response(str(e))
+            return 400, error_response(str(e))
         except Exception as e:  # noqa: BLE001 - reported to the client as a 500
             logger.exception("%s %s failed", method, path)
             return 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
@@ -269,9 +144,9 @@ class SGLangProtocolApp:
         if body.get("stream"):
             raise BadRequest("body.stream: streaming is not supported by moe-rl serve")
         ids = body["input_ids"]
-        single = _check(ids, "list[int]")
+        single = check_kind(ids, "list[int]")
         batch = [ids] if single else ids
-        if not batch or not _check(batch, "list[list[int]]") or not all(batch):
+        if not batch or not check_kind(batch, "list[list[int]]") or not all(batch):
             raise BadRequest("body.input_ids: expected a non-empty list of token ids or a batch of them")
         sps = body.get("sampling_params") or {}
         if isinstance(sps, list):
@@ -282,7 +157,7 @@ class SGLangProtocolApp:
             parsed = [to_sampling(sps, "body.sampling_params")] * len(batch)
         want_lp = body.get("return_logprob") or False
         want_lp = want_lp if isinstance(want_lp, list) else [bool(want_lp)] * len(batch)
-        want_routes = _field(body, "return_routed_experts", "bool", False) and self.enable_routes
+        want_routes = get_field(body, "return_routed_experts", "bool", False) and self.enable_routes
         rids = body.get("rid") or [uuid.uuid4().hex for _ in batch]
         rids = [rids] if isinstance(rids, str) else rids
         self._enter_generation()
@@ -317,20 +192,20 @@ class SGLangProtocolApp:
                 j += 1
             sp = dataclasses.replace(params, seed=seed0, return_routes=want_routes)
             t0 = time.perf_counter()
-            ro = self.engine.generate(batch[i:j], 1, sp)
+            rollouts = self.engine.generate(batch[i:j], 1, sp)
             dt = time.perf_counter() - t0
             for b in range(j - i):
-                P, T = int(ro.prompt_lens_B[b]), int(ro.total_lens_B[b])
+                P, T = int(rollouts.prompt_lens_B[b]), int(rollouts.total_lens_B[b])
                 out = {
-                    "output_ids": ro.tokens_BT[b, P:T].tolist(),
-                    "logprobs": ro.logprobs_BT[b, P:T].tolist(),
-                    "finish": ro.finish_reasons[b],
+                    "output_ids": rollouts.tokens_BT[b, P:T].tolist(),
+                    "logprobs": rollouts.logprobs_BT[b, P:T].tolist(),
+                    "finish": rollouts.finish_reasons[b],
                     "prompt_tokens": P,
                     "max_new_tokens": params.max_new_tokens,
                     "latency": dt,
                 }
-                if want_routes and ro.routes_BTLK is not None:
-                    out["routes"] = encode_sglang_routes(decode_routes(ro.routes_BTLK[b, : T - 1]))
+                if want_routes and rollouts.routes_BTLK is not None:
+                    out["routes"] = encode_sglang_routes(decode_routes(rollouts.routes_BTLK[b, : T - 1]))
                 outs.append(out)
             i = j
         return outs
@@ -413,7 +288,7 @@ class SGLangProtocolApp:
 
     # ----------------------------------------------------------------- pause / session
     def pause_generation(self, body: dict) -> tuple[int, Any]:
-        _field(body, "mode", "str", "abort")
+        get_field(body, "mode", "str", "abort")
         with self.cond:
             self.paused = True
             self._drain()
@@ -426,38 +301,40 @@ class SGLangProtocolApp:
         return 200, {"message": "Generation continued successfully.", "status": "ok"}
 
     def begin_weight_update(self, body: dict) -> tuple[int, Any]:
-        _field(body, "selector", "str", "all")
+        get_field(body, "selector", "str", "all")
         with self.cond:
             if self.session is not None:
-                return _result(False, "A weight update session is already open")
+                return update_result(False, "A weight update session is already open")
             self.session = _Session()
             self._drain()
-        return _result(True, "Weight update session opened.")
+        return update_result(True, "Weight update session opened.")
 
     def end_weight_update(self, body: dict) -> tuple[int, Any]:
-        abort = _field(body, "abort", "bool", False)
+        abort = get_field(body, "abort", "bool", False)
         with self.cond:
             session = self.session
         if session is None:
-            return _result(False, "No open weight update session: call /begin_weight_update first")
+            return update_result(False, "No open weight update session: call /begin_weight_update first")
         try:
             if abort:
-                return _result(
+                return update_result(
                     True,
                     f"Session aborted: {len(session.staged)} staged tensors discarded, "
                     f"weights and weight_version {self.version!r} unchanged.",
                 )
             if session.failed:
-                return _result(False, f"Nothing applied, the session had a failed update: {session.failed}")
+                return update_result(
+                    False, f"Nothing applied, the session had a failed update: {session.failed}"
+                )
             with self.engine_lock:
                 try:
                     if session.staged:
                         self.engine.load_hf_tensors(session.staged.items())
                 except ValueError as e:
-                    return _result(False, f"Nothing applied: {e}")
+                    return update_result(False, f"Nothing applied: {e}")
                 if session.version is not None:
                     self._set_version(session.version)
-            return _result(
+            return update_result(
                 True, f"Applied {len(session.staged)} tensors; weight_version is {self.version!r}."
             )
         finally:
@@ -493,14 +370,16 @@ class SGLangProtocolApp:
         return True, msg + (f" Weight version updated to {version}." if version is not None else "")
 
     def init_weights_update_group(self, body: dict) -> tuple[int, Any]:
-        addr = _field(body, "master_address", "str")
-        port = _field(body, "master_port", "int")
-        rank_offset = _field(body, "rank_offset", "int")
-        world_size = _field(body, "world_size", "int")
-        name = _field(body, "group_name", "str", "weight_update_group")
-        backend = _field(body, "backend", "str", "nccl")
+        addr = get_field(body, "master_address", "str")
+        port = get_field(body, "master_port", "int")
+        rank_offset = get_field(body, "rank_offset", "int")
+        world_size = get_field(body, "world_size", "int")
+        name = get_field(body, "group_name", "str", "weight_update_group")
+        backend = get_field(body, "backend", "str", "nccl")
         if backend == "nccl" and not torch.cuda.is_available():
-            return _result(False, "backend 'nccl' needs CUDA and this server runs on CPU: use backend='gloo'")
+            return update_result(
+                False, "backend 'nccl' needs CUDA and this server runs on CPU: use backend='gloo'"
+            )
         if name in self.groups:
             destroy_process_group(self.groups.pop(name)[0])
         device = (
@@ -517,23 +396,23 @@ class SGLangProtocolApp:
             )
             self.groups[name] = (pg, device)
         except Exception as e:  # noqa: BLE001 - reported to the trainer
-            return _result(False, f"Failed to init group {name!r}: {e}")
-        return _result(True, f"Succeeded to initialize custom process group {name}.")
+            return update_result(False, f"Failed to init group {name!r}: {e}")
+        return update_result(True, f"Succeeded to initialize custom process group {name}.")
 
     def destroy_weights_update_group(self, body: dict) -> tuple[int, Any]:
-        name = _field(body, "group_name", "str", "weight_update_group")
+        name = get_field(body, "group_name", "str", "weight_update_group")
         if name not in self.groups:
-            return _result(False, f"No weight update group named {name!r}")
+            return update_result(False, f"No weight update group named {name!r}")
         destroy_process_group(self.groups.pop(name)[0])
-        return _result(True, f"Destroyed group {name}.")
+        return update_result(True, f"Destroyed group {name}.")
 
     def update_weights_from_distributed(self, body: dict) -> tuple[int, Any]:
-        names = _field(body, "names", "list[str]")
-        dtypes = _field(body, "dtypes", "list[str]")
-        shapes = _field(body, "shapes", "list[list[int]]")
-        name = _field(body, "group_name", "str", "weight_update_group")
-        _field(body, "flush_cache", "bool", True)
-        version = _field(body, "weight_version", "str", None)
+        names = get_field(body, "names", "list[str]")
+        dtypes = get_field(body, "dtypes", "list[str]")
+        shapes = get_field(body, "shapes", "list[list[int]]")
+        name = get_field(body, "group_name", "str", "weight_update_group")
+        get_field(body, "flush_cache", "bool", True)
+        version = get_field(body, "weight_version", "str", None)
         if not len(names) == len(dtypes) == len(shapes):
             raise BadRequest(
                 f"body.names/dtypes/shapes: lengths {len(names)}/{len(dtypes)}/{len(shapes)} differ"
@@ -543,7 +422,7 @@ class SGLangProtocolApp:
         except ValueError as e:
             raise BadRequest(f"body.dtypes: {e}") from e
         if name not in self.groups:
-            return _result(
+            return update_result(
                 False, f"No weight update group named {name!r}: call /init_weights_update_group first"
             )
         group, device = self.groups[name]
@@ -554,161 +433,29 @@ class SGLangProtocolApp:
                 group.broadcast(t, 0).wait()
                 received[n] = t
         except Exception as e:  # noqa: BLE001 - the group is broken; the trainer sees the error
-            return _result(False, f"Receiving broadcast tensors failed: {e}")
+            return update_result(False, f"Receiving broadcast tensors failed: {e}")
         ok, msg = self._apply(received, version)
-        return _result(ok, msg)
+        return update_result(ok, msg)
 
     def update_weights_from_disk(self, body: dict) -> tuple[int, Any]:
-        path = _field(body, "model_path", "str")
-        version = _field(body, "weight_version", "str", None)
-        _field(body, "flush_cache", "bool", True)
+        path = get_field(body, "model_path", "str")
+        version = get_field(body, "weight_version", "str", None)
+        get_field(body, "flush_cache", "bool", True)
         try:
-            named = read_hf_checkpoint(path)
+            named = read_tensors(path)
         except (OSError, ValueError) as e:
-            return _result(False, f"Failed to read {path}: {e}", num_paused_requests=0)
+            return update_result(False, f"Failed to read {path}: {e}", num_paused_requests=0)
         ok, msg = self._apply(named, version)
-        return _result(ok, msg, num_paused_requests=0)
+        return update_result(ok, msg, num_paused_requests=0)
 
     def update_weight_version(self, body: dict) -> tuple[int, Any]:
-        version = _field(body, "new_version", "str")
-        _field(body, "abort_all_requests", "bool", True)
+        version = get_field(body, "new_version", "str")
+        get_field(body, "abort_all_requests", "bool", True)
         with self.cond:
             if self.session is not None:
                 self.session.version = version
                 msg = f"Weight version {version} staged in the open weight update session"
-                return _result(True, msg, new_version=version)
+                return update_result(True, msg, new_version=version)
         with self.engine_lock:
             self._set_version(version)
-        return _result(True, f"Weight version updated to {version}", new_version=version)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server_version = "moe-rl-serve"
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server API
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:  # noqa: N802
-        self._dispatch("POST")
-
-    def do_PUT(self) -> None:  # noqa: N802
-        self._dispatch("PUT")
-
-    def _dispatch(self, method: str) -> None:
-        n = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(n) if n else b""
-        try:
-            body = json.loads(raw) if raw.strip() else None
-        except ValueError as e:
-            status, payload = 400, _error_response(f"body: invalid JSON ({e})")
-        else:
-            status, payload = self.server.app.handle(method, self.path, body)
-        if payload is None:
-            data, ctype = b"", "text/plain"
-        elif isinstance(payload, str):
-            data, ctype = payload.encode(), "text/plain; charset=utf-8"
-        else:
-            data, ctype = json.dumps(payload).encode(), "application/json"
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):
-            logger.info("client went away before %s %s was answered", method, self.path)
-
-    def log_message(self, fmt: str, *args: Any) -> None:
-        logger.debug("%s - %s", self.address_string(), fmt % args)
-
-
-def make_server(
-    engine: Any, host: str = "127.0.0.1", port: int = 30000, **app_kwargs: Any
-) -> ThreadingHTTPServer:
-    """A ThreadingHTTPServer speaking SGLang's protocol around ``engine`` (not yet serving)."""
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        logger.warning("moe-rl serve binds %s: the weight-update endpoints are unauthenticated", host)
-    httpd = ThreadingHTTPServer((host, port), _Handler)
-    httpd.daemon_threads = True
-    httpd.app = SGLangProtocolApp(engine, **app_kwargs)
-    return httpd
-
-
-def serve(engine: Any, host: str = "127.0.0.1", port: int = 30000, **app_kwargs: Any) -> None:
-    """Serve until SIGTERM/SIGINT, then close the engine."""
-    httpd = make_server(engine, host, port, **app_kwargs)
-
-    def stop(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, stop)
-    logger.info("moe-rl serve listening on http://%s:%d", host, httpd.server_address[1])
-    try:
-        httpd.serve_forever(poll_interval=0.2)
-    except KeyboardInterrupt:
-        logger.info("moe-rl serve shutting down")
-    finally:
-        httpd.server_close()
-        if hasattr(engine, "close"):
-            engine.close()
-
-
-def build_arg_parser() -> argparse.ArgumentParser:
-    """The subset of ``python -m sglang.launch_server`` options the launcher passes, plus ours."""
-    p = argparse.ArgumentParser("moe-rl serve", description=__doc__.splitlines()[0])
-    p.add_argument("--model-path", default="moe-rl-embedded")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--tp-size", "--tp", type=int, default=1)
-    p.add_argument("--ep-size", "--ep", type=int, default=1)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--mem-fraction-static", type=float, default=None)
-    p.add_argument("--skip-tokenizer-init", action="store_true")
-    p.add_argument("--enable-return-routed-experts", action="store_true")
-    p.add_argument("--enable-deterministic-inference", action="store_true")
-    p.add_argument("--weight-version", default="default")
-    p.add_argument(
-        "--engine-factory",
-        default=None,
-        help="module:callable taking the parsed args and returning the engine",
-    )
-    p.add_argument("--log-level", default="info")
-    return p
-
-
-def main(argv: list[str] | None = None, factory: Any = None) -> int:
-    """CLI entry: parse SGLang-style args, build the engine with ``factory(args)``, serve."""
-    args, unknown = build_arg_parser().parse_known_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    if unknown:
-        logger.warning("ignoring SGLang options moe-rl serve does not use: %s", " ".join(unknown))
-    if factory is None:
-        if not args.engine_factory or ":" not in args.engine_factory:
-            print("moe-rl serve: --engine-factory module:callable is required", file=sys.stderr)
-            return 2
-        mod, _, attr = args.engine_factory.partition(":")
-        factory = getattr(importlib.import_module(mod), attr)
-    engine = factory(args)
-    serve(
-        engine,
-        args.host,
-        args.port,
-        model_path=args.model_path,
-        weight_version=args.weight_version,
-        enable_return_routed_experts=args.enable_return_routed_experts,
-        server_args={
-            "tp_size": args.tp_size,
-            "ep_size": args.ep_size,
-            "dtype": args.dtype,
-            "host": args.host,
-            "port": args.port,
-        },
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        return update_result(True, f"Weight version updated to {version}", new_version=version)

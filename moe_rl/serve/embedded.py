@@ -46,7 +46,7 @@ def build_engine(args):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_rl.rollout.server import main as server_main
+    from moe_rl.serve.http import main as server_main
 
     return server_main(argv, factory=build_engine)
 

@@ -1,0 +1,178 @@
+"""Hugging Face safetensors checkpoints on disk: one writer, one reader, one atomic directory replace.
+
+Torch and ``safetensors`` only (no megatron-core). Used by :func:`moe_rl.megatron.hf.export_hf`
+and :func:`~moe_rl.megatron.hf.import_hf`, by the disk weight sync and by ``moe-rl serve``.
+
+The layout is the one transformers' ``save_pretrained`` writes: ``model-0000k-of-0000N.safetensors``
+shards (``metadata={"format": "pt"}``) and ``model.safetensors.index.json``
+``{"metadata": {"total_parameters", "total_size"}, "weight_map": {name: file}}`` (``indent=2``,
+sorted keys). Tensors arrive one at a time (an export gathers them parameter by parameter), so
+the writer streams: it holds at most one shard in memory, names the shards when it knows how many
+there are, and never needs the whole state dict (which ``huggingface_hub``'s
+``split_torch_state_dict_into_shards`` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class WrittenCheckpoint:
+    """What :meth:`ShardWriter.finish` wrote."""
+
+    num_bytes: int
+    "Payload bytes of all tensors."
+    num_tensors: int
+    "Tensors written."
+    num_shards: int
+    "safetensors files written."
+
+
+class ShardWriter:
+    """Streams named tensors into safetensors shards of at most ``max_shard_bytes`` under ``root``.
+
+    A tensor larger than ``max_shard_bytes`` gets a shard of its own. :meth:`finish` writes the
+    last shard, renames them to ``model-0000k-of-0000N.safetensors`` and writes the index.
+    """
+
+    def __init__(self, root: str | Path, max_shard_bytes: int = 4 << 30):
+        self.root, self.max_shard_bytes = Path(root), max_shard_bytes
+        self._buffer: dict[str, torch.Tensor] = {}
+        self._buffer_bytes = self.total_bytes = self.total_elements = 0
+        self._files: list[tuple[str, list[str]]] = []
+        self._names: set[str] = set()
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        """Queue ``t`` (copied to a compact CPU tensor when it is a view or on another device)."""
+        if name in self._names:
+            raise ValueError(f"{name!r} given twice")
+        self._names.add(name)
+        t = t.detach().to("cpu")
+        if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.contiguous().clone()  # safetensors stores whole storages: no views, no shared memory
+        nbytes = t.numel() * t.element_size()
+        if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._buffer[name] = t
+        self._buffer_bytes += nbytes
+        self.total_bytes += nbytes
+        self.total_elements += t.numel()
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if self._buffer:
+            fname = f"part-{len(self._files) + 1:05d}.safetensors"
+            save_file(self._buffer, str(self.root / fname), metadata={"format": "pt"})
+            self._files.append((fname, list(self._buffer)))
+            self._buffer, self._buffer_bytes = {}, 0
+
+    def finish(self) -> WrittenCheckpoint:
+        """Write the last shard, name every shard ``model-0000k-of-0000N``, write the index."""
+        self._flush()
+        if not self._files:
+            raise ValueError("no tensors to write")
+        n, weight_map = len(self._files), {}
+        for k, (tmp_name, names) in enumerate(self._files, 1):
+            final = f"model-{k:05d}-of-{n:05d}.safetensors"
+            (self.root / tmp_name).rename(self.root / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {
+            "metadata": {"total_parameters": self.total_elements, "total_size": self.total_bytes},
+            "weight_map": weight_map,
+        }
+        (self.root / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        return WrittenCheckpoint(self.total_bytes, len(weight_map), n)
+
+
+def write_tensors(
+    named: Iterable[tuple[str, torch.Tensor]], root: str | Path, *, max_shard_bytes: int = 4 << 30
+) -> WrittenCheckpoint:
+    """Write every (name, tensor) of ``named`` as shards + index into the existing directory ``root``."""
+    writer = ShardWriter(root, max_shard_bytes)
+    for name, t in named:
+        writer.add(name, t)
+    return writer.finish()
+
+
+def shard_files(root: str | Path) -> list[str]:
+    """The safetensors files of a checkpoint directory: those of its index, else ``*.safetensors``."""
+    root = Path(root)
+    index = root / INDEX
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{root} has no {INDEX} and no *.safetensors files")
+    return files
+
+
+def scan_headers(root: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Name -> (file, shape) of every tensor of the checkpoint, from the safetensors headers only.
+
+    Raises ValueError when a name appears in two shards.
+    """
+    from safetensors import safe_open
+
+    root, header = Path(root), {}
+    for fname in shard_files(root):
+        with safe_open(str(root / fname), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name in header:
+                    raise ValueError(f"{root}: {name!r} appears in both {header[name][0]} and {fname}")
+                header[name] = (fname, tuple(f.get_slice(name).get_shape()))
+    return header
+
+
+def read_tensors(root: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory (index-aware); ValueError when a name repeats."""
+    from safetensors.torch import load_file
+
+    root, named = Path(root), {}
+    for fname in shard_files(root):
+        part = load_file(str(root / fname))
+        repeated = set(part) & set(named)
+        if repeated:
+            raise ValueError(f"{root}: {sorted(repeated)[0]!r} appears in more than one shard")
+        named.update(part)
+    return named
+
+
+@contextlib.contextmanager
+def atomic_dir(out: str | Path) -> Iterator[Path]:
+    """Yield a fresh temp directory beside ``out``; on success it replaces ``out`` by rename.
+
+    On an exception the temp directory is removed and ``out`` is left as it was. Readers see
+    either the old directory or the complete new one (a moment without either in between).
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        trash = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}" if out.exists() else None
+        if trash is not None:
+            out.rename(trash)
+        try:
+            tmp.rename(out)
+        except BaseException:
+            if trash is not None:
+                trash.rename(out)
+            raise
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

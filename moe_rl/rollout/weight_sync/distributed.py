@@ -1,0 +1,292 @@
+"""Push weights by broadcast over a dedicated gloo (CPU) or nccl (GPU) process group.
+
+A separate group (trainer = rank 0, server ranks from ``rank_offset``) is created once with
+``POST /init_weights_update_group``; every bucket is announced with
+``POST /update_weights_from_distributed`` {names, dtypes, shapes, group_name, flush_cache,
+weight_version} from a thread (the call blocks until the server has received every tensor)
+while this process broadcasts each tensor from rank 0, inside the update session of
+:mod:`.session`. This is how slime drives SGLang (THUDM/slime
+``slime/backends/megatron_utils/update_weight/update_weight_from_distributed.py`` and
+``slime/backends/sglang_utils/sglang_engine.py``).
+
+Field names: ``python/sglang/srt/managers/io_struct.py`` (sgl-project/sglang),
+InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from moe_rl.dist import free_port
+from moe_rl.rollout.sglang_client import SGLangClient
+from moe_rl.rollout.types import HFStateSource
+from moe_rl.rollout.weight_sync.session import PushReport, WeightSyncError, run_update_session
+
+logger = logging.getLogger(__name__)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16' (what SGLang's ``getattr(torch, dtype)`` reads back)."""
+    return str(dtype).replace("torch.", "")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """'bfloat16' or 'torch.bfloat16' -> torch.bfloat16; ValueError for anything else."""
+    attr = getattr(torch, name.replace("torch.", ""), None) if isinstance(name, str) else None
+    if not isinstance(attr, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}: use a torch dtype name such as 'bfloat16'")
+    return attr
+
+
+def init_custom_process_group(
+    *, backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout: timedelta
+) -> Any:
+    """A process group outside the default one, as SGLang builds its weight-update group.
+
+    Mirrors ``init_custom_process_group`` in sgl-project/sglang ``python/sglang/srt/utils``
+    (TCP rendezvous, ``PrefixStore(group_name)``, torch's ``_new_process_group_helper``), so
+    the trainer side and SGLang's side agree on store keys. Rank 0 hosts the TCPStore.
+    """
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        store,
+        group_name=group_name,
+        backend_options=None,
+        timeout=timeout,
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_process_group(pg: Any) -> None:
+    """Tear down a group made by :func:`init_custom_process_group` (errors are logged)."""
+    try:
+        torch.distributed.destroy_process_group(pg)
+    except Exception as e:  # noqa: BLE001 - best effort teardown
+        logger.warning("destroying weight-update group failed: %s", e)
+
+
+def _in_thread(fn: Callable[[], Any], box: dict) -> threading.Thread:
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    th = threading.Thread(target=run, name="sglang-weight-update", daemon=True)
+    th.start()
+    return th
+
+
+def _buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+    """Group tensors into buckets of about ``bucket_bytes``; yields (bucket, is_last)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket, False
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if not bucket:
+        raise WeightSyncError("the weight source yielded no tensors")
+    yield bucket, True
+
+
+class DistributedWeightSync:
+    """Push by broadcast over a dedicated gloo (CPU) or nccl (GPU) group; trainer is rank 0.
+
+    ``world_size`` is 1 + the server's tensor-parallel size; the server's ranks start at
+    ``rank_offset`` (SGLang: rank = rank_offset + tp_rank).
+    """
+
+    def __init__(
+        self,
+        client: SGLangClient,
+        *,
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        rank_offset: int = 1,
+        world_size: int = 2,
+        group_name: str = "moe_rl_weight_update",
+        backend: str | None = None,
+        bucket_bytes: int = 512 << 20,
+        timeout_s: float = 600.0,
+    ):
+        self.client, self.master_address, self.master_port = client, master_address, master_port
+        self.rank_offset, self.world_size, self.group_name = rank_offset, world_size, group_name
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.backend == "nccl"
+            else torch.device("cpu")
+        )
+        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
+        self._group: Any = None
+        self._active_name: str | None = None
+        self._connects = 0
+
+    def connect(self) -> None:
+        """Create the group (once): the server joins from its HTTP handler, we join as rank 0."""
+        if self._group is not None:
+            return
+        port = self.master_port or free_port(self.master_address)
+        name = self.group_name if self._connects == 0 else f"{self.group_name}-{self._connects}"
+        self._connects += 1
+        box: dict = {}
+        th = _in_thread(
+            lambda: self.client.init_weights_update_group(
+                master_address=self.master_address,
+                master_port=port,
+                rank_offset=self.rank_offset,
+                world_size=self.world_size,
+                group_name=name,
+                backend=self.backend,
+                timeout_s=self.timeout_s,
+            ),
+            box,
+        )
+        try:
+            group = init_custom_process_group(
+                backend=self.backend,
+                init_method=f"tcp://{self.master_address}:{port}",
+                world_size=self.world_size,
+                rank=0,
+                group_name=name,
+                timeout=timedelta(seconds=self.timeout_s),
+            )
+        except Exception as e:
+            th.join(5.0)
+            raise WeightSyncError(
+                f"could not form weight-update group {name!r} at "
+                f"{self.master_address}:{port} with {self.client.base_url}: {e}; "
+                f"server said: {box.get('error') or box.get('result')}"
+            ) from e
+        th.join(self.timeout_s)
+        if "error" in box or th.is_alive():
+            destroy_process_group(group)
+            raise WeightSyncError(
+                f"{self.client.base_url} did not join weight-update group {name!r}: "
+                f"{box.get('error', 'timed out')}"
+            )
+        self._group, self._active_name = group, name
+        logger.info(
+            "weight-update group %r formed with %s (%s, world %d)",
+            name,
+            self.client.base_url,
+            self.backend,
+            self.world_size,
+        )
+
+    def push(self, source: HFStateSource, version: str) -> PushReport:
+        """Broadcast every tensor of ``source``; the server then serves ``version``."""
+        self.connect()
+        stats = {"tensors": 0, "buckets": 0, "bytes": 0}
+
+        def apply() -> None:
+            for bucket, last in _buckets(source.hf_tensors(), self.bucket_bytes):
+                self._send_bucket(bucket, version if last else None, flush=last)
+                stats["buckets"] += 1
+                stats["tensors"] += len(bucket)
+                stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
+
+        t0 = time.perf_counter()
+        paused_s, session = run_update_session(
+            self.client, version, apply, applied_any=lambda: stats["buckets"] > 0
+        )
+        report = PushReport(
+            method="distributed",
+            version=version,
+            num_tensors=stats["tensors"],
+            num_buckets=stats["buckets"],
+            bytes=stats["bytes"],
+            seconds=time.perf_counter() - t0,
+            paused_s=paused_s,
+            session=session,
+        )
+        logger.info(
+            "pushed %s: %d tensors, %.1f MB in %.2f s (%d buckets)",
+            version,
+            report.num_tensors,
+            report.bytes / 1e6,
+            report.seconds,
+            report.num_buckets,
+        )
+        return report
+
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: str | None, flush: bool) -> None:
+        tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
+        box: dict = {}
+        th = _in_thread(
+            lambda: self.client.update_weights_from_distributed(
+                names=[n for n, _ in bucket],
+                dtypes=[dtype_name(t.dtype) for t in tensors],
+                shapes=[list(t.shape) for t in tensors],
+                group_name=self._active_name,
+                flush_cache=flush,
+                weight_version=version,
+                timeout_s=self.timeout_s,
+            ),
+            box,
+        )
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            works = [self._group.broadcast(t, 0) for t in tensors]
+            for w in works:
+                while not w.is_completed():
+                    if "error" in box:
+                        raise box["error"]
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"broadcast not received within {self.timeout_s:.0f} s")
+                    time.sleep(0.0005)
+                w.wait()
+        except BaseException:
+            self._drop_group()
+            th.join(1.0)
+            raise
+        th.join(max(1.0, deadline - time.monotonic()))
+        if th.is_alive():
+            self._drop_group()
+            raise TimeoutError(f"{self.client.base_url} did not finish the update call")
+        if "error" in box:
+            raise box["error"]
+
+    def _drop_group(self) -> None:
+        """A failed broadcast leaves the group unusable: forget it, reconnect next push."""
+        if self._group is not None:
+            destroy_process_group(self._group)
+        self._group = None
+
+    def close(self) -> None:
+        """Destroy the group on both sides (best effort)."""
+        if self._group is None:
+            return
+        try:
+            self.client.destroy_weights_update_group(self._active_name)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("server did not destroy weight-update group: %s", e)
+        self._drop_group()

@@ -1,0 +1,147 @@
+"""SGLang request checks and responses, apart from the HTTP app (no engine, no sockets).
+
+``sampling_params`` fields and defaults: ``python/sglang/srt/sampling/sampling_params.py`` and
+``python/sglang/api/v1/api_types.py``; error bodies: ``python/sglang/srt/entrypoints/http_server.py``
+(sgl-project/sglang, 0.5.x). Malformed requests raise :class:`BadRequest` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from moe_rl.rollout.types import SamplingParams
+
+# SGLang SamplingParams fields (api/v1/api_types.py _FIELDS_SamplingParams); anything else is a 400.
+_SAMPLING_FIELDS = (
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
+    "custom_params",
+    "beam_width",
+)
+# Accepted only at their neutral value (we have no tokenizer, penalties or grammars).
+_NEUTRAL = {
+    "stop": None,
+    "stop_regex": None,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "n": 1,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+    "custom_params": None,
+    "beam_width": None,
+}
+_TOP_K_ALL = 1 << 30  # sampling_params.py TOP_K_ALL: "whole vocabulary"
+_MISSING = object()
+
+
+class BadRequest(ValueError):
+    """A malformed request; the message names the field."""
+
+
+def check_kind(value: Any, kind: str) -> bool:
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "num":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "dict":
+        return isinstance(value, dict)
+    if kind.startswith("list[") and isinstance(value, list):
+        return all(check_kind(v, kind[5:-1]) for v in value)
+    return False
+
+
+def get_field(body: dict, name: str, kind: str, default: Any = _MISSING, where: str = "body") -> Any:
+    """``body[name]`` checked against ``kind`` (None means the default, as in SGLang)."""
+    value = body.get(name)
+    if value is None:
+        if default is _MISSING:
+            raise BadRequest(f"{where}.{name}: field required")
+        return default
+    if not check_kind(value, kind):
+        raise BadRequest(f"{where}.{name}: expected {kind}, got {json.dumps(value)[:80]}")
+    return value
+
+
+def error_response(message: str) -> dict:
+    """SGLang's ErrorResponse for request validation errors (http_server.py, status 400)."""
+    return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+
+
+def update_result(ok: bool, message: str, **extra: Any) -> tuple[int, dict]:
+    """SGLang's weight-update answer: 200 {"success": true, ...} or 400 {"success": false, ...}."""
+    return (200 if ok else 400), {"success": ok, "message": message, **extra}
+
+
+def to_sampling(sp: dict, where: str) -> tuple[SamplingParams, int | None]:
+    """One SGLang ``sampling_params`` dict -> (our SamplingParams without seed, sampling_seed)."""
+    if not isinstance(sp, dict):
+        raise BadRequest(f"{where}: expected an object")
+    for key, value in sp.items():
+        if key not in _SAMPLING_FIELDS:
+            raise BadRequest(
+                f"{where}.{key}: unknown sampling parameter (SGLang's are: {', '.join(_SAMPLING_FIELDS)})"
+            )
+        if key in _NEUTRAL and value not in (_NEUTRAL[key], None) and value not in ([], {}):
+            raise BadRequest(f"{where}.{key}={value!r} is not supported by moe-rl serve")
+    top_k = get_field(sp, "top_k", "int", -1, where)
+    try:
+        params = SamplingParams(
+            temperature=float(get_field(sp, "temperature", "num", 1.0, where)),
+            top_p=float(get_field(sp, "top_p", "num", 1.0, where)),
+            top_k=-1 if top_k >= _TOP_K_ALL else top_k,
+            max_new_tokens=get_field(sp, "max_new_tokens", "int", 128, where),
+            stop_token_ids=tuple(get_field(sp, "stop_token_ids", "list[int]", [], where)),
+            ignore_eos=bool(get_field(sp, "ignore_eos", "bool", False, where)),
+        )
+    except ValueError as e:
+        raise BadRequest(f"{where}: {e}") from e
+    return params, get_field(sp, "sampling_seed", "int", None, where)
+
+
+def validate_hf_tensors(
+    named: dict[str, torch.Tensor], meta: dict[str, tuple[tuple[int, ...], torch.dtype]]
+) -> None:
+    """Every name known, every shape and dtype equal to the served ones; ValueError names the first."""
+    for name, t in named.items():
+        if name not in meta:
+            raise ValueError(f"{name!r} is not a weight of the served model")
+        shape, dtype = meta[name]
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{name!r}: shape {list(t.shape)} does not match the served {list(shape)}")
+        if t.dtype != dtype:
+            raise ValueError(f"{name!r}: dtype {t.dtype} does not match the served {dtype}")
