@@ -30,7 +30,7 @@ the masked mean of per-token advantages when those are given):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -154,6 +154,7 @@ def combine_metrics(
     *,
     mean: bool = False,
     all_reduce: Callable[[torch.Tensor, str], object] | None = None,
+    reductions: Mapping[str, str] = METRIC_REDUCTIONS,
 ) -> dict[str, torch.Tensor]:
     """Combine the metrics of several microbatches, minibatches or ranks with ``METRIC_REDUCTIONS``.
 
@@ -167,22 +168,26 @@ def combine_metrics(
       once per op on a stacked 1-D tensor, in place, after the local combination. The caller
       supplies it (the losses package never touches torch.distributed).
 
-    A key missing from ``METRIC_REDUCTIONS`` is an error: say there how it combines.
+    ``reductions`` maps each key to its op (default ``METRIC_REDUCTIONS``, the loss metrics; the
+    trainer passes ``moe_rl.losses.corrections.CORRECTION_METRIC_REDUCTIONS`` for the mismatch
+    metrics). A key missing from it is an error: say there how it combines.
     """
     stacked: dict[str, list[torch.Tensor]] = {}
     for metrics in parts:
         for k, v in metrics.items():
             stacked.setdefault(k, []).append(v.detach().reshape(()))
-    unknown = sorted(set(stacked) - set(METRIC_REDUCTIONS))
+    unknown = sorted(set(stacked) - set(reductions))
     if unknown:
-        raise KeyError(f"metrics {unknown} have no entry in METRIC_REDUCTIONS (sum, min or max)")
+        raise KeyError(
+            f"metrics {unknown} have no entry in the reductions map (METRIC_REDUCTIONS by default): add sum, min or max"
+        )
     ops = {"sum": torch.mean if mean else torch.sum, "min": torch.amin, "max": torch.amax}
-    local = {k: ops[METRIC_REDUCTIONS[k]](torch.stack(v)) for k, v in stacked.items()}
+    local = {k: ops[reductions[k]](torch.stack(v)) for k, v in stacked.items()}
     if all_reduce is None:
         return local
     out = {}
     for op in ("sum", "min", "max"):
-        keys = [k for k in local if METRIC_REDUCTIONS[k] == op]
+        keys = [k for k in local if reductions[k] == op]
         if keys:
             v = torch.stack([local[k] for k in keys])
             all_reduce(v, op)

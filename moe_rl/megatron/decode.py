@@ -11,7 +11,8 @@ trainer's weights), with:
   written in place;
 - decode attention with the query heads of a group folded into the query dimension
   (``[b, g, heads_per_group, d] @ [b, g, d, T]``: no repeated keys), prefill by SDPA;
-- the router and experts as in megatron-core (fp32 router logits, top-k then softmax over
+- the router and experts as in megatron-core (router logits in the model's ``moe_router_dtype``:
+  fp32 for the trainer's policy, the weights' dtype for a low-precision replica; top-k then softmax over
   the chosen logits, or softmax then top-k; tokens sorted by expert into the layer's own
   :class:`~moe_rl.megatron.local_layers.GroupedExperts`);
 - the output layer applied to the last position only.
@@ -87,14 +88,15 @@ class Decoder:
         freqs = model.rotary_pos_emb(cfg.max_seq_len)  # [S, 1, 1, hd], megatron's own table
         self.cos = torch.cos(freqs).reshape(cfg.max_seq_len, self.head_dim)
         self.sin = torch.sin(freqs).reshape(cfg.max_seq_len, self.head_dim)
+        self.router_fp32 = model.config.moe_router_dtype == "fp32"  # else the router runs in its own dtype
         self._experts: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._routers: list[torch.Tensor] = []
 
     # -- weights and cache ------------------------------------------------------------------
     @torch.no_grad()
     def begin(self) -> None:
-        """Snapshot every layer's stacked expert weights ``[E, ...]`` and fp32 router weight for
-        one generate() call (the weights do not change during it). Under EP the experts are
+        """Snapshot every layer's stacked expert weights ``[E, ...]`` and router weight (fp32 when
+        the model's ``moe_router_dtype`` is fp32, as megatron computes it) for one generate() call (the weights do not change during it). Under EP the experts are
         all-gathered over the EP group in rank order (megatron's global expert id = ep_rank *
         local_experts + i): every rank of the group must call this together."""
         info = self.policy.info
@@ -104,7 +106,8 @@ class Decoder:
             if info.ep_size > 1:
                 w1, w2 = (all_gather_cat(w, info.ep_group, dim=0) for w in (w1, w2))
             self._experts.append((w1, w2))
-            self._routers.append(layer.mlp.router.weight.float())  # fp32 like megatron's router
+            router = layer.mlp.router.weight
+            self._routers.append(router.float() if self.router_fp32 else router)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty cache for ``batch`` rows of up to ``max_len`` tokens."""
@@ -176,12 +179,14 @@ class Decoder:
         mlp = layer.mlp
         shape = x.shape
         t = x.reshape(-1, shape[-1])
-        logits = F.linear(t.float(), self._routers[layer_idx])  # [N, E]
+        router = self._routers[layer_idx]
+        logits = F.linear(t.to(router.dtype), router)  # [N, E] in the router's dtype, as megatron's
         if self.pre_softmax:
-            probs, idx = torch.topk(torch.softmax(logits, dim=-1), self.topk, dim=-1)
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+            probs, idx = torch.topk(scores, self.topk, dim=-1)
         else:
             top, idx = torch.topk(logits, self.topk, dim=-1)
-            probs = torch.softmax(top, dim=-1)
+            probs = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # token-major slots sorted by expert
         token = order // self.topk

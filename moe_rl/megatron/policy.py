@@ -62,6 +62,37 @@ class Policy:
         self.routers = moe_routers(self.model)
         self.vocab_start = info.tp_rank * (model_cfg.vocab_size // info.tp_size)
 
+    def replica(self, dtype: torch.dtype, *, router_fp32: bool) -> Policy:
+        """An inference copy of this policy in ``dtype``, as a rollout server holds its own weights.
+
+        Same architecture and layout; every weight is cast to ``dtype`` except, with
+        ``router_fp32``, the routers, which then also compute their logits in fp32 (megatron's
+        ``moe_router_dtype``); without it the router computes in ``dtype`` too. No gradients.
+        Refresh it with :meth:`copy_weights_from`. Building it leaves the RNG state as it was.
+        """
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):  # its random init must not move the trainer's RNG
+            other = Policy(self.cfg, self.parallel_cfg, self.info)
+        other.model.config.moe_router_dtype = "fp32" if router_fp32 else None
+        other.model.to(dtype)
+        if router_fp32:
+            for router in other.routers:
+                router.to(torch.float32)
+        for p in other.model.parameters():
+            p.requires_grad_(False)
+        other.model.eval()
+        other.copy_weights_from(self)
+        return other
+
+    @torch.no_grad()
+    def copy_weights_from(self, src: Policy) -> None:
+        """Copy (and cast) every weight of ``src``, a policy of the same architecture and layout."""
+        mine, theirs = list(self.model.named_parameters()), list(src.model.named_parameters())
+        if [n for n, _ in mine] != [n for n, _ in theirs]:
+            raise ValueError("copy_weights_from: the two policies do not have the same parameters")
+        for (_, dst), (_, p) in zip(mine, theirs):
+            dst.copy_(p)
+
     @property
     def num_moe_layers(self) -> int:
         return len(self.routers)

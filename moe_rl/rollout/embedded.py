@@ -311,13 +311,42 @@ def pick_forward(policy, decoder: str):
     return MegatronForward(policy)
 
 
+# -- rollout precision ------------------------------------------------------------------------
+ROLLOUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"``rollout.dtype`` -> torch dtype."
+
+
+def rollout_policy(policy, dtype: str, router_dtype: str):
+    """The policy the engine samples from: ``policy`` itself when its weights already have
+    ``dtype`` (and the router runs as asked), else a replica in ``dtype`` (``Policy.replica``),
+    an SGLang server's own low-precision copy of the trainer's weights (docs/algorithms.md#train-inference-mismatch)."""
+    if dtype not in ROLLOUT_DTYPES or router_dtype not in ("same", "fp32"):
+        raise ValueError(
+            f"rollout dtype={dtype!r} / router_dtype={router_dtype!r}: use dtype in "
+            f"{sorted(ROLLOUT_DTYPES)} and router_dtype same or fp32"
+        )
+    torch_dtype = ROLLOUT_DTYPES[dtype]
+    weights_dtype = next(policy.model.parameters()).dtype
+    router_fp32 = router_dtype == "fp32" or torch_dtype == torch.float32
+    if torch_dtype == weights_dtype and router_fp32 == (policy.model.config.moe_router_dtype == "fp32"):
+        return policy
+    log.info(
+        "embedded engine: own %s copy of the weights (router %s)", dtype, "fp32" if router_fp32 else dtype
+    )
+    return policy.replica(torch_dtype, router_fp32=router_fp32)
+
+
 # -- the engine -------------------------------------------------------------------------------
 class EmbeddedEngine:
-    """RolloutEngine on the in-process megatron-core policy (weights shared, no copy).
+    """RolloutEngine on the in-process megatron-core policy.
 
     ``pad_id`` fills padding; ``eos_id`` (optional) ends a row like a stop token;
     ``max_batch`` caps the rows of one KV cache (None: all rows of a call at once);
-    ``decoder`` picks the forward (see :func:`pick_forward`).
+    ``decoder`` picks the forward (see :func:`pick_forward`). ``dtype`` / ``router_dtype``
+    (``rollout.dtype`` / ``rollout.router_dtype``): at the policy's own precision the engine
+    shares its weights (no copy, zero train-inference mismatch); otherwise it samples from its
+    own copy in ``dtype`` (:func:`rollout_policy`), refreshed at every ``update_weights``.
+    ``self.source`` is the trainer's policy, ``self.policy`` the one the engine runs.
     """
 
     def __init__(
@@ -329,6 +358,8 @@ class EmbeddedEngine:
         max_batch: int | None = None,
         weight_version: str = "0",
         decoder: str = "auto",
+        dtype: str = "fp32",
+        router_dtype: str = "same",
     ):
         if policy.info.tp_size > 1:
             raise NotImplementedError(
@@ -339,11 +370,12 @@ class EmbeddedEngine:
             )
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 or None, got {max_batch}")
-        self.policy = policy
+        self.source = policy
+        self.policy = rollout_policy(policy, dtype, router_dtype)
         self.pad_id, self.eos_id, self.max_batch = int(pad_id), eos_id, max_batch
         self.weight_version = weight_version
         self.device = policy.info.device
-        self.decoder = pick_forward(policy, decoder)
+        self.decoder = pick_forward(self.policy, decoder)
         self._hf_sink = None
 
     @property
@@ -506,15 +538,21 @@ class EmbeddedEngine:
 
     # -- weights ----------------------------------------------------------------------------
     def update_weights(self, source: HFStateSource, version: str) -> str:
-        """The engine runs the policy's own parameters: record ``version``, copy nothing."""
+        """Record ``version``; a copy in its own precision is refreshed from the policy (in process,
+        ``source`` is not read), a shared policy needs nothing."""
+        self._refresh()
         self.weight_version = str(version)
         return self.weight_version
+
+    def _refresh(self) -> None:
+        if self.policy is not self.source:
+            self.policy.copy_weights_from(self.source)
 
     def _sink(self):
         if self._hf_sink is None:
             from moe_rl.megatron.hf import PolicyHFSource
 
-            self._hf_sink = PolicyHFSource(self.policy)
+            self._hf_sink = PolicyHFSource(self.source)
         return self._hf_sink
 
     def hf_param_meta(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -524,9 +562,11 @@ class EmbeddedEngine:
     def load_hf_tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """WeightSink: copy full HF tensors into the policy (this rank's slices), all-or-nothing.
 
-        This changes the policy's own weights (the engine has no copy); used by ``moe-rl serve``.
+        This changes the policy's own weights (and refreshes the engine's copy in its own
+        precision, if any); used by ``moe-rl serve``.
         """
         self._sink().load_hf_tensors(named)
+        self._refresh()
 
     def flush_cache(self) -> None:
         """No cache outlives a generate() call."""

@@ -42,7 +42,33 @@ def build_engine(args):
         load_checkpoint(load, policy.model, load_rng=False)
     policy.eval()
     tok = load_tokenizer(model_cfg.tokenizer)
-    return EmbeddedEngine(policy, pad_id=tok.pad_id, eos_id=tok.eos_id)
+    dtype = serve_dtype(args.dtype)
+    return EmbeddedEngine(
+        policy, pad_id=tok.pad_id, eos_id=tok.eos_id, dtype=dtype, router_dtype=args.router_dtype
+    )
+
+
+SGLANG_DTYPES = {
+    "auto": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "fp32": "fp32",
+    "bfloat16": "bf16",
+    "bf16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp16": "fp16",
+}
+"SGLang's ``--dtype`` values -> ``rollout.dtype`` (auto: the checkpoint's own fp32, no copy)."
+
+
+def serve_dtype(value: str) -> str:
+    """The engine precision for SGLang's ``--dtype`` value, or a ConfigError naming the valid ones."""
+    from moe_rl.config import ConfigError
+
+    if value not in SGLANG_DTYPES:
+        raise ConfigError(f"--dtype {value}: use one of {', '.join(SGLANG_DTYPES)}")
+    return SGLANG_DTYPES[value]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from moe_rl.trainer.metrics import read_metrics
 
+ROLLOUT_FLIP = "flip/rollout_vs_trainer/rate"
 PANELS = [
     ("reward/mean", "reward (mean)"),
     ("eval/accuracy", "held-out greedy accuracy"),
@@ -14,6 +15,8 @@ PANELS = [
     ("clip/token_frac", "clipped token fraction"),
     ("clip/seq_frac", "clipped sequence fraction"),
     ("ratio/seq_log_sum_abs", "max |sequence log-ratio|"),
+    ("mismatch/k3", "train-inference mismatch (k3 KL, pi_roll || pi_old)"),
+    ("flip/rollout_vs_trainer/rate", "rollout-vs-trainer expert flip rate"),
 ]
 
 
@@ -57,6 +60,11 @@ def summarize(name: str, arm: dict) -> dict:
         "clip_token": _mean([r.get("clip/token_frac", math.nan) for r in rl]),
         "clip_seq": _mean([r.get("clip/seq_frac", math.nan) for r in rl]),
         "max_abs_seq_log_ratio": max(lr) if lr else math.nan,
+        "mismatch_k3": _mean([r["mismatch/k3"] for r in rl if r.get("mismatch/k3") is not None]),
+        "mismatch_extreme": _mean(
+            [r["mismatch/extreme_frac"] for r in rl if r.get("mismatch/extreme_frac") is not None]
+        ),
+        "flip_rollout": _mean([r[ROLLOUT_FLIP] for r in rl if r.get(ROLLOUT_FLIP) is not None]),
         "step_s": _mean([r.get("time/step", math.nan) for r in rl]),
     }
 
@@ -74,6 +82,9 @@ def format_table(rows: list[dict]) -> str:
         ("clip_token", "{:>10.5f}"),
         ("clip_seq", "{:>9.4f}"),
         ("max_abs_seq_log_ratio", "{:>9.2f}"),
+        ("mismatch_k3", "{:>9.2e}"),
+        ("mismatch_extreme", "{:>8.5f}"),
+        ("flip_rollout", "{:>9.4f}"),
         ("step_s", "{:>7.2f}"),
     ]
     heads = [
@@ -88,6 +99,9 @@ def format_table(rows: list[dict]) -> str:
         "clip/token",
         "clip/seq",
         "|seqlogr|",
+        "k3",
+        "extreme",
+        "flip/r-v-t",
         "step_s",
     ]
     widths = [len(f.format(r[c])) if rows else 8 for (c, f), r in zip(cols, rows * len(cols))]
@@ -103,7 +117,7 @@ def plot(arms: dict[str, dict], out_png: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    fig, axes = plt.subplots(2, 4, figsize=(20, 8))
     for ax, (key, title) in zip(axes.flat, PANELS):
         for name, arm in arms.items():
             rows = arm["eval"] if key == "eval/accuracy" else arm["rl"]
@@ -111,7 +125,7 @@ def plot(arms: dict[str, dict], out_png: str | Path) -> Path:
             ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=name)
         ax.set_title(title)
         ax.set_xlabel("RL step")
-        if key.startswith("clip/"):
+        if key.startswith(("clip/", "mismatch/")):
             ax.set_yscale("symlog", linthresh=1e-4)
         ax.grid(alpha=0.3)
     axes.flat[0].legend()

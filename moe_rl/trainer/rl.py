@@ -21,12 +21,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from moe_rl import dist
-from moe_rl.losses import combine_metrics, get_loss, group_advantages, k3
+from moe_rl.losses import combine_metrics, get_loss, group_advantages
+from moe_rl.losses.corrections import (
+    CORRECTION_METRIC_REDUCTIONS,
+    correction_metrics,
+    correction_weights_for,
+    mismatch_metrics,
+)
 from moe_rl.megatron.routing import RoutingSession
 from moe_rl.rollout.types import Rollouts, SamplingParams
 from moe_rl.routing import RouterAction
 from moe_rl.routing.codec import decode_routes
 from moe_rl.routing.flip import flip_counts, flip_metrics
+from moe_rl.routing.validate import validate_routes
 from moe_rl.tasks.base import Prompt, make_rng
 from moe_rl.trainer.sft import encode_pair
 from moe_rl.trainer.timer import StepTimer
@@ -50,6 +57,7 @@ class RLBatch:
     old_logp_BT: torch.Tensor
     replay_BSLK: torch.Tensor | None  # routes replayed in training (R2, R3)
     old_routes_BSLK: torch.Tensor | None  # pi_old's natural routes, for drift
+    is_weights: torch.Tensor | None = None  # train-inference correction, [B, T] or [B] (detached)
 
 
 @dataclass
@@ -155,31 +163,73 @@ def rewards_of(run: Run, prompts: list[Prompt], rollouts: Rollouts, group: int) 
 
 # -- pi_old -----------------------------------------------------------------------------------------
 def old_policy(run: Run, rollouts: Rollouts, adv_B: torch.Tensor) -> tuple[RLBatch, dict[str, float]]:
-    """pi_old log-probs and routes (recomputed, or the engine's) and the train/rollout mismatch."""
+    """pi_old log-probs and routes (recomputed, or the engine's), the train-inference mismatch and,
+    in decoupled mode, the correction weights (docs/algorithms.md#train-inference-mismatch)."""
     algo = run.recipe.algo
     tokens_BT, mask_BT = rollouts.tokens_BT, rollouts.response_mask_BT
     s = tokens_BT.shape[1] - 1
     valid_BS = (torch.arange(s)[None, :] < (rollouts.total_lens_B[:, None] - 1)).float()
-    rollout_routes_BSLK = (
-        decode_routes(rollouts.routes_BTLK[:, :s]) if rollouts.routes_BTLK is not None else None
-    )
-    old_logp_BT = rollouts.logprobs_BT.to(run.info.device)
-    metrics: dict[str, float] = {}
+    rollout_routes_BSLK = engine_routes(run, rollouts)
+    rollout_logp_BT = rollouts.logprobs_BT.to(run.info.device)
+    old_logp_BT, is_weights, metrics = rollout_logp_BT, None, {}
     if algo.old_logprobs == "recompute" or algo.routing == "r2":
         recomputed_BT, old_routes_BSLK, recorded_BSLK = old_policy_pass(run, tokens_BT, rollout_routes_BSLK)
         replay_BSLK = recorded_BSLK if algo.routing == "r2" else rollout_routes_BSLK
-        n = mask_BT.sum().clamp(min=1)
-        metrics["mismatch/abs_log_ratio"] = float(((recomputed_BT - old_logp_BT) * mask_BT).abs().sum() / n)
-        metrics["mismatch/k3"] = float((k3(recomputed_BT, old_logp_BT) * mask_BT).sum() / n)
         if algo.old_logprobs == "recompute":
             old_logp_BT = recomputed_BT
-    else:
+            is_weights = correction_weights_for(algo, recomputed_BT, rollout_logp_BT, mask_BT)
+        metrics.update(_mismatch(run, recomputed_BT, rollout_logp_BT, mask_BT, is_weights))
+        if rollout_routes_BSLK is not None:  # the engine's choice against the trainer's own
+            flips = [route_flips(rollout_routes_BSLK, old_routes_BSLK, valid_BS)]
+            metrics.update(flip_rates(run, {"flip/rollout_vs_trainer": flips}))
+    else:  # bypass mode: pi_old is the rollout policy, its routes are the engine's
         replay_BSLK = old_routes_BSLK = rollout_routes_BSLK
-    if rollout_routes_BSLK is not None and old_routes_BSLK is not None:
-        counts = {"flip/rollout_vs_trainer": [route_flips(rollout_routes_BSLK, old_routes_BSLK, valid_BS)]}
-        metrics.update(flip_rates(run, counts))
-    batch = RLBatch(tokens_BT, mask_BT, valid_BS, adv_B, old_logp_BT, replay_BSLK, old_routes_BSLK)
+    batch = RLBatch(
+        tokens_BT, mask_BT, valid_BS, adv_B, old_logp_BT, replay_BSLK, old_routes_BSLK, is_weights
+    )
     return batch, metrics
+
+
+def engine_routes(run: Run, rollouts: Rollouts) -> torch.Tensor | None:
+    """The engine's routes of the input positions ``[B, S, L, K]`` (int64), checked against the
+    model (:func:`moe_rl.routing.validate.validate_routes`), or None when it returned none."""
+    if rollouts.routes_BTLK is None:
+        return None
+    s = rollouts.tokens_BT.shape[1] - 1
+    m = run.recipe.model
+    routes_BSLK = decode_routes(rollouts.routes_BTLK[:, :s])
+    engine = getattr(run.engine, "name", type(run.engine).__name__)
+    return validate_routes(
+        routes_BSLK,
+        rollouts.total_lens_B,
+        num_layers=run.policy.num_moe_layers,
+        topk=m.moe_router_topk,
+        num_experts=m.num_experts,
+        engine=engine,
+    )
+
+
+def _mismatch(
+    run: Run,
+    old_logp_BT: torch.Tensor,
+    rollout_logp_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    is_weights: torch.Tensor | None,
+) -> dict[str, float]:
+    """``mismatch/*`` of pi_old against pi_roll and ``correction/*`` of the weights, over all ranks."""
+    num_sequences, num_tokens = _global_counts(run, [mask_BT])[0]
+    local = mismatch_metrics(old_logp_BT, rollout_logp_BT, mask_BT, num_tokens=max(num_tokens, 1.0))
+    local.update(
+        correction_metrics(
+            is_weights, mask_BT, num_sequences=max(num_sequences, 1.0), num_tokens=max(num_tokens, 1.0)
+        )
+    )
+
+    def all_reduce(t: torch.Tensor, op: str) -> None:
+        dist.all_reduce(t, run.info.dp_group, REDUCE_OPS[op])
+
+    reduced = combine_metrics([local], all_reduce=all_reduce, reductions=CORRECTION_METRIC_REDUCTIONS)
+    return {k: float(v) for k, v in reduced.items()}
 
 
 def old_policy_pass(
@@ -310,6 +360,7 @@ def _micro_step(
             cfg=algo,
             num_sequences=global_counts[0],
             num_tokens=global_counts[1],
+            is_weights=None if batch.is_weights is None else batch.is_weights[rows],
         )
         session.backward(loss)
     entropy.append(torch.stack([(out.entropy_BT.detach() * mask_BT).sum(), mask_BT.sum()]))

@@ -125,6 +125,8 @@ class Run:
                 pad_id=self.tok.pad_id,
                 eos_id=self.tok.eos_id,
                 decoder=rollout_cfg.embedded_decoder,
+                dtype=rollout_cfg.dtype,
+                router_dtype=rollout_cfg.router_dtype,
             )
             self.engine_gives_routes = True  # free: captured during generation
         else:

@@ -128,3 +128,47 @@ def test_micro_batching_leaves_the_update_unchanged(tmp_path, parallel_info, mon
     assert res[0]["adv/abs_mean"] > 0, "the injected rewards must give a learning signal"
     for k in ("loss/pg", "clip/token_frac", "ratio/token_max", "grad_norm", "flip/step/rate", "entropy/mean"):
         assert res[1][k] == pytest.approx(res[0][k], rel=1e-4, abs=1e-6), k
+
+
+@pytest.mark.parametrize(
+    "name,routing,correction,aggregation",
+    [
+        ("grpo", "none", "tis", "seq_mean"),
+        ("grpo", "r2", "icepop", "token_mean"),
+        ("gspo_token", "r3", "seq_tis", "seq_mean"),
+        ("gspo", "r2", "geo_mask", "seq_mean"),
+    ],
+)
+def test_bf16_rollouts_with_a_correction(tmp_path, parallel_info, name, routing, correction, aggregation):
+    """bf16 rollouts from the engine's own copy: mismatch and rollout-vs-trainer flips are measured
+    (non-zero), and every correction composes with replay and both aggregations."""
+    algo = {"name": name, "routing": routing, "rollout_correction": correction, "aggregation": aggregation}
+    algo["clip_ratio_c"] = 3.0
+    res = run(tiny(tmp_path, algo=algo, rollout={"dtype": "bf16"}))["rl"]
+    assert res["mismatch/abs_log_ratio"] > 0 and res["mismatch/k3"] >= 0
+    assert 0 <= res["mismatch/extreme_frac"] <= 1 and res["mismatch/seq_log_ratio_abs_max"] > 0
+    assert 0 < res["correction/weight_mean"] and 0 <= res["correction/masked_frac"] <= 1
+    assert 0 <= res["flip/rollout_vs_trainer/rate"] <= 1 and "flip/rollout_vs_trainer/layer_1" in res
+    assert 0 <= res["clip/dual_clip_frac"] <= 1
+
+
+def test_fp32_rollouts_have_no_mismatch_and_bypass_mode_no_trainer_routes(tmp_path, parallel_info):
+    res = run(tiny(tmp_path / "recompute", algo={"name": "grpo"}))["rl"]
+    assert res["mismatch/abs_log_ratio"] < 1e-5 and res["mismatch/extreme_frac"] == 0
+    assert res["flip/rollout_vs_trainer/rate"] == 0
+    assert "correction/weight_mean" not in res  # no correction asked for
+    bypass = run(tiny(tmp_path / "bypass", algo={"name": "gspo", "old_logprobs": "rollout"}))["rl"]
+    assert not any(k.startswith(("mismatch/", "flip/rollout_vs_trainer")) for k in bypass)
+
+
+def test_report_shows_the_mismatch(tmp_path, parallel_info):
+    from moe_rl.trainer.report import report
+
+    run(tiny(tmp_path / "bf16", algo={"name": "grpo"}, rollout={"dtype": "bf16"}))
+    run(tiny(tmp_path / "fp32", algo={"name": "grpo"}))
+    runs = {"bf16": tmp_path / "bf16" / "run", "fp32": tmp_path / "fp32" / "run"}
+    table, rows = report(runs, tmp_path / "report.png")
+    assert "k3" in table and "flip/r-v-t" in table and (tmp_path / "report.png").stat().st_size > 0
+    by_arm = {r["arm"]: r for r in rows}
+    assert by_arm["bf16"]["mismatch_k3"] > by_arm["fp32"]["mismatch_k3"]
+    assert by_arm["fp32"]["flip_rollout"] == 0
