@@ -5,7 +5,7 @@ from a warm SFT checkpoint of its architecture (trained once, cached by ``benchm
 then runs ``rl_steps`` real RL steps of the trainer (rollouts, rewards, group advantages, pi_old
 recompute, M minibatch updates: ``moe_rl.trainer.rl.collect`` + ``train_on``). A probe stands in
 for the optimizer and, after every one of the M updates, computes the natural top-k routes of
-``probe`` rollout sequences of that batch (REFERENCE.md, Expert routing), giving:
+``probe`` rollout sequences of that batch (docs/algorithms.md#expert-flip-rate), giving:
 
 - the **per-step flip rate** (routes just before vs just after each update), overall, per
   minibatch index j, per layer, and the token any-flip rate;

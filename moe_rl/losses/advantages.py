@@ -1,4 +1,4 @@
-"""Group-relative advantages (REFERENCE.md "Group advantage"), shared by every algorithm.
+"""Group-relative advantages (docs/algorithms.md#group-advantage), shared by every algorithm.
 
 Shape legend: B = sequences (= groups x group_size, the rows of a group adjacent),
 G = groups, N = group_size.

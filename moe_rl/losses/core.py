@@ -1,5 +1,5 @@
 """Pieces shared by every policy-gradient loss: input checks, the masked log-ratio, the
-clipped surrogate and the two aggregations (REFERENCE.md).
+clipped surrogate and the two aggregations (docs/algorithms.md#clipped-surrogate).
 
 Shape legend: B = sequences in this microbatch, T = padded tokens per sequence.
 

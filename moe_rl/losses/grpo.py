@@ -1,4 +1,4 @@
-"""GRPO: token-level importance ratio with PPO clipping (REFERENCE.md "GRPO").
+"""GRPO: token-level importance ratio with PPO clipping (docs/algorithms.md#grpo).
 
 Shape legend: B = sequences in this microbatch, T = padded tokens per sequence.
 

@@ -1,4 +1,4 @@
-"""Clip, ratio, KL and advantage metrics, the same for every algorithm (REFERENCE.md), and the
+"""Clip, ratio, KL and advantage metrics, the same for every algorithm (docs/algorithms.md#clip-fractions, #ratio-health), and the
 final assembly of a loss and its metrics.
 
 Shape legend: B = sequences in this microbatch, T = padded tokens per sequence.

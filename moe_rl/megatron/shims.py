@@ -1,4 +1,4 @@
-"""The CPU shims megatron-core needs when CUDA is absent (see shared/MEGATRON_CPU.md).
+"""The CPU shims megatron-core needs when CUDA is absent (docs/megatron_cpu.md#cuda-shims).
 
 megatron-core hard-codes CUDA in a handful of places. Each shim below replaces exactly
 one of them, is applied only when ``torch.cuda.is_available()`` is false, and names the
@@ -77,7 +77,7 @@ def _shim_streams() -> None:
 def _shim_synchronize() -> None:
     # dist_checkpointing's FileSystemWriterAsync.preload_tensors calls torch.cuda.synchronize()
     # after its host copies, also for CPU tensors (megatron-core 0.16.1; not listed in
-    # MEGATRON_CPU.md, found by the checkpoint round-trip test). CPU copies are synchronous.
+    # docs/megatron_cpu.md, found by the checkpoint round-trip test). CPU copies are synchronous.
     torch.cuda.synchronize = lambda device=None: None
 
 

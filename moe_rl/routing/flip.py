@@ -1,4 +1,4 @@
-"""Expert flip metrics (REFERENCE.md, Expert routing).
+"""Expert flip metrics (docs/algorithms.md#expert-flip-rate).
 
 Shape legend: N = tokens, L = MoE layers, K = experts per token.
 
