@@ -59,6 +59,8 @@ from benchmarks.common import commit, machine, result_path
 from moe_rl.trainer.sentinel import reward_drop
 
 log = logging.getLogger("benchmarks.collapse")
+STATUS_FILE = "status.json"
+"Written into a run's directory when it finishes (done or stopped): a rerun of the sweep skips it."
 
 
 # -- the collapse criterion (fixed before the runs) -----------------------------------------------
@@ -475,8 +477,16 @@ def main(argv: list[str] | None = None) -> dict:
                 "cpu_s": math.nan,
                 "out_dir": str(out),
             }
+        done = out / STATUS_FILE
+        if done.exists():  # finished in an earlier invocation: resume, do not rerun
+            log.info("%s seed %d: already %s (%s)", a, s, json.loads(done.read_text())["status"], done)
+            return json.loads(done.read_text())
         st = run_arm(base, [*common, *ov], out, start=start, launch=launch)
         log.info("%s seed %d: %s in %.0fs", a, s, st["status"], st["wall_s"])
+        if st["status"] != "failed":  # a crash is retried by the next invocation
+            tmp = done.with_suffix(".tmp")
+            tmp.write_text(json.dumps(st))
+            tmp.replace(done)
         return st
 
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:

@@ -109,6 +109,22 @@ def test_collapse_smoke(tmp_path, cache, parallel_info):
     for a in doc["arms"].values():
         assert a["runs"] == 1 and 0 <= a["clip_token"] <= 1 and 0 <= a["clip_seq"] <= 1
     assert doc["criterion"]["window"] == 10 and doc["table"]
+    # resumable: every finished run left its status; a rerun skips them and reads the same runs
+    assert all((Path(r["out_dir"]) / "status.json").exists() for r in doc["runs"])
+    again = main(
+        [
+            "--preset",
+            "smoke",
+            "--out",
+            str(tmp_path / "again.json"),
+            "--cache",
+            str(cache),
+            "--runs-dir",
+            str(tmp_path / "runs"),
+        ]
+    )
+    assert [r["reward"] for r in again["runs"]] == [r["reward"] for r in doc["runs"]]
+    assert again["wall_s"] < doc["wall_s"]
 
 
 def test_engine_throughput_smoke(tmp_path):
