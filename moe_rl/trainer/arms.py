@@ -16,10 +16,12 @@ ARMS: dict[str, dict] = {
     "GRPO": {"algo": {**_GRPO, "routing": "none"}},
     "GRPO+R2": {"algo": {**_GRPO, "routing": "r2"}},
     "GRPO+R3": {"algo": {**_GRPO, "routing": "r3"}},
+    "GRPO+TIS": {"algo": {**_GRPO, "routing": "none", "rollout_correction": "tis"}},
     "GSPO": {"algo": {**_GSPO, "routing": "none"}},
     "GSPO+R2": {"algo": {**_GSPO, "routing": "r2"}},
 }
-"The arms of the GSPO paper's comparison with its clip bands, as recipe sections."
+"""The arms of the comparison, as recipe sections: the GSPO paper's (with its clip bands) and
+GRPO with truncated importance sampling against the train-inference mismatch (C = 2)."""
 
 DEMO_ARMS = ("GRPO", "GRPO+R2", "GSPO")
 "The arms ``moe-rl demo`` runs."

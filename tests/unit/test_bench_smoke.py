@@ -102,7 +102,7 @@ def test_collapse_smoke(tmp_path, cache, parallel_info):
     )
     doc = json.loads(out.read_text())
     _png(out.with_suffix(".png"))
-    assert list(doc["arms"]) == ["GRPO", "GRPO+R2", "GRPO+R3", "GSPO", "GSPO+R2"]
+    assert list(doc["arms"]) == ["GRPO", "GRPO+R2", "GRPO+R3", "GRPO+TIS", "GSPO", "GSPO+R2"]
     for run in doc["runs"]:
         assert run["status"] == "done" and len(run["reward"]) == 3
         assert run["verdict"]["state"] in ("fine", "never_good", "unresolved", "collapsed")
