@@ -180,6 +180,14 @@ def headline(results: dict, preset: dict) -> dict:
         }
         if r["router"] == "same":
             out[cell]["tokens_per_cpu_s"] = r["tokens_per_cpu_s"]
+            layers = sum(1 for k in r if k.startswith("flip/layer_"))
+            # per-layer any-flip held fixed, compounded over the R3 paper's 48 layers (an estimate)
+            any_48 = 1 - (1 - r["flip/token_any"]) ** (48 / layers)
+            out[cell]["vs_r3_paper"] = {
+                "router_disagreement_ratio": r["flip/rate"] / R3_PAPER["router_disagreement"],
+                "token_any_flip_ratio": r["flip/token_any"] / R3_PAPER["token_any_flip"],
+                "token_any_flip_at_48_layers_est": any_48,
+            }
     return out
 
 
