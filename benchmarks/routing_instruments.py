@@ -25,21 +25,14 @@ import warnings
 
 import torch
 
+from benchmarks.arms import SMOKE_BASE
 from benchmarks.common import result_path
 
 warnings.filterwarnings("ignore")
 
 PRESETS = {
     "smoke": {
-        "model": {
-            "hidden_size": 64,
-            "num_layers": 2,
-            "num_attention_heads": 4,
-            "num_query_groups": 2,
-            "head_dim": 16,
-            "moe_ffn_hidden_size": 64,
-            "num_experts": 4,
-        },
+        "model": SMOKE_BASE["model"],
         "train": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 16},
         "repeats": 1,
     },

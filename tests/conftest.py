@@ -28,20 +28,9 @@ def parallel_info():
 
 @pytest.fixture
 def tiny_model_cfg():
-    from moe_rl.config import ModelConfig
+    from tests.tiny import tiny_model_config
 
-    return ModelConfig(
-        vocab_size=64,
-        hidden_size=64,
-        num_layers=2,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=16,
-        moe_ffn_hidden_size=64,
-        num_experts=4,
-        moe_router_topk=2,
-        max_seq_len=64,
-    )
+    return tiny_model_config()
 
 
 def pytest_collection_modifyitems(config, items):

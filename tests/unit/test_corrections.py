@@ -20,7 +20,7 @@ from moe_rl.losses.corrections import (
     correction_weights_for,
     mismatch_metrics,
 )
-from tests.unit.test_losses import counts, make_batch
+from tests.unit.test_losses import counts, make_batch, padded
 
 NAN = float("nan")
 ln = math.log
@@ -378,12 +378,6 @@ def test_weighted_loss_padding_and_microbatch_invariance(name, kind):
     dual = [float(p[1]["clip/dual_clip_frac"]) for p in parts]
     assert sum(dual) == pytest.approx(float(m["clip/dual_clip_frac"])) and sum(dual) > 0
     B, T = mask.shape
-    pad = 3
-
-    def padded(x, fill):
-        x = torch.cat([x.detach(), torch.full((B, pad), fill, dtype=x.dtype)], 1)
-        return torch.cat([x, torch.full((2, T + pad), fill, dtype=x.dtype)], 0)
-
     logp_p = padded(logp, 50.0).requires_grad_()
     adv_p = (
         padded(adv, 7.0) if adv.dim() == 2 else torch.cat([adv, torch.tensor([7.0, -7.0], dtype=adv.dtype)])

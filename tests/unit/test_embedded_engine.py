@@ -22,25 +22,9 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [3], [20, 21, 22, 23]]
 
 @pytest.fixture(scope="module")
 def policy():
-    from moe_rl.config import ModelConfig, ParallelConfig
-    from moe_rl.megatron.parallel import init_parallel
-    from moe_rl.megatron.policy import build_policy
+    from tests.tiny import tiny_policy
 
-    info = init_parallel(ParallelConfig(), seed=1)
-    cfg = ModelConfig(
-        vocab_size=64,
-        hidden_size=64,
-        num_layers=2,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=16,
-        moe_ffn_hidden_size=64,
-        num_experts=4,
-        moe_router_topk=2,
-        max_seq_len=64,
-        seed=7,
-    )
-    return build_policy(cfg, ParallelConfig(), info)
+    return tiny_policy(seed=7)
 
 
 @pytest.fixture(scope="module", params=["lean", "megatron"])

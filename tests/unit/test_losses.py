@@ -283,6 +283,13 @@ def test_per_token_advantages_equal_to_sequence_advantages(name):
 # Invariances: padding, microbatch split, metric reductions.
 
 
+def padded(x: torch.Tensor, fill, pad: int = 3, rows: int = 2) -> torch.Tensor:
+    """``x`` [B, T] with ``pad`` padding columns and ``rows`` padding rows filled with ``fill``."""
+    b, t = x.shape
+    x = torch.cat([x.detach(), torch.full((b, pad), fill, dtype=x.dtype)], 1)
+    return torch.cat([x, torch.full((rows, t + pad), fill, dtype=x.dtype)], 0)
+
+
 @pytest.mark.parametrize("aggregation", AGGS)
 @pytest.mark.parametrize("name", ALGOS)
 def test_padding_invariance(name, aggregation):
@@ -291,12 +298,6 @@ def test_padding_invariance(name, aggregation):
     num = counts(mask)
     loss, m = run(name, logp, old, adv, mask, cfg, ref=ref)
     B, T = mask.shape
-    pad = 3
-
-    def padded(x, fill):
-        x = torch.cat([x.detach(), torch.full((B, pad), fill, dtype=x.dtype)], 1)
-        return torch.cat([x, torch.full((2, T + pad), fill, dtype=x.dtype)], 0)
-
     logp_p = padded(logp, 50.0).requires_grad_()
     mask_p = padded(mask, False)
     adv_p = torch.cat([adv, torch.tensor([7.0, -7.0], dtype=adv.dtype)])

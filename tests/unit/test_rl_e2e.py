@@ -8,20 +8,10 @@ from moe_rl.config import recipe_from_dict
 from moe_rl.trainer.loop import TrainingStopped
 from moe_rl.trainer.metrics import read_metrics
 from moe_rl.trainer.run import run
+from tests.tiny import TINY_MODEL
 
 TINY = {
-    "model": {
-        "vocab_size": 104,
-        "hidden_size": 64,
-        "num_layers": 2,
-        "num_attention_heads": 4,
-        "num_query_groups": 2,
-        "head_dim": 16,
-        "moe_ffn_hidden_size": 64,
-        "num_experts": 4,
-        "moe_router_topk": 2,
-        "max_seq_len": 64,
-    },
+    "model": {**TINY_MODEL, "vocab_size": 104},  # the char tokenizer's vocabulary
     "optim": {"lr": 1e-3},
     "task": {"name": "arithmetic", "arithmetic": {"min_operands": 2, "max_operands": 2, "digits": 1}},
     "train": {

@@ -21,25 +21,9 @@ SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3, return_rou
 
 @pytest.fixture(scope="module")
 def policy():
-    from moe_rl.config import ModelConfig, ParallelConfig
-    from moe_rl.megatron.parallel import init_parallel
-    from moe_rl.megatron.policy import build_policy
+    from tests.tiny import tiny_policy
 
-    info = init_parallel(ParallelConfig(), seed=1)
-    cfg = ModelConfig(
-        vocab_size=64,
-        hidden_size=64,
-        num_layers=2,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=16,
-        moe_ffn_hidden_size=64,
-        num_experts=8,
-        moe_router_topk=2,
-        max_seq_len=64,
-        seed=11,
-    )
-    return build_policy(cfg, ParallelConfig(), info)
+    return tiny_policy(num_experts=8, seed=11)
 
 
 def trainer_view(policy, rollouts):
