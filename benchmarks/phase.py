@@ -297,7 +297,8 @@ def execute(st: Stage, *, jobs: int, cache: Path, launch: str | None) -> list[di
     starts = {}
     for c in st.cells:
         if c in todo:  # warm_start caches by SFT signature: cells of one model and task share a start
-            starts[c], _ = warm_start(DEMO, common_overrides(st.base, st.cells[c], st.variant), cache=cache)
+            common = common_overrides(st.base, st.cells[c], st.variant)
+            starts[c], _ = warm_start(DEMO, common, cache=cache, launch=launch)
     run_launch = local_launch(launch, jobs)
 
     def one(item):
@@ -539,17 +540,18 @@ def plot_diagram(diag: dict, arms: tuple[str, ...], out_png: Path, title: str) -
     return out_png
 
 
-def report(st: Stage, args, wall_s: float, cpu_s: float) -> dict:
+def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
     """Analyse the finished runs of ``st``; write the JSON (+ PNG) result and return it."""
     items, statuses = finished(st)
     if not items:
         raise SystemExit(f"no finished runs of stage {st.name} under {st.root}")
     runs = analyse(items, statuses)
     tables = cell_tables(runs)
-    path = result_path("phase", st.name, args.out)
+    path = result_path("phase", st.name, out)
     if st.name.startswith("repro"):
         (c,) = st.cells
-        headline = {"cell": c, **repro_headline(tables[c]["arms"], st.arms[1])}
+        replay = next((a for a in st.arms if "+R" in a), None)
+        headline = {"cell": c, **repro_headline(tables[c]["arms"], replay)}
         png = plot_curves(runs, path.with_suffix(".png"))
     else:
         ranked = ranking({c: t["arms"] for c, t in tables.items()}, list(st.cells))
@@ -618,7 +620,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0, c0 = time.perf_counter(), cpu_seconds()
     if not args.report:
         execute(st, jobs=args.jobs, cache=Path(args.cache), launch=args.launch)
-    doc = report(st, args, time.perf_counter() - t0, cpu_seconds() - c0)
+    doc = report(st, args.out, time.perf_counter() - t0, cpu_seconds() - c0)
     print(json.dumps(doc["headline"], indent=1, default=str))
     return doc
 

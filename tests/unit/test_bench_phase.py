@@ -199,3 +199,33 @@ def test_smoke_stage_end_to_end_with_resume(tmp_path, parallel_info):
     assert phase.main([*argv, "--report", "--out", str(tmp_path / "r.json")])["runs_finished"] == 4
     lines = phase.dry_run(phase.make_stage(phase.parse(argv)), cache, None)
     assert len(lines) == 4 and all(line.startswith("# done: ") for line in lines)
+    # the repro report on the same runs (one seed): the headline's fields and the curves' PNG
+    smoke = phase.make_stage(phase.parse(argv))
+    st = phase.Stage(
+        "repro-smoke", smoke.base, {"base": smoke.cells["base"]}, ("GRPO", "GSPO"), (0,), smoke.root
+    )
+    rep = phase.report(st, str(tmp_path / "repro.json"), 0.0, 0.0)
+    _png(tmp_path / "repro.png")
+    h = rep["headline"]
+    assert h["cell"] == "base" and h["seeds"] == 1 and not h["success"] and h["replay_arm"] is None
+    assert {"grpo_collapsed", "gspo_collapsed", "p_value", "gspo_final_acc", "sft_acc", "others"} <= set(h)
+    assert h["p_value"] == pytest.approx(phase.fisher_greater(h["grpo_collapsed"], 1, h["gspo_collapsed"], 1))
+
+
+def test_confirm_and_repro_stages(tmp_path):
+    argv = ["--runs-dir", str(tmp_path)]
+    with pytest.raises(SystemExit, match="0 of 124 runs finished"):  # confirm needs the screen, or a cell
+        phase.make_stage(phase.parse(["--stage", "confirm", *argv]))
+    st = phase.make_stage(phase.parse(["--stage", "confirm", "--cells", "minibatches-4", *argv]))
+    assert list(st.cells) == ["minibatches-4"] and st.arms == phase.SCREEN_ARMS and len(st.items()) == 25
+    st = phase.make_stage(phase.parse(["--stage", "repro", "--cells", "depth-8", "--variant", "gpu", *argv]))
+    assert (
+        st.arms == ("GRPO", "GRPO+R3", "GSPO")
+        and st.seeds == (0, 1, 2, 3, 4)
+        and st.root == tmp_path / "repro-gpu"
+    )
+    r = load_recipe(DEMO, st.overrides("depth-8", "GRPO", 0))
+    assert r.model.num_layers == 8 and r.train.prompts_per_step == 32  # the cell, then the GPU variant
+    assert (
+        len(phase.screen_stage(tmp_path).items()) == 124
+    )  # 13 cells x 5 arms x 2 seeds, TIS not in 3 bypass cells
