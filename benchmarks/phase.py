@@ -1,26 +1,22 @@
 """Phase diagram of collapse over the mechanisms: a pre-registered sweep, one lever at a time.
 
-From a stable base (:data:`STABLE_BASE` on recipes/demo/base.yaml: long arithmetic scratchpads,
-on-policy fp32 rollouts, one minibatch per rollout batch) each lever of :data:`LEVERS` is
-turned alone: rollout precision (with ``old_logprobs`` rollout and recompute, no correction),
-minibatches per rollout batch, response length, routing granularity at equal active size, and
-depth. Every (cell, arm, seed) is one run from its cell's SFT start (cells that change the model
-or the task get their own, cached by SFT signature), judged by ``benchmarks.collapse``'s fixed
-:data:`~benchmarks.collapse.CRITERION` and by :data:`LEARNING` (held-out accuracy rising). The
-plan, criterion and rules are data in this module, written by ``--write-plan`` to
-benchmarks/results/phase-preregistration.json before any run.
+From a stable base (:data:`STABLE_BASE` on recipes/demo/base.yaml) each lever of :data:`LEVERS`
+is turned alone: rollout precision (``old_logprobs`` rollout or recompute, no correction),
+minibatches per rollout batch, response length, routing granularity at equal active size, depth.
+Each (cell, arm, seed) is one run from its cell's SFT start (cached by SFT signature), judged by
+``benchmarks.collapse.CRITERION`` and :data:`LEARNING`. The plan is data here, written by
+``--write-plan`` to benchmarks/results/phase-preregistration.json before any run.
 
     python -m benchmarks.phase --write-plan
     python -m benchmarks.phase --stage screen [--jobs 2] [--cells base,minibatches-4] [--dry-run]
     python -m benchmarks.phase --stage confirm [--jobs 2]     # the best-separating screened cell
     python -m benchmarks.phase --stage repro [--variant cpu|gpu] [--jobs 2]
     python -m benchmarks.phase --stage screen --report        # tabulate the finished runs only
-    python -m benchmarks.phase --stage smoke                  # tiny end-to-end check (seconds)
+    python -m benchmarks.phase --stage smoke                  # tiny end-to-end check
 
-Runs go to runs/phase/<cell>/<arm>-s<seed>/ (repro: runs/phase/repro-<variant>/<cell>/...);
-each finished run writes status.json and a rerun skips it. The report is
-benchmarks/results/phase-<machine>-<stage>-<commit>.json + .png: collapse rate per arm at each
-lever level, each cell's ingredients beside it, and a ``headline``.
+Runs: runs/phase/<cell>/<arm>-s<seed>/ (repro: runs/phase/repro-<variant>/<cell>/...); a finished
+run writes status.json and a rerun skips it. Report: benchmarks/results/phase-<machine>-<stage>-
+<commit>.json + .png (collapse rate per arm per lever level, ingredients per cell, ``headline``).
 """
 
 from __future__ import annotations
@@ -34,23 +30,21 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.arms import ARMS, CACHE, DEMO, ROOT, SMOKE_BASE, cpu_seconds, flatten, mean, warm_start
-from benchmarks.collapse import (
-    CRITERION,
-    STATUS_FILE,
-    analyse_arms,
-    analyse_run,
-    arm_command,
-    arm_overrides,
-    collapse_verdict,
-    in_pool,
-    local_launch,
-    resumable_run,
-)
-from benchmarks.collapse import (
-    plot as plot_curves,
+from benchmarks import collapse
+from benchmarks.arms import (
+    ARMS,
+    CACHE,
+    DEMO,
+    ROOT,
+    SMOKE_BASE,
+    cpu_seconds,
+    flatten,
+    mean,
+    sft_key,
+    warm_start,
 )
 from benchmarks.common import commit, machine, result_path
+from moe_rl.config import load_recipe
 
 log = logging.getLogger("benchmarks.phase")
 PLAN_FILE = ROOT / "benchmarks" / "results" / "phase-preregistration.json"
@@ -202,8 +196,8 @@ def plan_doc() -> dict:
         "skipped_in_bypass_cells": {"arms": list(NEEDS_RECOMPUTE), "doc": SKIP_DOC},
         "seeds": SEEDS,
         "criterion": {
-            **asdict(CRITERION),
-            "doc": collapse_verdict.__doc__.strip(),
+            **asdict(collapse.CRITERION),
+            "doc": collapse.collapse_verdict.__doc__.strip(),
             "also_collapsed": "runs the trainer stopped (repeated non-finite steps)",
         },
         "learning_rule": {**asdict(LEARNING), "doc": LearningRule.__doc__.strip()},
@@ -287,31 +281,35 @@ class Stage:
 
     def overrides(self, cell: str, arm: str, seed: int) -> list[str]:
         common = common_overrides(self.base, self.cells[cell], self.variant)
-        return common + arm_overrides(arm, seed, self.steps)
+        return common + collapse.arm_overrides(arm, seed, self.steps)
 
 
 def execute(st: Stage, *, jobs: int, cache: Path, launch: str | None) -> list[dict]:
     """Every run of ``st`` not finished yet (SFT starts first, one per signature), ``jobs`` at a time."""
     items = st.items()
-    todo = {c for c, _, _, out in items if not (out / STATUS_FILE).exists()}
+    todo = {c for c, _, _, out in items if not (out / collapse.STATUS_FILE).exists()}
     starts = {}
     for c in st.cells:
         if c in todo:  # warm_start caches by SFT signature: cells of one model and task share a start
             common = common_overrides(st.base, st.cells[c], st.variant)
             starts[c], _ = warm_start(DEMO, common, cache=cache, launch=launch)
-    run_launch = local_launch(launch, jobs)
+    run_launch = collapse.local_launch(launch, jobs)
 
     def one(item):
         c, a, s, out = item
         ov = st.overrides(c, a, s)
-        return resumable_run(f"{c} {a} seed {s}", DEMO, ov, out, start=starts.get(c), launch=run_launch)
+        return collapse.resumable_run(
+            f"{c} {a} seed {s}", DEMO, ov, out, start=starts.get(c), launch=run_launch
+        )
 
-    return in_pool(one, items, jobs)
+    return collapse.in_pool(one, items, jobs)
 
 
 def finished(st: Stage) -> tuple[list[tuple], list[dict]]:
     """The items of ``st`` whose runs finished, and their statuses."""
-    done = [(it, it[3] / STATUS_FILE) for it in st.items() if (it[3] / STATUS_FILE).exists()]
+    done = [
+        (it, it[3] / collapse.STATUS_FILE) for it in st.items() if (it[3] / collapse.STATUS_FILE).exists()
+    ]
     return [it for it, _ in done], [json.loads(f.read_text()) for _, f in done]
 
 
@@ -319,7 +317,7 @@ def analyse(items: list[tuple], statuses: list[dict]) -> list[dict]:
     """Per run: ``benchmarks.collapse.analyse_run`` plus its cell, CPU time and :func:`learned`."""
     runs = []
     for (c, a, s, _), st in zip(items, statuses):
-        r = analyse_run(a, s, st)
+        r = collapse.analyse_run(a, s, st)
         runs.append({**r, "cell": c, "learned": learned(r["eval"], r["collapsed"])})
     return runs
 
@@ -348,7 +346,7 @@ def cell_tables(runs: list[dict]) -> dict[str, dict]:
     out = {}
     for c in dict.fromkeys(r["cell"] for r in runs):
         rs = [r for r in runs if r["cell"] == c]
-        arms = analyse_arms(rs)
+        arms = collapse.analyse_arms(rs)
         for a, row in arms.items():
             ra = [r for r in rs if r["arm"] == a]
             row.update(learned=sum(r["learned"] for r in ra), cpu_s=mean(r["cpu_s"] for r in ra))
@@ -383,10 +381,8 @@ def stable_base(tables: dict) -> dict | None:
     if "GRPO" not in arms or "GSPO" not in arms:
         return None
     ok = all(arms[a]["learned"] == arms[a]["runs"] and arms[a]["collapsed"] == 0 for a in ("GRPO", "GSPO"))
-    return {
-        "stable": ok,
-        **{f"{a}_learned": f"{arms[a]['learned']}/{arms[a]['runs']}" for a in ("GRPO", "GSPO")},
-    }
+    learned_ = {f"{a}_learned": f"{arms[a]['learned']}/{arms[a]['runs']}" for a in ("GRPO", "GSPO")}
+    return {"stable": ok, **learned_}
 
 
 def repro_headline(arms: dict[str, dict], replay: str | None) -> dict:
@@ -409,16 +405,15 @@ def repro_headline(arms: dict[str, dict], replay: str | None) -> dict:
         "gspo_final_acc": gspo_acc,
         "sft_acc": sft_acc,
         "replay_arm": replay,
-        "others": {
-            a: {k: t[k] for k in ("collapsed", "runs", "learned")}
-            | {"final_acc": t["ingredients"]["final_acc"]}
-            for a, t in arms.items()
-            if a not in ("GRPO", "GSPO")
-        },
+        "others": {a: _arm_counts(t) for a, t in arms.items() if a not in ("GRPO", "GSPO")},
         "learned": {a: t["learned"] for a, t in arms.items()},
         "success": success,
         "success_rule": ok,
     }
+
+
+def _arm_counts(t: dict) -> dict:
+    return {k: t[k] for k in ("collapsed", "runs", "learned")} | {"final_acc": t["ingredients"]["final_acc"]}
 
 
 # -- stages --------------------------------------------------------------------------------------
@@ -477,16 +472,13 @@ def make_stage(args) -> Stage:
 
 def dry_run(st: Stage, cache: Path, launch: str | None) -> list[str]:
     """The commands of every run of ``st`` (the SFT starts they load named by cache key)."""
-    from benchmarks.arms import sft_key
-    from moe_rl.config import load_recipe
-
     lines = []
     for c, a, s, out in st.items():
         sft = [*common_overrides(st.base, st.cells[c], st.variant), "train.stages=[sft]"]
         start = cache / sft_key(load_recipe(DEMO, sft)) / "checkpoints"
         ov = [*st.overrides(c, a, s), "train.stages=[rl]", f"checkpoint.load={start}"]
-        done = "# done: " if (out / STATUS_FILE).exists() else ""
-        lines.append(done + arm_command(DEMO, ov, out, launch))
+        done = "# done: " if (out / collapse.STATUS_FILE).exists() else ""
+        lines.append(done + collapse.arm_command(DEMO, ov, out, launch))
     return lines
 
 
@@ -552,7 +544,7 @@ def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
         (c,) = st.cells
         replay = next((a for a in st.arms if "+R" in a), None)
         headline = {"cell": c, **repro_headline(tables[c]["arms"], replay)}
-        png = plot_curves(runs, path.with_suffix(".png"))
+        png = collapse.plot(runs, path.with_suffix(".png"))
     else:
         ranked = ranking({c: t["arms"] for c, t in tables.items()}, list(st.cells))
         headline = {
@@ -573,7 +565,11 @@ def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
         "runs_planned": len(st.items()),
         "headline": headline,
         "plan": {k: getattr(st, k) for k in ("base", "cells", "arms", "seeds", "steps", "variant")},
-        "rules": {"criterion": asdict(CRITERION), "learning": asdict(LEARNING), "best_cell": BEST_CELL_RULE},
+        "rules": {
+            "criterion": asdict(collapse.CRITERION),
+            "learning": asdict(LEARNING),
+            "best_cell": BEST_CELL_RULE,
+        },
         "cells": tables,
         "diagram": None if st.name.startswith("repro") else diagram(tables, st.arms),
         "runs": runs,
@@ -594,9 +590,7 @@ def parse(argv):
     ap.add_argument("--runs-dir", default=str(RUNS), help="run directories go under here")
     ap.add_argument("--cache", default=str(CACHE), help="SFT start cache directory")
     ap.add_argument("--launch", default=None, help="command prefix that runs 'RECIPE overrides' per run")
-    ap.add_argument(
-        "--out", default=None, help="result JSON (default: benchmarks/results/...); PNG beside it"
-    )
+    ap.add_argument("--out", default=None, help="result JSON (default: benchmarks/results/); PNG beside")
     ap.add_argument("--dry-run", action="store_true", help="print the run commands and stop")
     ap.add_argument("--report", action="store_true", help="only analyse the finished runs of the stage")
     ap.add_argument("--write-plan", action="store_true", help=f"write the plan to {PLAN_FILE.name} and stop")
