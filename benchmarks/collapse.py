@@ -200,6 +200,53 @@ PRESETS = {
 }
 
 
+# -- running (shared with benchmarks/phase.py) -----------------------------------------------------
+def local_launch(launch: str | None, jobs: int) -> str | None:
+    """``launch``, or with ``jobs`` > 1 a fresh ``moe_rl.cli train`` process per run (None: in process)."""
+    return launch or (f"{shlex.quote(sys.executable)} -m moe_rl.cli train" if jobs > 1 else None)
+
+
+def arm_command(base: str | Path, overrides: list[str], out: str | Path, launch: str | None = None) -> str:
+    """The shell command that runs one arm into ``out`` (what ``--dry-run`` prints)."""
+    prefix = shlex.split(launch) if launch else ["moe-rl", "train"]
+    return shlex.join([*prefix, str(base), *overrides, f"train.out_dir={out}"])
+
+
+def resumable_run(
+    label: str,
+    base: str | Path,
+    overrides: list[str],
+    out: Path,
+    *,
+    start: Path | None = None,
+    launch: str | None = None,
+) -> dict:
+    """:func:`benchmarks.arms.run_arm` into ``out`` unless an earlier invocation finished it there.
+
+    A run that ends (done or stopped) writes :data:`STATUS_FILE` into ``out``; with that file
+    present the run is skipped and its status read back. A crash (``failed``) writes nothing, so
+    the next invocation retries it.
+    """
+    done = Path(out) / STATUS_FILE
+    if done.exists():  # finished in an earlier invocation: resume, do not rerun
+        st = json.loads(done.read_text())
+        log.info("%s: already %s (%s)", label, st["status"], done)
+        return st
+    st = run_arm(base, overrides, out, start=start, launch=launch)
+    log.info("%s: %s in %.0fs", label, st["status"], st["wall_s"])
+    if st["status"] != "failed":  # a crash is retried by the next invocation
+        tmp = done.with_suffix(".tmp")
+        tmp.write_text(json.dumps(st))
+        tmp.replace(done)
+    return st
+
+
+def in_pool(fn, items: list, jobs: int) -> list:
+    """``[fn(x) for x in items]`` with ``jobs`` at a time (threads: each waits on its own process)."""
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        return list(pool.map(fn, items))
+
+
 def arm_overrides(arm: str, seed: int, steps: int | None) -> list[str]:
     """The overrides that make replicate ``seed`` of ``arm`` (the same seeds in every arm)."""
     ov = [*flatten(ARMS[arm]), f"train.seed={1234 + seed}", f"task.seed={seed}"]
@@ -238,6 +285,8 @@ def analyse_run(arm: str, seed: int, status: dict) -> dict:
         "seq_log_ratio_max": max(_vals(rl, "ratio/seq_log_sum_max"), default=math.nan),
         "token_ratio_outside_0.5_2": mean(_vals(rl, "ratio/token_frac_outside_0.5_2")),
         "entropy": mean(_vals(rl, "entropy/mean")),
+        "grad_norm": mean(_vals(rl, "grad_norm")),
+        "flip_rollout_token_any": mean(_vals(rl, "flip/rollout_vs_trainer/token_any")),
     }
     if rl:
         out["summary"] = summarize(f"{arm}-s{seed}", data)
@@ -443,23 +492,13 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise SystemExit(f"unknown arm(s) {unknown}: use {', '.join(ARMS)}")
-    launch = args.launch or (f"{shlex.quote(sys.executable)} -m moe_rl.cli train" if args.jobs > 1 else None)
+    launch = local_launch(args.launch, args.jobs)
     use_sft = args.sft if args.sft is not None else not args.recipe
     root = Path(args.runs_dir) / name
     plan = [(a, s, arm_overrides(a, s, steps), root / f"{a}-s{s}") for s in range(seeds) for a in arms]
     if args.dry_run:
         for _, _, ov, out in plan:
-            print(
-                shlex.join(
-                    [
-                        *(shlex.split(args.launch) if args.launch else ["moe-rl", "train"]),
-                        str(base),
-                        *common,
-                        *ov,
-                        f"train.out_dir={out}",
-                    ]
-                )
-            )
+            print(arm_command(base, [*common, *ov], out, args.launch))
         return {}
     t0, c0 = time.perf_counter(), cpu_seconds()
     start, sft_info = None, None
@@ -477,20 +516,9 @@ def main(argv: list[str] | None = None) -> dict:
                 "cpu_s": math.nan,
                 "out_dir": str(out),
             }
-        done = out / STATUS_FILE
-        if done.exists():  # finished in an earlier invocation: resume, do not rerun
-            log.info("%s seed %d: already %s (%s)", a, s, json.loads(done.read_text())["status"], done)
-            return json.loads(done.read_text())
-        st = run_arm(base, [*common, *ov], out, start=start, launch=launch)
-        log.info("%s seed %d: %s in %.0fs", a, s, st["status"], st["wall_s"])
-        if st["status"] != "failed":  # a crash is retried by the next invocation
-            tmp = done.with_suffix(".tmp")
-            tmp.write_text(json.dumps(st))
-            tmp.replace(done)
-        return st
+        return resumable_run(f"{a} seed {s}", base, [*common, *ov], out, start=start, launch=launch)
 
-    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        statuses = list(pool.map(one, plan))
+    statuses = in_pool(one, plan, args.jobs)
     runs = [analyse_run(a, s, st) for (a, s, _, _), st in zip(plan, statuses)]
     arms_out = analyse_arms(runs)
     table = format_table(arms_out)

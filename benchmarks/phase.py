@@ -1,0 +1,623 @@
+"""Phase diagram of collapse over the mechanisms: a pre-registered sweep, one lever at a time.
+
+From a stable base (:data:`STABLE_BASE` on recipes/demo/base.yaml) each lever of :data:`LEVERS`
+is turned alone: rollout precision (``old_logprobs`` rollout or recompute, no correction),
+minibatches per rollout batch, response length, routing granularity at equal active size, depth.
+Each (cell, arm, seed) is one run from its cell's SFT start (cached by SFT signature), judged by
+``benchmarks.collapse.CRITERION`` and :data:`LEARNING`. The plan is data here, written by
+``--write-plan`` to benchmarks/results/phase-preregistration.json before any run.
+
+    python -m benchmarks.phase --write-plan
+    python -m benchmarks.phase --stage screen [--jobs 2] [--cells base,minibatches-4] [--dry-run]
+    python -m benchmarks.phase --stage confirm [--jobs 2]     # the best-separating screened cell
+    python -m benchmarks.phase --stage repro [--variant cpu|gpu] [--jobs 2]
+    python -m benchmarks.phase --stage screen --report        # tabulate the finished runs only
+    python -m benchmarks.phase --stage smoke                  # tiny end-to-end check
+
+Runs: runs/phase/<cell>/<arm>-s<seed>/ (repro: runs/phase/repro-<variant>/<cell>/...); a finished
+run writes status.json and a rerun skips it. Report: benchmarks/results/phase-<machine>-<stage>-
+<commit>.json + .png (collapse rate per arm per lever level, ingredients per cell, ``headline``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from benchmarks import collapse
+from benchmarks.arms import (
+    ARMS,
+    CACHE,
+    DEMO,
+    ROOT,
+    SMOKE_BASE,
+    cpu_seconds,
+    flatten,
+    mean,
+    sft_key,
+    warm_start,
+)
+from benchmarks.common import commit, machine, result_path
+from moe_rl.config import load_recipe
+
+log = logging.getLogger("benchmarks.phase")
+PLAN_FILE = ROOT / "benchmarks" / "results" / "phase-preregistration.json"
+RUNS = ROOT / "runs" / "phase"
+
+# -- the pre-registered plan ---------------------------------------------------------------------
+STABLE_BASE = {
+    "model": {"max_seq_len": 368},  # prompt <= 62 chars + 300 new tokens
+    "task": {"arithmetic": {"min_operands": 24, "max_operands": 30, "digits": 1, "operators": "+-"}},
+    "optim": {"lr": 3e-5},
+    "rollout": {"dtype": "fp32", "router_dtype": "same"},
+    "algo": {"old_logprobs": "recompute", "rollout_correction": "none"},
+    "train": {
+        "sft_steps": 600,
+        "sft_batch_size": 32,
+        "rl_steps": 100,
+        "prompts_per_step": 8,
+        "group_size": 8,
+        "minibatches": 1,
+        "max_new_tokens": 300,
+        "eval_every": 10,
+        "eval_prompts": 64,
+        "flip_probe_sequences": 8,
+        "log_every": 10,
+    },
+}
+"""The stable base (overrides on recipes/demo/base.yaml): a PLACEHOLDER the coordinator replaces
+with measured values before the screen. Responses: 24 to 30 one-digit operands, every step
+written out: 157 to 291 characters (mean 210) of scratchpad, one token per character."""
+
+SCREEN_ARMS = ("GRPO", "GRPO+R2", "GRPO+R3", "GRPO+TIS", "GSPO")
+"Arms of the screen and the confirmation (definitions in moe_rl.trainer.arms.ARMS)."
+
+NEEDS_RECOMPUTE = ("GRPO+TIS",)
+SKIP_DOC = (
+    "GRPO+TIS is skipped in bypass cells (algo.old_logprobs=rollout): its weight pi_old / pi_rollout "
+    "is 1 there, so it would be GRPO again; moe_rl.config rejects the combination"
+)
+
+_BYPASS = {"algo": {"old_logprobs": "rollout"}}
+
+
+def _precision(dtype: str, old: str) -> dict:
+    return {"rollout": {"dtype": dtype}, "algo": {"old_logprobs": old}}
+
+
+LEVERS: dict[str, dict[str, dict]] = {
+    "precision": {  # engine precision x source of pi_old; no correction in any cell
+        "fp32": {},
+        "fp32-bypass": _BYPASS,
+        "bf16-recompute": _precision("bf16", "recompute"),
+        "bf16-bypass": _precision("bf16", "rollout"),
+        "fp16-recompute": _precision("fp16", "recompute"),
+        "fp16-bypass": _precision("fp16", "rollout"),
+    },
+    "minibatches": {str(m): ({} if m == 1 else {"train": {"minibatches": m}}) for m in (1, 2, 4, 8)},
+    "length": {  # the task alone changes (max_new_tokens stays): mean response 55 vs 210 characters
+        "long": {},
+        "short": {"task": {"arithmetic": {"min_operands": 6, "max_operands": 10}}},
+    },
+    "granularity": {  # equal active expert width: 2 x 128 = 8 x 32
+        "8x2": {},
+        "64x8": {"model": {"num_experts": 64, "moe_router_topk": 8, "moe_ffn_hidden_size": 32}},
+    },
+    "depth": {str(n): ({} if n == 4 else {"model": {"num_layers": n}}) for n in (4, 8, 12)},
+}
+"""Lever -> level -> overrides on the stable base; the first level of each lever is the base
+itself (no overrides), so every other cell differs from the base in one lever only."""
+
+SEEDS = {"screen": (0, 1), "confirm": (2, 3, 4, 5, 6), "repro": (0, 1, 2, 3, 4)}
+"""Replicates per stage. The confirmation's 5 seeds are fresh (not the screen's, whose results
+chose the cell); the repro runs in its own directory with its own 5."""
+
+
+@dataclass(frozen=True)
+class LearningRule:
+    """A run learns when it did not collapse and the mean held-out greedy accuracy of its last
+    ``last`` evaluations exceeds its first (step 0: the SFT start) by more than ``margin``."""
+
+    last: int = 3
+    margin: float = 0.03
+
+
+LEARNING = LearningRule()
+STABLE_RULE = (
+    "The base is stable when every screening run of GRPO and of GSPO in the base cell learns "
+    "(LEARNING) and none collapses."
+)
+BEST_CELL_RULE = (
+    "Over the screened cells, the one with the largest collapsed(GRPO) - collapsed(GSPO) (counts); "
+    "ties go to fewer GSPO collapses, then to the lower mean CPU seconds per run, then to plan "
+    "order. A cell separates when that difference is > 0."
+)
+REPLAY_RULE = (
+    "The repro's replay arm: of GRPO+R2 and GRPO+R3, the one with fewer collapses in the cell's "
+    "confirmation runs; a tie, or no confirmation runs, picks GRPO+R3."
+)
+REPRO_SUCCESS = {"seeds": 5, "grpo_min_collapsed": 4, "gspo_max_collapsed": 1, "gspo_acc_at_least_sft": True}
+"Fixed by issue 14: GRPO collapses in >= 4 of 5, GSPO in <= 1 of 5, GSPO final accuracy >= SFT start."
+REPRO_VARIANTS = {
+    "cpu": {},  # the cell as screened (the coordinator may shorten it to fit 60 minutes on 2 cores)
+    "gpu": {"train": {"prompts_per_step": 32, "eval_prompts": 256, "flip_probe_sequences": 16}},
+}
+"Overrides on top of the chosen cell, per machine; the architecture stays the cell's."
+
+_SMOKE_TRAIN = {"sft_steps": 20, "minibatches": 1, "eval_every": 1, "eval_prompts": 4}
+SMOKE = {
+    "base": {**SMOKE_BASE, "train": {**SMOKE_BASE["train"], **_SMOKE_TRAIN}},
+    "cells": ("base", "precision-bf16-recompute"),
+    "arms": ("GRPO", "GSPO"),
+    "seeds": (0,),
+    "steps": 3,
+}
+"The smoke stage: the tiny policy, 2 cells x 2 arms x 1 seed x 3 steps."
+
+
+def cells() -> dict[str, dict]:
+    """Every cell of the plan: ``base`` then ``<lever>-<level>``, with its overrides and skipped arms."""
+    out = {"base": {"lever": None, "level": None, "overrides": {}, "skip_arms": []}}
+    for lever, levels in LEVERS.items():
+        for level, ov in list(levels.items())[1:]:
+            bypass = ov.get("algo", {}).get("old_logprobs") == "rollout"
+            skip = list(NEEDS_RECOMPUTE) if bypass else []
+            out[f"{lever}-{level}"] = {"lever": lever, "level": level, "overrides": ov, "skip_arms": skip}
+    return out
+
+
+def cell_of(lever: str, level: str) -> str:
+    """The cell name of ``lever`` at ``level`` (the base level is the ``base`` cell)."""
+    return "base" if level == next(iter(LEVERS[lever])) else f"{lever}-{level}"
+
+
+def common_overrides(base: dict, cell: dict, variant: dict | None = None) -> list[str]:
+    """The overrides of a cell on recipes/demo/base.yaml: base, then the lever, then the variant."""
+    return flatten(base) + flatten(cell["overrides"]) + flatten(variant or {})
+
+
+def plan_doc() -> dict:
+    """The pre-registered plan as plain data (what ``--write-plan`` writes)."""
+    return {
+        "bench": "phase",
+        "recipe": str(DEMO.relative_to(ROOT)),
+        "stable_base": STABLE_BASE,
+        "stable_base_is_placeholder": True,
+        "stable_rule": STABLE_RULE,
+        "levers": LEVERS,
+        "cells": cells(),
+        "arms": {a: flatten(ARMS[a]) for a in SCREEN_ARMS},
+        "skipped_in_bypass_cells": {"arms": list(NEEDS_RECOMPUTE), "doc": SKIP_DOC},
+        "seeds": SEEDS,
+        "criterion": {
+            **asdict(collapse.CRITERION),
+            "doc": collapse.collapse_verdict.__doc__.strip(),
+            "also_collapsed": "runs the trainer stopped (repeated non-finite steps)",
+        },
+        "learning_rule": {**asdict(LEARNING), "doc": LearningRule.__doc__.strip()},
+        "best_cell_rule": BEST_CELL_RULE,
+        "replay_rule": REPLAY_RULE,
+        "repro_success": REPRO_SUCCESS,
+        "repro_variants": REPRO_VARIANTS,
+        "p_value": "one-sided Fisher exact test, GRPO vs GSPO collapse counts (GRPO collapses more)",
+    }
+
+
+# -- rules ---------------------------------------------------------------------------------------
+def learned(evals: list, collapsed: bool, rule: LearningRule = LEARNING) -> bool:
+    """:data:`LEARNING` on a run's held-out evaluations ``[(step, accuracy), ...]`` (one per step)."""
+    by_step = dict(sorted((int(s), float(a)) for s, a in evals))  # the final eval repeats the last step
+    acc = list(by_step.values())
+    if collapsed or len(acc) < rule.last + 1:
+        return False
+    return sum(acc[-rule.last :]) / rule.last > acc[0] + rule.margin
+
+
+def fisher_greater(a: int, n1: int, b: int, n2: int) -> float:
+    """One-sided Fisher exact p-value that group 1 (a of n1) has the higher rate than group 2 (b of n2).
+
+    P(X >= a) for X hypergeometric: n1 draws from n1 + n2 with a + b successes in all.
+    """
+    k, n = a + b, n1 + n2
+    total = math.comb(n, n1)
+    return sum(math.comb(k, x) * math.comb(n - k, n1 - x) for x in range(a, min(n1, k) + 1)) / total
+
+
+def ranking(table: dict[str, dict], order: list[str] | None = None) -> list[dict]:
+    """The cells with GRPO and GSPO runs, best-separating first by :data:`BEST_CELL_RULE`, from
+    ``{cell: {arm: {"collapsed", "runs", "cpu_s"}}}``; ``order`` is the plan order of the cells."""
+    order = order or list(table)
+    scored = []
+    for name in order:
+        arms = table.get(name, {})
+        if "GRPO" not in arms or "GSPO" not in arms:
+            continue
+        g, s = arms["GRPO"], arms["GSPO"]
+        cpu = mean(a.get("cpu_s") for a in arms.values())
+        sep = g["collapsed"] - s["collapsed"]
+        key = (-sep, s["collapsed"], cpu if cpu == cpu else math.inf, order.index(name))
+        scored.append((key, {"cell": name, "separation": sep, "separates": sep > 0, **_counts(g, s)}))
+    return [row for _, row in sorted(scored, key=lambda t: t[0])]
+
+
+def best_cell(table: dict[str, dict], order: list[str] | None = None) -> dict | None:
+    """The first cell of :func:`ranking` (None when no cell has runs of GRPO and GSPO)."""
+    return next(iter(ranking(table, order)), None)
+
+
+def _counts(g: dict, s: dict) -> dict:
+    return {f"{n}_{k}": x[k] for n, x in (("grpo", g), ("gspo", s)) for k in ("collapsed", "runs")}
+
+
+# -- the runs ------------------------------------------------------------------------------------
+@dataclass
+class Stage:
+    """What one invocation runs: cells x arms x seeds on a base, under ``root``."""
+
+    name: str
+    base: dict
+    cells: dict[str, dict]
+    arms: tuple[str, ...]
+    seeds: tuple[int, ...]
+    root: Path
+    steps: int | None = None
+    variant: dict | None = None
+
+    def items(self) -> list[tuple[str, str, int, Path]]:
+        """``(cell, arm, seed, out_dir)`` of every run, seeds outermost (early seeds of all cells first)."""
+        return [
+            (c, a, s, self.root / c / f"{a}-s{s}")
+            for s in self.seeds
+            for c, cell in self.cells.items()
+            for a in self.arms
+            if a not in cell["skip_arms"]
+        ]
+
+    def overrides(self, cell: str, arm: str, seed: int) -> list[str]:
+        common = common_overrides(self.base, self.cells[cell], self.variant)
+        return common + collapse.arm_overrides(arm, seed, self.steps)
+
+
+def execute(st: Stage, *, jobs: int, cache: Path, launch: str | None) -> list[dict]:
+    """Every run of ``st`` not finished yet (SFT starts first, one per signature), ``jobs`` at a time."""
+    items = st.items()
+    todo = {c for c, _, _, out in items if not (out / collapse.STATUS_FILE).exists()}
+    starts = {}
+    for c in st.cells:
+        if c in todo:  # warm_start caches by SFT signature: cells of one model and task share a start
+            common = common_overrides(st.base, st.cells[c], st.variant)
+            starts[c], _ = warm_start(DEMO, common, cache=cache, launch=launch)
+    run_launch = collapse.local_launch(launch, jobs)
+
+    def one(item):
+        c, a, s, out = item
+        ov = st.overrides(c, a, s)
+        return collapse.resumable_run(
+            f"{c} {a} seed {s}", DEMO, ov, out, start=starts.get(c), launch=run_launch
+        )
+
+    return collapse.in_pool(one, items, jobs)
+
+
+def finished(st: Stage) -> tuple[list[tuple], list[dict]]:
+    """The items of ``st`` whose runs finished, and their statuses."""
+    done = [
+        (it, it[3] / collapse.STATUS_FILE) for it in st.items() if (it[3] / collapse.STATUS_FILE).exists()
+    ]
+    return [it for it, _ in done], [json.loads(f.read_text()) for _, f in done]
+
+
+def analyse(items: list[tuple], statuses: list[dict]) -> list[dict]:
+    """Per run: ``benchmarks.collapse.analyse_run`` plus its cell, CPU time and :func:`learned`."""
+    runs = []
+    for (c, a, s, _), st in zip(items, statuses):
+        r = collapse.analyse_run(a, s, st)
+        runs.append({**r, "cell": c, "learned": learned(r["eval"], r["collapsed"])})
+    return runs
+
+
+INGREDIENTS = (
+    "flip_step flip_drift flip_rollout flip_rollout_token_any mismatch_k3 mismatch_extreme clip_token "
+    "clip_seq clip_token_of_clipped_seqs grad_norm entropy final_acc sft_acc"
+).split()
+"""The ingredients reported beside each cell: means over its runs (per arm and over all its arms).
+In bypass cells the trainer does not recompute pi_old, so mismatch_* and flip_rollout* are
+measured only by the arms that run the old-policy pass anyway (GRPO+R2); the recompute cell of
+the same engine precision measures them for every arm."""
+
+
+_ALIAS = {"final_acc": "eval_end", "sft_acc": "eval_start"}
+
+
+def ingredients(runs: list[dict]) -> dict:
+    """Means of :data:`INGREDIENTS` over ``runs`` (analysed runs and their summaries)."""
+    flat = [{**r.get("summary", {}), **r} for r in runs]
+    return {k: mean(f.get(_ALIAS.get(k, k)) for f in flat) for k in INGREDIENTS}
+
+
+def cell_tables(runs: list[dict]) -> dict[str, dict]:
+    """Per cell: per arm collapse and learning counts with ingredients, and the cell's ingredients."""
+    out = {}
+    for c in dict.fromkeys(r["cell"] for r in runs):
+        rs = [r for r in runs if r["cell"] == c]
+        arms = collapse.analyse_arms(rs)
+        for a, row in arms.items():
+            ra = [r for r in rs if r["arm"] == a]
+            row.update(learned=sum(r["learned"] for r in ra), cpu_s=mean(r["cpu_s"] for r in ra))
+            row["ingredients"] = ingredients(ra)
+        out[c] = {"arms": arms, "ingredients": ingredients(rs)}
+    return out
+
+
+def diagram(tables: dict[str, dict], arms: tuple[str, ...]) -> dict:
+    """Per lever, per level present: the cell, the collapse rate of each arm run there and the
+    cell's ingredients (levers whose only level present is the base are left out, unless all are)."""
+    out = {}
+    for lever, levels in LEVERS.items():
+        rows = []
+        for level in levels:
+            c = cell_of(lever, level)
+            if c in tables:
+                t = tables[c]["arms"]
+                run = [a for a in arms if a in t and t[a]["runs"]]
+                rate = {a: t[a]["collapsed"] / t[a]["runs"] for a in run}
+                counts = {a: f"{t[a]['collapsed']}/{t[a]['runs']}" for a in run}
+                rows.append({"level": level, "cell": c, "collapse_rate": rate, "collapsed": counts})
+                rows[-1].update(tables[c]["ingredients"])
+        if rows:
+            out[lever] = rows
+    return {k: v for k, v in out.items() if len(v) > 1} or out  # levers with a level beside the base
+
+
+def stable_base(tables: dict) -> dict | None:
+    """:data:`STABLE_RULE` on the base cell (None when it has no runs of GRPO and GSPO)."""
+    arms = tables.get("base", {}).get("arms", {})
+    if "GRPO" not in arms or "GSPO" not in arms:
+        return None
+    ok = all(arms[a]["learned"] == arms[a]["runs"] and arms[a]["collapsed"] == 0 for a in ("GRPO", "GSPO"))
+    learned_ = {f"{a}_learned": f"{arms[a]['learned']}/{arms[a]['runs']}" for a in ("GRPO", "GSPO")}
+    return {"stable": ok, **learned_}
+
+
+def repro_headline(arms: dict[str, dict], replay: str | None) -> dict:
+    """The repro's headline from its per-arm table (:func:`cell_tables`), judged by :data:`REPRO_SUCCESS`."""
+    g, s = arms["GRPO"], arms["GSPO"]
+    gspo_acc = s["ingredients"]["final_acc"]
+    sft_acc = mean(a["ingredients"]["sft_acc"] for a in arms.values())
+    ok = REPRO_SUCCESS
+    success = (
+        g["runs"] == s["runs"] == ok["seeds"]
+        and g["collapsed"] >= ok["grpo_min_collapsed"]
+        and s["collapsed"] <= ok["gspo_max_collapsed"]
+        and gspo_acc >= sft_acc
+    )
+    return {
+        "grpo_collapsed": g["collapsed"],
+        "gspo_collapsed": s["collapsed"],
+        "seeds": g["runs"],
+        "p_value": fisher_greater(g["collapsed"], g["runs"], s["collapsed"], s["runs"]),
+        "gspo_final_acc": gspo_acc,
+        "sft_acc": sft_acc,
+        "replay_arm": replay,
+        "others": {a: _arm_counts(t) for a, t in arms.items() if a not in ("GRPO", "GSPO")},
+        "learned": {a: t["learned"] for a, t in arms.items()},
+        "success": success,
+        "success_rule": ok,
+    }
+
+
+def _arm_counts(t: dict) -> dict:
+    return {k: t[k] for k in ("collapsed", "runs", "learned")} | {"final_acc": t["ingredients"]["final_acc"]}
+
+
+# -- stages --------------------------------------------------------------------------------------
+def screen_stage(runs_dir: Path, selected: dict | None = None) -> Stage:
+    return Stage("screen", STABLE_BASE, selected or cells(), SCREEN_ARMS, SEEDS["screen"], runs_dir)
+
+
+def chosen_cell(runs_dir: Path) -> str:
+    """The best-separating cell of the finished screen (:data:`BEST_CELL_RULE`)."""
+    st = screen_stage(runs_dir)
+    items, statuses = finished(st)
+    if len(items) < len(st.items()):
+        raise SystemExit(
+            f"the screen has {len(items)} of {len(st.items())} runs finished under {runs_dir}: "
+            "finish it (--stage screen) or name the cell (--cells NAME)"
+        )
+    tables = cell_tables(analyse(items, statuses))
+    return best_cell({c: t["arms"] for c, t in tables.items()}, list(st.cells))["cell"]
+
+
+def replay_arm(runs_dir: Path, cell: str) -> str:
+    """:data:`REPLAY_RULE` on the cell's finished confirmation runs."""
+    st = Stage("confirm", STABLE_BASE, {cell: cells()[cell]}, SCREEN_ARMS, SEEDS["confirm"], runs_dir)
+    items, statuses = finished(st)
+    arms = cell_tables(analyse(items, statuses)).get(cell, {}).get("arms", {}) if items else {}
+    r2, r3 = arms.get("GRPO+R2"), arms.get("GRPO+R3")
+    if r2 and r3 and r2["collapsed"] < r3["collapsed"]:
+        return "GRPO+R2"
+    return "GRPO+R3"
+
+
+def make_stage(args) -> Stage:
+    all_cells, runs_dir = cells(), Path(args.runs_dir)
+    names = [c.strip() for c in (args.cells or "").split(",") if c.strip()]
+    unknown = [c for c in names if c not in all_cells]
+    if unknown:
+        raise SystemExit(f"unknown cell(s) {unknown}: use {', '.join(all_cells)}")
+    pick = {c: all_cells[c] for c in names} or None
+    if args.stage == "smoke":
+        sm = SMOKE
+        sel = pick or {c: all_cells[c] for c in sm["cells"]}
+        return Stage("smoke", sm["base"], sel, sm["arms"], sm["seeds"], runs_dir / "smoke", sm["steps"])
+    if args.stage == "screen":
+        return screen_stage(runs_dir, pick)
+    if pick is None:
+        c = chosen_cell(runs_dir)
+        log.info("best-separating screened cell: %s", c)
+        pick = {c: all_cells[c]}
+    if args.stage == "confirm":
+        return Stage("confirm", STABLE_BASE, pick, SCREEN_ARMS, SEEDS["confirm"], runs_dir)
+    (c,) = pick  # the repro is one cell
+    arms = ("GRPO", replay_arm(runs_dir, c), "GSPO")
+    name, variant = f"repro-{args.variant}", REPRO_VARIANTS[args.variant]
+    return Stage(name, STABLE_BASE, pick, arms, SEEDS["repro"], runs_dir / name, None, variant)
+
+
+def dry_run(st: Stage, cache: Path, launch: str | None) -> list[str]:
+    """The commands of every run of ``st`` (the SFT starts they load named by cache key)."""
+    lines = []
+    for c, a, s, out in st.items():
+        sft = [*common_overrides(st.base, st.cells[c], st.variant), "train.stages=[sft]"]
+        start = cache / sft_key(load_recipe(DEMO, sft)) / "checkpoints"
+        ov = [*st.overrides(c, a, s), "train.stages=[rl]", f"checkpoint.load={start}"]
+        done = "# done: " if (out / collapse.STATUS_FILE).exists() else ""
+        lines.append(done + collapse.arm_command(DEMO, ov, out, launch))
+    return lines
+
+
+# -- report --------------------------------------------------------------------------------------
+PANEL_INGREDIENTS = [
+    ("flip_step", "flip / optimizer step"),
+    ("flip_drift", "drift vs pi_old"),
+    ("flip_rollout", "rollout-vs-trainer flip"),
+    ("mismatch_extreme", "mismatch extreme frac"),
+    ("clip_token", "clipped tokens"),
+    ("clip_seq", "clipped sequences"),
+]
+
+
+def plot_diagram(diag: dict, arms: tuple[str, ...], out_png: Path, title: str) -> Path:
+    """One row per lever: collapse rate per arm (left) and the cell's ingredients (right) per level."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(diag), 2, figsize=(15, 3.4 * len(diag) + 1), squeeze=False)
+    cmap = plt.get_cmap("tab10")
+    for (left, right), (lever, rows) in zip(axes, diag.items()):
+        x, labels = range(len(rows)), [r["level"].replace("-", "\n") for r in rows]
+        w = 0.8 / len(arms)
+        for i, a in enumerate(arms):  # grouped bars, the count "collapsed/runs" above each
+            xs = [j + (i - (len(arms) - 1) / 2) * w for j in x]
+            ys = [r["collapse_rate"].get(a, math.nan) for r in rows]
+            left.bar(xs, [0.01 if y == 0 else y for y in ys], w, color=cmap(i), label=a, alpha=0.85)
+            for xi, r in zip(xs, rows):
+                y, n = r["collapse_rate"].get(a, 0), r["collapsed"].get(a, "-")
+                left.text(xi, 0.03 + y, n, ha="center", fontsize=6)
+        left.set_ylim(0, 1.15)
+        left.set_ylabel(f"{lever}\ncollapse rate")
+        for i, (k, name) in enumerate(PANEL_INGREDIENTS):
+            right.plot(x, [r[k] for r in rows], marker="s", color=plt.get_cmap("Dark2")(i), label=name)
+        right.set_yscale("symlog", linthresh=1e-4)
+        right.set_ylabel("mean over the cell's runs")
+        for ax in (left, right):
+            ax.set_xticks(list(x), labels)
+            ax.grid(alpha=0.3)
+    axes[0][0].set_title("collapsed runs / runs, per arm (fixed criterion)", fontsize=10, loc="right")
+    axes[0][1].set_title("ingredients of the cell", fontsize=10, loc="right")
+    for ax in axes[0]:
+        ax.legend(fontsize=7, ncol=3, loc="lower left", bbox_to_anchor=(0, 1.08))
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=90)
+    plt.close(fig)
+    return out_png
+
+
+def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
+    """Analyse the finished runs of ``st``; write the JSON (+ PNG) result and return it."""
+    items, statuses = finished(st)
+    if not items:
+        raise SystemExit(f"no finished runs of stage {st.name} under {st.root}")
+    runs = analyse(items, statuses)
+    tables = cell_tables(runs)
+    path = result_path("phase", st.name, out)
+    if st.name.startswith("repro"):
+        (c,) = st.cells
+        replay = next((a for a in st.arms if "+R" in a), None)
+        headline = {"cell": c, **repro_headline(tables[c]["arms"], replay)}
+        png = collapse.plot(runs, path.with_suffix(".png"))
+    else:
+        ranked = ranking({c: t["arms"] for c, t in tables.items()}, list(st.cells))
+        headline = {
+            "best": ranked[0] if ranked else None,
+            "stable_base": stable_base(tables),
+            "ranking": ranked,
+        }
+        title = f"phase diagram ({st.name}, {machine()}): collapse rate per arm, ingredients per cell"
+        png = plot_diagram(diagram(tables, st.arms), st.arms, path.with_suffix(".png"), title)
+    doc = {
+        "bench": "phase",
+        "stage": st.name,
+        "machine": machine(),
+        "commit": commit(),
+        "wall_s": wall_s,
+        "cpu_s": cpu_s,
+        "runs_finished": len(items),
+        "runs_planned": len(st.items()),
+        "headline": headline,
+        "plan": {k: getattr(st, k) for k in ("base", "cells", "arms", "seeds", "steps", "variant")},
+        "rules": {
+            "criterion": asdict(collapse.CRITERION),
+            "learning": asdict(LEARNING),
+            "best_cell": BEST_CELL_RULE,
+        },
+        "cells": tables,
+        "diagram": None if st.name.startswith("repro") else diagram(tables, st.arms),
+        "runs": runs,
+        "plot": png.name,
+    }
+    path.write_text(json.dumps(doc, indent=1, default=str))
+    log.info("wrote %s and %s", path, png)
+    return doc
+
+
+# -- driver --------------------------------------------------------------------------------------
+def parse(argv):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.phase", description=__doc__.split("\n")[0])
+    ap.add_argument("--stage", default="screen", choices=("screen", "confirm", "repro", "smoke"))
+    ap.add_argument("--cells", default=None, help="comma-separated cells (default: the stage's)")
+    ap.add_argument("--variant", default="cpu", choices=REPRO_VARIANTS, help="repro settings")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (> 1: each in its own process)")
+    ap.add_argument("--runs-dir", default=str(RUNS), help="run directories go under here")
+    ap.add_argument("--cache", default=str(CACHE), help="SFT start cache directory")
+    ap.add_argument("--launch", default=None, help="command prefix that runs 'RECIPE overrides' per run")
+    ap.add_argument("--out", default=None, help="result JSON (default: benchmarks/results/); PNG beside")
+    ap.add_argument("--dry-run", action="store_true", help="print the run commands and stop")
+    ap.add_argument("--report", action="store_true", help="only analyse the finished runs of the stage")
+    ap.add_argument("--write-plan", action="store_true", help=f"write the plan to {PLAN_FILE.name} and stop")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    if args.write_plan:
+        path = Path(args.out) if args.out else PLAN_FILE
+        path.write_text(json.dumps(plan_doc(), indent=1) + "\n")
+        print(f"wrote {path}")
+        return plan_doc()
+    st = make_stage(args)
+    if args.dry_run:
+        print("\n".join(dry_run(st, Path(args.cache), args.launch)))
+        return {}
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    if not args.report:
+        execute(st, jobs=args.jobs, cache=Path(args.cache), launch=args.launch)
+    doc = report(st, args.out, time.perf_counter() - t0, cpu_seconds() - c0)
+    print(json.dumps(doc["headline"], indent=1, default=str))
+    return doc
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""benchmarks/phase.py: the pre-registered plan, its rules, and a smoke stage end to end with resume."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks/ is a package there
+
+from benchmarks import phase
+from benchmarks.arms import DEMO, flatten, sft_key
+from benchmarks.collapse import CRITERION
+from moe_rl.config import ConfigError, load_recipe
+
+
+def _keys(overrides: dict) -> set[str]:
+    return {o.split("=", 1)[0] for o in flatten(overrides)}
+
+
+def test_levers_are_turned_one_at_a_time():
+    cells = phase.cells()
+    assert list(cells)[0] == "base" and cells["base"]["overrides"] == {}
+    keys = {
+        lever: set().union(*(_keys(ov) for ov in levels.values())) for lever, levels in phase.LEVERS.items()
+    }
+    for lever, levels in phase.LEVERS.items():
+        first, *rest = levels.values()
+        assert first == {}, f"the first level of {lever} is the base itself"
+        for other, ks in keys.items():  # no two levers touch the same setting
+            assert other == lever or not ks & keys[lever], (lever, other)
+        for level in list(levels)[1:]:
+            c = cells[phase.cell_of(lever, level)]
+            assert c["lever"] == lever and c["overrides"] and _keys(c["overrides"]) <= keys[lever]
+    assert {c for c in cells if c != "base"} == {
+        f"{lv}-{level}" for lv, levels in phase.LEVERS.items() for level in list(levels)[1:]
+    }
+    # the issue's levels
+    assert set(phase.LEVERS["minibatches"]) == {"1", "2", "4", "8"}
+    assert set(phase.LEVERS["depth"]) == {"4", "8", "12"}
+    assert {"bf16-bypass", "bf16-recompute", "fp16-bypass", "fp16-recompute"} <= set(
+        phase.LEVERS["precision"]
+    )
+    assert phase.SCREEN_ARMS == ("GRPO", "GRPO+R2", "GRPO+R3", "GRPO+TIS", "GSPO")
+    assert len(phase.SEEDS["screen"]) == 2 and len(phase.SEEDS["confirm"]) >= 5
+    assert not set(phase.SEEDS["screen"]) & set(phase.SEEDS["confirm"])  # fresh confirmation seeds
+
+
+def test_every_cell_loads_as_a_recipe_and_model_or_task_cells_get_their_own_sft_start():
+    base_key = sft_key(load_recipe(DEMO, phase.common_overrides(phase.STABLE_BASE, phase.cells()["base"])))
+    for name, cell in phase.cells().items():
+        common = phase.common_overrides(phase.STABLE_BASE, cell)
+        for arm in phase.SCREEN_ARMS:
+            ov = [*common, *flatten(phase.ARMS[arm]), "train.seed=1235"]
+            if arm in cell["skip_arms"]:
+                with pytest.raises(ConfigError):  # the skip is not arbitrary: the config rejects it
+                    load_recipe(DEMO, ov)
+                continue
+            r = load_recipe(DEMO, ov)
+            assert r.train.rl_steps == phase.STABLE_BASE["train"]["rl_steps"]
+            assert r.rollout.engine == "embedded" and r.algo.rollout_correction in ("none", "tis")
+        changes_start = any(k.startswith(("model.", "task.")) for k in _keys(cell["overrides"]))
+        key = sft_key(load_recipe(DEMO, common))
+        assert (key != base_key) == changes_start, name
+    # equal active expert width in the granularity lever
+    fine = load_recipe(
+        DEMO, phase.common_overrides(phase.STABLE_BASE, phase.cells()["granularity-64x8"])
+    ).model
+    coarse = load_recipe(DEMO, phase.common_overrides(phase.STABLE_BASE, phase.cells()["base"])).model
+    assert (
+        fine.moe_router_topk * fine.moe_ffn_hidden_size == coarse.moe_router_topk * coarse.moe_ffn_hidden_size
+    )
+    assert (fine.num_experts, fine.moe_router_topk, coarse.num_experts, coarse.moe_router_topk) == (
+        64,
+        8,
+        8,
+        2,
+    )
+
+
+def test_the_committed_preregistration_is_the_plan():
+    committed = json.loads(phase.PLAN_FILE.read_text())
+    assert committed == json.loads(json.dumps(phase.plan_doc()))
+    assert (
+        committed["criterion"]["window"] == CRITERION.window and committed["learning_rule"]["margin"] == 0.03
+    )
+    assert committed["skipped_in_bypass_cells"]["arms"] == ["GRPO+TIS"]
+
+
+def test_fisher_exact_one_sided():
+    assert phase.fisher_greater(5, 5, 0, 5) == pytest.approx(1 / 252)
+    assert phase.fisher_greater(4, 5, 1, 5) == pytest.approx(26 / 252)  # scipy: 0.10317
+    assert phase.fisher_greater(4, 5, 0, 5) == pytest.approx(6 / 252)  # scipy: 0.02381
+    assert phase.fisher_greater(0, 5, 0, 5) == pytest.approx(1.0)
+    assert phase.fisher_greater(3, 10, 1, 10) == pytest.approx(0.29102, abs=1e-5)  # scipy fisher_exact
+    assert phase.fisher_greater(1, 5, 4, 5) == pytest.approx(1 - 1 / 252)
+
+
+def test_learning_rule():
+    assert phase.learned([(0, 0.2), (10, 0.22), (20, 0.25), (30, 0.26), (30, 0.26)], False)
+    assert not phase.learned([(0, 0.2), (10, 0.22), (20, 0.22), (30, 0.24)], False)  # +0.027 < 0.03
+    assert not phase.learned(
+        [(0, 0.2), (10, 0.5), (20, 0.5), (30, 0.5)], True
+    )  # a collapsed run does not learn
+    assert not phase.learned([(0, 0.2), (10, 0.5), (20, 0.5)], False)  # too few evaluations
+
+
+def _arms(**counts):
+    return {a: {"collapsed": c, "runs": n, "cpu_s": cpu} for a, (c, n, cpu) in counts.items()}
+
+
+def test_best_cell_rule():
+    table = {
+        "base": {"GRPO": {"collapsed": 0, "runs": 2}, "GSPO": {"collapsed": 0, "runs": 2}},
+        "minibatches-8": {"GRPO": {"collapsed": 2, "runs": 2}, "GSPO": {"collapsed": 1, "runs": 2}},
+        "depth-12": {
+            "GRPO": {"collapsed": 1, "runs": 2},
+            "GSPO": {"collapsed": 0, "runs": 2},
+            "GRPO+R2": {"collapsed": 0, "runs": 2},
+        },
+        "length-short": {"GRPO": {"collapsed": 1, "runs": 2}, "GSPO": {"collapsed": 0, "runs": 2}},
+        "no-gspo": {"GRPO": {"collapsed": 2, "runs": 2}},
+    }
+    for c in table.values():
+        for a in c.values():
+            a["cpu_s"] = 100.0
+    table["length-short"]["GRPO"]["cpu_s"] = table["length-short"]["GSPO"]["cpu_s"] = 50.0
+    best = phase.best_cell(table)
+    # separation 1 in three cells; fewer GSPO collapses rules out minibatches-8; the cheaper wins
+    assert best["cell"] == "length-short" and best["separation"] == 1 and best["separates"]
+    assert (best["grpo_collapsed"], best["gspo_collapsed"], best["grpo_runs"]) == (1, 0, 2)
+    table["length-short"]["GSPO"]["cpu_s"] = table["length-short"]["GRPO"]["cpu_s"] = 100.0
+    assert phase.best_cell(table)["cell"] == "depth-12"  # then plan order
+    table["minibatches-8"]["GSPO"]["collapsed"] = 0
+    assert phase.best_cell(table)["cell"] == "minibatches-8"  # a larger separation wins outright
+    none = phase.best_cell({"base": table["base"]})
+    assert none["cell"] == "base" and not none["separates"]
+
+
+def test_repro_headline():
+    def arm(collapsed, learned, acc, sft=0.3):
+        return {
+            "collapsed": collapsed,
+            "runs": 5,
+            "learned": learned,
+            "ingredients": {"final_acc": acc, "sft_acc": sft},
+        }
+
+    h = phase.repro_headline(
+        {"GRPO": arm(5, 0, 0.01), "GRPO+R3": arm(1, 3, 0.35), "GSPO": arm(0, 5, 0.4)}, "GRPO+R3"
+    )
+    assert h["success"] and (h["grpo_collapsed"], h["gspo_collapsed"], h["seeds"]) == (5, 0, 5)
+    assert h["p_value"] == pytest.approx(1 / 252) and h["sft_acc"] == pytest.approx(0.3)
+    assert h["others"]["GRPO+R3"]["collapsed"] == 1 and h["gspo_final_acc"] == 0.4
+    assert not phase.repro_headline({"GRPO": arm(4, 0, 0.0), "GSPO": arm(0, 5, 0.29)}, None)["success"]  # acc
+    assert not phase.repro_headline({"GRPO": arm(3, 0, 0.0), "GSPO": arm(0, 5, 0.4)}, None)["success"]
+    assert not phase.repro_headline({"GRPO": arm(5, 0, 0.0), "GSPO": arm(2, 3, 0.4)}, None)["success"]
+
+
+def _png(path):
+    assert path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_smoke_stage_end_to_end_with_resume(tmp_path, parallel_info):
+    runs, cache = tmp_path / "runs", tmp_path / "cache"
+    argv = ["--stage", "smoke", "--runs-dir", str(runs), "--cache", str(cache)]
+    doc = phase.main([*argv, "--out", str(tmp_path / "phase.json")])
+    assert json.loads((tmp_path / "phase.json").read_text())["headline"] == json.loads(
+        json.dumps(doc["headline"], default=str)
+    )
+    _png(tmp_path / "phase.png")
+    assert doc["runs_finished"] == doc["runs_planned"] == 4
+    assert set(doc["cells"]) == {"base", "precision-bf16-recompute"}
+    for r in doc["runs"]:
+        assert (
+            r["status"] == "done"
+            and len(r["reward"]) == 3
+            and Path(r["out_dir"]).parent.parent == runs / "smoke"
+        )
+        assert r["verdict"]["state"] in ("fine", "never_good", "unresolved", "collapsed")
+    cell = doc["cells"]["precision-bf16-recompute"]
+    assert set(cell["arms"]) == {"GRPO", "GSPO"} and cell["arms"]["GRPO"]["runs"] == 1
+    ing = cell["ingredients"]
+    assert ing["mismatch_k3"] > doc["cells"]["base"]["ingredients"]["mismatch_k3"]  # bf16 engine vs fp32
+    assert 0 <= ing["flip_step"] <= 1 and 0 <= ing["clip_token"] <= 1 and ing["grad_norm"] > 0
+    assert not math.isnan(ing["final_acc"]) and ing["entropy"] > 0
+    (row,) = doc["diagram"]["precision"][1:]
+    assert row["cell"] == "precision-bf16-recompute" and set(row["collapse_rate"]) == {"GRPO", "GSPO"}
+    assert doc["headline"]["best"]["cell"] in doc["cells"] and len(doc["headline"]["ranking"]) == 2
+    # a rerun skips every finished run and reports the same runs
+    status = [Path(r["out_dir"]) / "status.json" for r in doc["runs"]]
+    stamps = [p.stat().st_mtime_ns for p in status]
+    again = phase.main([*argv, "--out", str(tmp_path / "again.json")])
+    assert [p.stat().st_mtime_ns for p in status] == stamps
+    assert [r["reward"] for r in again["runs"]] == [r["reward"] for r in doc["runs"]]
+    assert again["wall_s"] < doc["wall_s"]
+    # --report reads the finished runs only; --dry-run marks them done
+    assert phase.main([*argv, "--report", "--out", str(tmp_path / "r.json")])["runs_finished"] == 4
+    lines = phase.dry_run(phase.make_stage(phase.parse(argv)), cache, None)
+    assert len(lines) == 4 and all(line.startswith("# done: ") for line in lines)
+    # the repro report on the same runs (one seed): the headline's fields and the curves' PNG
+    smoke = phase.make_stage(phase.parse(argv))
+    st = phase.Stage(
+        "repro-smoke", smoke.base, {"base": smoke.cells["base"]}, ("GRPO", "GSPO"), (0,), smoke.root
+    )
+    rep = phase.report(st, str(tmp_path / "repro.json"), 0.0, 0.0)
+    _png(tmp_path / "repro.png")
+    h = rep["headline"]
+    assert h["cell"] == "base" and h["seeds"] == 1 and not h["success"] and h["replay_arm"] is None
+    assert {"grpo_collapsed", "gspo_collapsed", "p_value", "gspo_final_acc", "sft_acc", "others"} <= set(h)
+    assert h["p_value"] == pytest.approx(phase.fisher_greater(h["grpo_collapsed"], 1, h["gspo_collapsed"], 1))
+
+
+def test_confirm_and_repro_stages(tmp_path):
+    argv = ["--runs-dir", str(tmp_path)]
+    with pytest.raises(SystemExit, match="0 of 124 runs finished"):  # confirm needs the screen, or a cell
+        phase.make_stage(phase.parse(["--stage", "confirm", *argv]))
+    st = phase.make_stage(phase.parse(["--stage", "confirm", "--cells", "minibatches-4", *argv]))
+    assert list(st.cells) == ["minibatches-4"] and st.arms == phase.SCREEN_ARMS and len(st.items()) == 25
+    st = phase.make_stage(phase.parse(["--stage", "repro", "--cells", "depth-8", "--variant", "gpu", *argv]))
+    assert (
+        st.arms == ("GRPO", "GRPO+R3", "GSPO")
+        and st.seeds == (0, 1, 2, 3, 4)
+        and st.root == tmp_path / "repro-gpu"
+    )
+    r = load_recipe(DEMO, st.overrides("depth-8", "GRPO", 0))
+    assert r.model.num_layers == 8 and r.train.prompts_per_step == 32  # the cell, then the GPU variant
+    assert (
+        len(phase.screen_stage(tmp_path).items()) == 124
+    )  # 13 cells x 5 arms x 2 seeds, TIS not in 3 bypass cells
