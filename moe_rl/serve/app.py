@@ -62,6 +62,8 @@ class SGLangProtocolApp(WeightEndpoints):
         self.released: set[str] = set()
         self.inflight: dict[str, bool] = {}
         "rid -> aborted, for every request between arrival and answer."
+        self.served = 0
+        "/generate requests answered (``server_info()['internal_states'][0]``)."
         self._set_version(weight_version)
         self.batcher = Batcher(self._run_locked, window_s=batch_window_s)
         self.routes: dict[str, tuple[tuple[str, ...], Any]] = {
@@ -184,6 +186,7 @@ class SGLangProtocolApp(WeightEndpoints):
             return 400, error_body(str(e))
         finally:
             aborted = self._leave_generation(rids)
+            self.served += 1
         items = [
             self._item(outs[i] if outs else None, rids[i], version, want_lp[i], aborted[i], parsed[i][0])
             for i in range(len(batch))
@@ -316,7 +319,7 @@ class SGLangProtocolApp(WeightEndpoints):
             "enable_return_routed_experts": self.enable_routes,
             "enable_memory_saver": self.enable_memory_saver,
             "max_context_length": int(getattr(self.engine, "max_context_length", 0) or 0),
-            "internal_states": [{}],
+            "internal_states": [{"generate_requests": self.served}],
             "version": f"moe-rl-{moe_rl.__version__}",
             "weight_update_session": True,
         }

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from moe_rl.hf_io import read_tensors
+from moe_rl.rollout.weight_sync.address import route_address
 from moe_rl.rollout.weight_sync.distributed import (
     destroy_process_group,
     init_custom_process_group,
@@ -161,6 +162,7 @@ class WeightEndpoints:
                 rank=rank_offset,
                 group_name=name,
                 timeout=timedelta(seconds=self.group_timeout_s),
+                local_address=route_address(addr),
             )
             self.groups[name] = (pg, device)
         except Exception as e:  # noqa: BLE001 - reported to the trainer

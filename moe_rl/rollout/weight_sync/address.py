@@ -8,11 +8,12 @@ the server (what the kernel would use to reach it), then the Slurm node's addres
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from moe_rl.rollout.sglang_client import SGLangError
 
@@ -44,6 +45,36 @@ def route_address(server_host: str, port: int = 9) -> str | None:
             return s.getsockname()[0]
     except OSError:
         return None
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface holding ``address`` (None when no local interface has it)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == address for a in addrs):
+            return name
+    return None
+
+
+@contextlib.contextmanager
+def bound_to(local_address: str | None, backend: str) -> Iterator[None]:
+    """Make gloo (``GLOO_SOCKET_IFNAME``) or NCCL (``NCCL_SOCKET_IFNAME``) use the interface of
+    ``local_address`` while a group is created, unless the user already chose one.
+
+    Without it gloo picks the interface its hostname resolves to, often 127.0.0.1, and a peer on
+    another host is told to connect there.
+    """
+    var = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}.get(backend)
+    ifname = None if not local_address or is_loopback(local_address) else interface_of(local_address)
+    if var is None or ifname is None or os.environ.get(var):
+        yield
+        return
+    os.environ[var] = ifname
+    try:
+        yield
+    finally:
+        os.environ.pop(var, None)
 
 
 def trainer_address(

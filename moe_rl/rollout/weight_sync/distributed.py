@@ -27,7 +27,7 @@ import torch
 from moe_rl.dist import free_port
 from moe_rl.rollout.sglang_client import SGLangClient
 from moe_rl.rollout.types import HFStateSource
-from moe_rl.rollout.weight_sync.address import trainer_address
+from moe_rl.rollout.weight_sync.address import bound_to, trainer_address
 from moe_rl.rollout.weight_sync.session import PushReport, WeightSyncError, run_update_session
 
 logger = logging.getLogger(__name__)
@@ -47,13 +47,21 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def init_custom_process_group(
-    *, backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout: timedelta
+    *,
+    backend: str,
+    init_method: str,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout: timedelta,
+    local_address: str | None = None,
 ) -> Any:
     """A process group outside the default one, as SGLang builds its weight-update group.
 
     Mirrors ``init_custom_process_group`` in sgl-project/sglang ``python/sglang/srt/utils``
     (TCP rendezvous, ``PrefixStore(group_name)``, torch's ``_new_process_group_helper``), so
     the trainer side and SGLang's side agree on store keys. Rank 0 hosts the TCPStore.
+    ``local_address``: this side's address toward the peers; gloo/NCCL then use its interface.
     """
     from torch.distributed.distributed_c10d import (
         Backend,
@@ -66,16 +74,17 @@ def init_custom_process_group(
     store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        Backend(backend),
-        store,
-        group_name=group_name,
-        backend_options=None,
-        timeout=timeout,
-    )
+    with bound_to(local_address, backend):
+        pg, _ = _new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            Backend(backend),
+            store,
+            group_name=group_name,
+            backend_options=None,
+            timeout=timeout,
+        )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
@@ -205,6 +214,7 @@ class DistributedWeightSync:
                 rank=0,
                 group_name=name,
                 timeout=timedelta(seconds=self.timeout_s),
+                local_address=self.master_address,
             )
         except Exception as e:
             for th, _ in joins:
