@@ -76,7 +76,7 @@ def engine_gpus(cfg: SGLangConfig, n: int, trainer: list[int]) -> list[tuple[int
     """Device mask of each launched engine; ConfigError when they would land on the trainer's GPUs."""
     from moe_rl.rollout.sglang_launcher import check_disjoint, plan_gpus
 
-    gpus = cfg.gpus if cfg.gpus is not None else (trainer if cfg.colocate else None)
+    gpus = cfg.gpus if cfg.gpus is not None else (trainer if cfg.colocate and trainer else None)
     if gpus is None:
         if trainer:
             raise ConfigError(
