@@ -28,17 +28,28 @@ log = logging.getLogger(__name__)
 
 
 class RankedSGLangEngine:
-    """SGLangEngine on every rank; weight pushes from rank 0 only."""
+    """SGLangEngine on every rank; weight pushes and (colocated) memory calls from rank 0 only,
+    between barriers, so no engine releases its memory while another rank still generates."""
 
     def __init__(self, inner: SGLangEngine, rank: int):
         self.inner, self.rank = inner, rank
+        inner.auto_memory = False
 
     @property
     def weight_version(self) -> str:
         return self.inner.weight_version
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
-        return self.inner.generate(prompts, n, sampling)
+        if self.inner.colocated:
+            if self.rank == 0:
+                self.inner.resume_memory()
+            dist.barrier()
+        rollouts = self.inner.generate(prompts, n, sampling)
+        if self.inner.colocated:
+            dist.barrier()
+            if self.rank == 0:
+                self.inner.release_memory()
+        return rollouts
 
     def update_weights(self, source: HFStateSource, version: str) -> str:
         if self.rank == 0:

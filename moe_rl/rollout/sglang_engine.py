@@ -88,6 +88,8 @@ class SGLangEngine:
         self._weights_uncertain: str | None = None
         self._seed_checked = False
         self._released = False
+        self.auto_memory = colocated
+        "Release after each rollout / resume before it here (False: the caller does it, e.g. across ranks)."
         self._warned_direct = False
         self.last_push = None
 
@@ -109,7 +111,8 @@ class SGLangEngine:
             raise ValueError("return_routes needs SGLangEngine(num_layers=, topk=, num_experts=)")
         if sampling.seed is not None and not self._seed_checked:
             self._check_seeds_honoured()
-        self.resume_memory()
+        if self.auto_memory:
+            self.resume_memory()
         rows = [list(p) for p in prompts for _ in range(n)]
         params = [
             to_sglang_sampling_params(sampling, None if sampling.seed is None else sampling.seed + b)
@@ -130,7 +133,8 @@ class SGLangEngine:
         batch.extras.update(
             generate_s=gen_s, tokens_per_s=ntok / max(gen_s, 1e-9), requests=len(rows), aborted=len(aborted)
         )
-        self.release_memory()
+        if self.auto_memory:
+            self.release_memory()
         return batch
 
     def _targets(self, want_routes: bool) -> list[SGLangClient]:

@@ -236,3 +236,9 @@ def test_colocated_cycle_releases_memory_and_pushes_tensors(server):
     assert server.app.released == set()
     with pytest.raises(SGLangHTTPError, match="was not released"):
         c.resume_memory_occupation(["weights"])  # as SGLang: resuming what was not released fails
+
+
+def test_registry_names_the_sglang_engine():
+    from moe_rl.rollout import get_engine_class
+
+    assert get_engine_class("sglang") is SGLangEngine

@@ -256,3 +256,22 @@ def test_supported_range_is_stated_and_enforced():
     for bad in ("0.5.10", "0.5.4", "0.6.0", "not-a-version"):
         with pytest.raises(SGLangVersionError, match=r"sglang>=0\.5\.11,<0\.6.*12162"):
             check_sglang_version(bad)
+
+
+def test_memory_tags_are_sglangs(sgl):
+    from moe_rl.rollout.sglang_engine import RESUME_ORDER
+
+    tree = ast.parse(read(sgl["whl"], "sglang/srt/constants.py"))
+    consts = {
+        t.id: n.value.value
+        for n in tree.body
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+        for t in n.targets
+    }
+    all_types = next(
+        n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "GPU_MEMORY_ALL_TYPES"
+    )
+    tags = [consts[e.id] for e in all_types.elts]
+    assert (
+        sorted(tags) == sorted(srv_weights.MEMORY_TAGS) == sorted(t for group in RESUME_ORDER for t in group)
+    )
