@@ -45,6 +45,8 @@ def router_command(
     """argv of ``sglang_router.launch_router`` for these workers."""
     cmd = [python, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port)]
     cmd += ["--worker-urls", *worker_urls, "--policy", policy, "--log-level", "warn"]
+    # its Prometheus exporter binds a fixed port by default: a second router on the node would die
+    cmd += ["--prometheus-host", host, "--prometheus-port", str(free_port(host))]
     if api_key:
         cmd += ["--api-key", api_key]
     if request_timeout_s:
