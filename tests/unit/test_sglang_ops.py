@@ -242,3 +242,32 @@ def test_registry_names_the_sglang_engine():
     from moe_rl.rollout import get_engine_class
 
     assert get_engine_class("sglang") is SGLangEngine
+
+
+def test_a_failed_row_is_retried_alone():
+    import httpx
+
+    from tests.unit.test_sglang_contract import PINNED_GENERATE
+
+    sent: list[tuple[list[int], str]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        import json
+
+        if request.url.path != "/generate":
+            return httpx.Response(404)
+        body = json.loads(request.content)
+        sent.append((body["input_ids"], body["rid"]))
+        if body["input_ids"] == [5, 6] and len([s for s in sent if s[0] == [5, 6]]) == 1:
+            return httpx.Response(503, json={"error": {"message": "overloaded"}})
+        return httpx.Response(200, json=PINNED_GENERATE[0 if body["input_ids"] == [1, 2, 3, 4] else 1])
+
+    c = SGLangClient(
+        "http://e:1", timeout_s=5, retries=2, backoff_s=0.01, transport=httpx.MockTransport(handler)
+    )
+    engine = SGLangEngine(c, num_layers=2, topk=2, num_experts=8, weight_version="step-7")
+    ro = engine.generate([[1, 2, 3, 4], [5, 6]], 1, SamplingParams(max_new_tokens=4))
+    assert ro.finish_reasons == ["stop", "length"]
+    assert [s[0] for s in sent].count([1, 2, 3, 4]) == 1  # the healthy row was sent once
+    rids = [s[1] for s in sent if s[0] == [5, 6]]
+    assert len(rids) == 2 and rids[1] != rids[0]  # the failed row alone, under a new rid
