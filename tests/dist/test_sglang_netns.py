@@ -10,6 +10,7 @@ even when the test fails.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -96,11 +97,13 @@ def test_weight_sync_across_network_namespaces(namespaces, tmp_path):
         found = json.loads(out.stdout.strip().splitlines()[-1])
         assert found["master_address"] == TRAINER_IP  # routable, not loopback
         assert found["served"] == "v1" and found["max_err"] < 1e-4
-    finally:
-        try:
+    finally:  # the server's process group (its id is the PID we started), never by name
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGTERM)
+        try:
             server.wait(15)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(server.pid, signal.SIGKILL)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
             server.wait()
         log.close()
