@@ -1,4 +1,5 @@
-"""Embedded engine in process vs through the SGLang-protocol server, and weight-push times.
+"""Embedded engine in process vs through the SGLang-protocol server, 1 vs 2 engines behind the real
+sglang-router, and weight-push times per engine.
 
 Tiny policy (hidden 128, 4 layers, 8 experts top-2, vocab 104). The server is started
 by the same launcher code that starts ``sglang.launch_server`` (module
@@ -6,9 +7,16 @@ by the same launcher code that starts ``sglang.launch_server`` (module
 log-probs and routed experts. Then weights of a same-shaped policy in this process are
 pushed by the distributed path (gloo broadcast) and the disk path (safetensors).
 
-    python -m benchmarks.serve_throughput [--batch 64] [--new-tokens 128] [--threads 1]
+Router section: two ``moe-rl serve`` engines (one thread each); rollouts of ``--batch`` rows
+(``--batch / 4`` prompts x 4 samples, one request per sample, no routes so every request goes
+through sglang-router) with 1 engine and with 2 engines behind the router; then distributed
+(one gloo group, rank offsets 1, 2) and disk pushes to 1 and to 2 engines. Besides wall time it
+records the engines' CPU seconds (psutil), since other work on a shared machine distorts wall time.
 
-Writes benchmarks/results/serve_throughput-<machine>-tiny-<commit>.json.
+    python -m benchmarks.serve_throughput [--batch 64] [--new-tokens 128] [--threads 1] [--sections single,router]
+
+Writes benchmarks/results/serve_throughput-<machine>-tiny-<commit>.json (+ .png with the router
+section), with a top-level "headline" object.
 """
 
 from __future__ import annotations
@@ -49,22 +57,140 @@ def _generate_served(client, prompts, new_tokens) -> dict:
     return {"wall_s": wall, "generated_tokens": toks, "tokens_per_s": toks / wall}
 
 
+def _launch_engines(tmp: Path, n: int, threads: int) -> list:
+    from moe_rl.rollout.sglang_launcher import SGLangLauncher, SGLangServerConfig
+
+    launchers = []
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
+    for i in range(n):
+        cfg = SGLangServerConfig(model_path=str(tmp / "tiny.yaml"), module="moe_rl.serve.embedded")
+        launchers.append(SGLangLauncher(cfg, log_path=tmp / f"engine{i}.log", startup_timeout_s=300, env=env))
+        launchers[-1].start()
+    return launchers
+
+
+def _cpu_s(pids: list[int]) -> float:
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def _rollout(router, engines, pids, prompts, new_tokens) -> dict:
+    from moe_rl.rollout.sglang_engine import SGLangEngine
+    from moe_rl.rollout.types import SamplingParams
+
+    engine = SGLangEngine(router, engines=engines)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+    engine.generate(prompts[:2], 2, SamplingParams(temperature=1.0, max_new_tokens=2))
+    cpu0, t0 = _cpu_s(pids), time.perf_counter()
+    ro = engine.generate(prompts, 4, sp)
+    wall, cpu = time.perf_counter() - t0, _cpu_s(pids) - cpu0
+    toks = ro.num_response_tokens
+    return {"wall_s": wall, "engine_cpu_s": cpu, "generated_tokens": toks, "tokens_per_s": toks / wall,
+            "tokens_per_engine_cpu_s": toks / max(cpu, 1e-9), "requests": ro.extras["requests"]}  # fmt: skip
+
+
+def bench_router(a, tmp: Path, policy) -> dict:
+    """1 vs 2 engines behind sglang-router; pushes to 1 and 2 engines."""
+    from moe_rl.megatron.hf import PolicyHFSource
+    from moe_rl.rollout.sglang_client import SGLangClient
+    from moe_rl.rollout.sglang_router import ROUTER_VERSION, SGLangRouterLauncher
+    from moe_rl.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
+
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, 104, (max(1, a.batch // 4), 16), generator=g).tolist()
+    launchers = _launch_engines(tmp, 2, a.threads)
+    out: dict = {"sglang_router": ROUTER_VERSION, "rows": 4 * len(prompts), "rollout": {}, "push": {}}
+    try:
+        clients = [SGLangClient(x.url, timeout_s=600) for x in launchers]
+        pids = [x.pid for x in launchers]
+        for k in (1, 2):
+            router = SGLangRouterLauncher([c.base_url for c in clients[:k]], log_path=tmp / f"router{k}.log")
+            try:
+                out["rollout"][f"{k}_engines"] = _rollout(
+                    router.start(), clients[:k], pids[:k], prompts, a.new_tokens
+                )
+            finally:
+                router.stop()
+        src = PolicyHFSource(policy)
+        for k in (1, 2):
+            for name, sync in (
+                ("distributed", DistributedWeightSync(clients[:k])),
+                ("disk", DiskWeightSync(clients[:k], tmp / f"w{k}")),
+            ):
+                reports = [sync.push(src, f"{name}-{k}-{i}") for i in range(3)]
+                sync.close()
+                out["push"][f"{name}_{k}_engines"] = {
+                    "seconds": [r.seconds for r in reports], "paused_s": [r.paused_s for r in reports],
+                    "bytes": reports[-1].bytes,
+                }  # fmt: skip
+        out["versions_after"] = [c.get_weight_version() for c in clients]
+    finally:
+        for x in launchers:
+            x.stop()
+    return out
+
+
+def _headline(res: dict) -> dict:
+    r = res.get("router")
+    if not r:
+        return {}
+    one, two = r["rollout"]["1_engines"], r["rollout"]["2_engines"]
+    med = {k: sorted(v["seconds"])[1] for k, v in r["push"].items()}
+    return {
+        "rollout_tokens_per_s_1_engine": one["tokens_per_s"],
+        "rollout_tokens_per_s_2_engines": two["tokens_per_s"],
+        "speedup_2_vs_1_engines_wall": two["tokens_per_s"] / one["tokens_per_s"],
+        "tokens_per_engine_cpu_s_1_engine": one["tokens_per_engine_cpu_s"],
+        "tokens_per_engine_cpu_s_2_engines": two["tokens_per_engine_cpu_s"],
+        "push_s_distributed_1_engine": med["distributed_1_engines"],
+        "push_s_distributed_2_engines": med["distributed_2_engines"],
+        "push_s_per_engine_distributed_2_engines": med["distributed_2_engines"] / 2,
+        "push_s_disk_1_engine": med["disk_1_engines"],
+        "push_s_disk_2_engines": med["disk_2_engines"],
+        "push_bytes": r["push"]["distributed_1_engines"]["bytes"],
+    }
+
+
+def _plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = res["router"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ks = ["1_engines", "2_engines"]
+    ax1.bar(["1 engine", "2 engines"], [r["rollout"][k]["tokens_per_s"] for k in ks], color=["C0", "C1"])
+    ax1.set_ylabel("rollout tokens/s (wall) through sglang-router")
+    ax1.set_title(f"{r['rows']} rows x {res['new_tokens']} tokens, tiny MoE, CPU")
+    for i, name in enumerate(("distributed", "disk")):
+        vals = [sorted(r["push"][f"{name}_{k}"]["seconds"])[1] for k in ks]
+        ax2.bar([i - 0.2, i + 0.2], vals, width=0.4, color=["C0", "C1"])
+    ax2.set_xticks([0, 1], ["distributed (gloo)", "disk (safetensors)"])
+    ax2.set_ylabel("weight push, s (median of 3; blue 1 engine, orange 2)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sections", default="single,router", help="comma list of: single, router")
     a = ap.parse_args(argv)
+    sections = set(a.sections.split(","))
     torch.set_num_threads(a.threads)
     os.environ["OMP_NUM_THREADS"] = str(a.threads)
     from moe_rl.config import ModelConfig, ParallelConfig
-    from moe_rl.megatron.hf import PolicyHFSource
     from moe_rl.megatron.parallel import init_parallel
     from moe_rl.megatron.policy import build_policy
-    from moe_rl.rollout.embedded import EmbeddedEngine
-    from moe_rl.rollout.sglang_launcher import SGLangLauncher, SGLangServerConfig
-    from moe_rl.rollout.types import SamplingParams
-    from moe_rl.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
 
     tmp = Path(tempfile.mkdtemp())
     (tmp / "tiny.yaml").write_text(yaml.safe_dump({"model": TINY}))
@@ -74,6 +200,28 @@ def main(argv=None) -> dict:
 
     info = init_parallel(ParallelConfig(), seed=1)
     policy = build_policy(ModelConfig(**TINY), ParallelConfig(), info)
+    if "router" in sections:
+        res["router"] = bench_router(a, tmp, policy)
+    if "single" in sections:
+        res.update(_bench_single(a, tmp, policy, prompts))
+    res = {"headline": _headline(res), **res}
+    path = result_path("serve_throughput", "tiny")
+    path.write_text(json.dumps(res, indent=1))
+    if "router" in res:
+        _plot(res, path.with_suffix(".png"))
+    print(json.dumps(res, indent=1))
+    return res
+
+
+def _bench_single(a, tmp: Path, policy, prompts) -> dict:
+    """In process vs one served engine; distributed and disk pushes to it."""
+    from moe_rl.megatron.hf import PolicyHFSource
+    from moe_rl.rollout.embedded import EmbeddedEngine
+    from moe_rl.rollout.sglang_launcher import SGLangLauncher, SGLangServerConfig
+    from moe_rl.rollout.types import SamplingParams
+    from moe_rl.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
+
+    res: dict = {}
     eng = EmbeddedEngine(policy, pad_id=0)  # no eos: every row generates new_tokens, as served
     sp = SamplingParams(temperature=0.0, max_new_tokens=a.new_tokens, return_routes=True)
     eng.generate(prompts[:2], 1, SamplingParams(temperature=0.0, max_new_tokens=2))
@@ -114,9 +262,6 @@ def main(argv=None) -> dict:
     finally:
         launcher.stop()
     res["served_over_in_process"] = res["served"]["tokens_per_s"] / res["in_process"]["tokens_per_s"]
-    path = result_path("serve_throughput", "tiny")
-    path.write_text(json.dumps(res, indent=1))
-    print(json.dumps(res, indent=1))
     return res
 
 

@@ -13,7 +13,7 @@ from moe_rl.rollout.types import RolloutEngine, Rollouts, SamplingParams
 
 ROLLOUT_ENGINES: dict[str, str] = {
     "embedded": "moe_rl.rollout.embedded:EmbeddedEngine",
-    "sglang": "moe_rl.rollout.sglang_client:SGLangEngine",
+    "sglang": "moe_rl.rollout.sglang_engine:SGLangEngine",
 }
 
 

@@ -1,27 +1,24 @@
-"""HTTP client for an SGLang server (or ``moe-rl serve``), and the ``sglang`` rollout engine.
+"""HTTP client for one SGLang server, router or ``moe-rl serve`` (httpx), and SGLang's version range.
 
-Shape legend: B = sequences (prompts x samples), T = padded prompt+response length,
-L = MoE layers, K = experts per token, N = routed rows of one sequence (total_len - 1).
-
-Field names follow SGLang 0.5.x; where each comes from (sgl-project/sglang):
-- ``python/sglang/srt/managers/io_struct.py``: GenerateReqInput (input_ids, sampling_params,
-  return_logprob, return_routed_experts), UpdateWeightsFromDistributedReqInput,
-  InitWeightsUpdateGroupReqInput, UpdateWeightFromDiskReqInput, UpdateWeightVersionReqInput,
-  PauseGenerationReqInput (mode), BeginWeightUpdateReqInput (selector).
-- ``python/sglang/srt/sampling/sampling_params.py``: SamplingParams (max_new_tokens, temperature,
-  top_p, top_k, stop_token_ids, sampling_seed).
-- ``python/sglang/srt/managers/tokenizer_manager.py``: meta_info keys (id, finish_reason,
-  prompt_tokens, completion_tokens, weight_version, output_token_logprobs, routed_experts).
-- ``python/sglang/srt/entrypoints/http_server.py``: endpoint paths and error bodies.
+Field names follow SGLang as pinned by tests/unit/test_sglang_wheels.py against the wheels of the
+oldest and newest supported versions (``SUPPORTED_SGLANG``); where each comes from
+(sgl-project/sglang):
+- ``python/sglang/srt/managers/io_struct.py``: GenerateReqInput (input_ids, sampling_params, rid,
+  return_logprob, return_routed_experts), InitWeightsUpdateGroupReqInput,
+  UpdateWeightsFromDistributedReqInput, UpdateWeightsFromTensorReqInput, UpdateWeightFromDiskReqInput,
+  UpdateWeightVersionReqInput, PauseGenerationReqInput (mode), BeginWeightUpdateReqInput (selector),
+  AbortReq (rid, abort_all), Release/ResumeMemoryOccupationReqInput (tags).
+- ``python/sglang/srt/entrypoints/http_server.py``: endpoint paths, error bodies, the ``--api-key`` /
+  ``--admin-api-key`` bearer header; ``/get_weight_version`` answers 404 ("use /model_info").
 - ``python/sglang/api/v1/api_types.py``: LogprobEntry is a [logprob, token_id, text] triple;
   FinishReason is an object tagged by "type" (stop | length | abort).
 
-Only the standard library does the HTTP (``http.client``): no ``requests`` dependency.
+Tokens are read from the ``output_token_logprobs`` triples (as slime and verl do); ``output_ids``,
+when present, must agree with them.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import time
@@ -29,14 +26,22 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-import torch
+import httpx
 
-from moe_rl.rollout.types import HFStateSource, Rollouts, SamplingParams
-from moe_rl.routing.codec import decode_sglang_routes, encode_routes
+from moe_rl.rollout.types import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+SUPPORTED_SGLANG = ">=0.5.11,<0.6"
+"""Versions moe-rl drives. 0.5.11 is the first release that both accepts
+``--enable-return-routed-experts`` (sgl-project/sglang#12162) and base64-encodes ``routed_experts``
+when launched with ``--skip-tokenizer-init``; 0.6 may change the native API. Tested wheels:
+``TESTED_SGLANG``."""
+TESTED_SGLANG = ("0.5.11", "0.5.23")
+"The oldest and newest supported versions, whose wheels the contract tests read."
+
 ROUTES_MISSING = '"routed_experts" absent: start the server with --enable-return-routed-experts'
+SESSION_ENDPOINT = "/begin_weight_update"
 
 
 class SGLangError(RuntimeError):
@@ -75,16 +80,49 @@ class StaleWeightsError(SGLangError):
     """A response was produced by weights other than the version last pushed."""
 
 
+class SGLangVersionError(SGLangError):
+    """The installed SGLang is outside ``SUPPORTED_SGLANG``."""
+
+
+def check_sglang_version(version: str | None) -> str:
+    """``version`` (default: the installed sglang's) if inside ``SUPPORTED_SGLANG``, else raise."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    if version is None:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
+
+        try:
+            version = dist_version("sglang")
+        except PackageNotFoundError as e:
+            raise SGLangVersionError(
+                f"sglang is not installed: pip install 'sglang{SUPPORTED_SGLANG}' (or moe-rl[sglang])"
+            ) from e
+    try:
+        ok = Version(version) in SpecifierSet(SUPPORTED_SGLANG)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        raise SGLangVersionError(
+            f"sglang {version} is installed but moe-rl supports sglang{SUPPORTED_SGLANG}: older releases "
+            f"reject --enable-return-routed-experts (before sgl-project/sglang#12162) or, with "
+            f"--skip-tokenizer-init, return routed_experts unencoded (before 0.5.11); "
+            f"pip install 'sglang{SUPPORTED_SGLANG}'"
+        )
+    return version
+
+
 @dataclass
 class GenerateOutput:
     """One parsed ``/generate`` response."""
 
     output_ids: list[int]
-    "Generated token ids (stop token included, as SGLang returns it)."
+    "Generated token ids (stop token included, as SGLang returns it), read from the logprob triples."
     logprobs: list[float] | None
     "Log-prob of each generated token (``meta_info.output_token_logprobs``), or None."
     finish_reason: str
-    "'stop' or 'length'."
+    "'stop', 'length', or 'abort' (only where the caller allows aborted rows)."
     prompt_tokens: int
     "Prompt length the server counted."
     weight_version: str | None
@@ -99,8 +137,9 @@ def _error_message(body: Any, raw: bytes) -> str:
     """SGLang's error text from any of its error bodies.
 
     http_server.py answers ``{"error": {"message": ...}}`` (_create_error_response),
-    ``{"object": "error", "message": ..., "code": 400}`` (ErrorResponse, request validation)
-    or ``{"success": false, "message": ...}`` (weight updates); /flush_cache answers text.
+    ``{"object": "error", "message": ..., "code": 400}`` (ErrorResponse, request validation),
+    ``{"success": false, "message": ...}`` (weight updates) or ``{"detail": ...}`` (HTTPException,
+    FastAPI); /flush_cache answers text.
     """
     if isinstance(body, dict):
         err = body.get("error")
@@ -115,24 +154,63 @@ def _error_message(body: Any, raw: bytes) -> str:
     return raw.decode("utf-8", "replace").strip()[:2000] or "(empty body)"
 
 
-class SGLangClient:
-    """Thin, strict client for SGLang's native HTTP API.
+def _decode(raw: bytes) -> Any:
+    try:
+        return json.loads(raw) if raw else None
+    except ValueError:
+        return raw.decode("utf-8", "replace")
 
-    Every call has a timeout. Connection errors and 5xx answers are retried ``retries``
-    times with exponential backoff (``backoff_s``, doubling); a 400 is never retried.
-    Calls that change weights are never retried (a repeated broadcast would hang).
+
+def normalize_url(base_url: str) -> str:
+    """``host:port`` or ``http://host:port[/]`` -> ``http://host:port``; ValueError otherwise."""
+    parts = urlsplit(base_url if "://" in base_url else f"http://{base_url}")
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"SGLang base_url must look like http://host:port, got {base_url!r}")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"http://{host}:{parts.port or 80}"
+
+
+def raise_for_status(url: str, status: int, raw: bytes) -> Any:
+    """The decoded body of a 2xx answer; the matching SGLangHTTPError otherwise."""
+    decoded = _decode(raw)
+    if 200 <= status < 300:
+        return decoded
+    msg = _error_message(decoded, raw)
+    cls = {400: SGLangBadRequest, 404: SGLangNotFound}.get(status, SGLangHTTPError)
+    raise cls(url, status, msg, decoded)
+
+
+class SGLangClient:
+    """Strict client for SGLang's native HTTP API (one server, or a router in front of several).
+
+    Every call has a timeout. Connection errors and 5xx answers are retried ``retries`` times with
+    exponential backoff (``backoff_s``, doubling); a 4xx is never retried, nor is a call that
+    changes weights (a repeated broadcast would hang). ``api_key`` is sent as
+    ``Authorization: Bearer`` (SGLang's ``--api-key`` / ``--admin-api-key``).
     """
 
-    def __init__(self, base_url: str, *, timeout_s: float = 120.0, retries: int = 3, backoff_s: float = 0.5):
-        parts = urlsplit(base_url if "://" in base_url else f"http://{base_url}")
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"SGLang base_url must look like http://host:port, got {base_url!r}")
-        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-        self.base_url = f"http://{host}:{parts.port or 80}"
-        self._host, self._port = parts.hostname, parts.port or 80
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 120.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        api_key: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ):
+        self.base_url = normalize_url(base_url)
+        self.transport = transport
+        "httpx transport of every request (None: the network; tests pass an httpx.MockTransport)."
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http: httpx.Client | None = None
         self._session_supported: bool | None = None
         self._atomic_session: bool | None = None
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.base_url).hostname or ""
 
     # ----------------------------------------------------------------- transport
     def request(
@@ -157,44 +235,46 @@ class SGLangClient:
                 status, raw = self._send(method, path, payload, timeout)
             except TimeoutError as e:
                 raise SGLangTimeout(
-                    f"{url} did not answer within {timeout:.1f} s "
-                    f"(timeout_s); is the server overloaded or hung?"
+                    f"{url} did not answer within {timeout:.1f} s (timeout_s); is the server overloaded or hung?"
                 ) from e
-            except (ConnectionError, http.client.HTTPException, OSError) as e:
+            except (ConnectionError, OSError) as e:
                 last = e
                 logger.debug("%s %s failed (attempt %d/%d): %s", method, url, attempt + 1, attempts, e)
                 continue
-            decoded = _decode(raw)
-            if 200 <= status < 300:
-                return decoded
-            msg = _error_message(decoded, raw)
-            if status == 400:
-                raise SGLangBadRequest(url, status, msg, decoded)
-            if status == 404:
-                raise SGLangNotFound(url, status, msg, decoded)
-            if status < 500:
-                raise SGLangHTTPError(url, status, msg, decoded)
-            last = SGLangHTTPError(url, status, msg, decoded)
+            try:
+                return raise_for_status(url, status, raw)
+            except SGLangHTTPError as e:
+                if status < 500:
+                    raise
+                last = e
         waited = time.monotonic() - t0
         if isinstance(last, SGLangHTTPError):
             raise SGLangHTTPError(
                 url, last.status, f"{last.message} (after {attempts} attempts over {waited:.1f} s)", last.body
             )
         raise SGLangUnavailable(
-            f"SGLang server at {self.base_url} is unavailable: {method} {path} "
-            f"failed {attempts} times over {waited:.1f} s; last error: "
-            f"{type(last).__name__}: {last}"
+            f"SGLang server at {self.base_url} is unavailable: {method} {path} failed {attempts} times "
+            f"over {waited:.1f} s; last error: {type(last).__name__}: {last}"
         )
 
     def _send(self, method: str, path: str, payload: bytes | None, timeout: float) -> tuple[int, bytes]:
-        conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+        """One HTTP exchange (the seam tests replace): (status, raw body); TimeoutError/ConnectionError."""
+        if self._http is None:
+            self._http = httpx.Client(base_url=self.base_url, headers=self.headers, transport=self.transport)
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
         try:
-            headers = {"Content-Type": "application/json"} if payload is not None else {}
-            conn.request(method, path, body=payload, headers=headers)
-            resp = conn.getresponse()
-            return resp.status, resp.read()
-        finally:
-            conn.close()
+            resp = self._http.request(method, path, content=payload, headers=headers, timeout=timeout)
+        except httpx.TimeoutException as e:
+            raise TimeoutError(str(e) or type(e).__name__) from e
+        except httpx.TransportError as e:
+            raise ConnectionError(str(e) or type(e).__name__) from e
+        return resp.status_code, resp.content
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        if self._http is not None:
+            self._http.close()
+            self._http = None
 
     # ----------------------------------------------------------------- status
     def health(self, *, timeout_s: float | None = None) -> bool:
@@ -202,7 +282,7 @@ class SGLangClient:
         return self._probe("/health", timeout_s)
 
     def health_generate(self, *, timeout_s: float | None = None) -> bool:
-        """GET /health_generate: True once the server generates a token."""
+        """GET /health_generate: True once the server generates a token (503 while paused)."""
         return self._probe("/health_generate", timeout_s)
 
     def _probe(self, path: str, timeout_s: float | None) -> bool:
@@ -215,11 +295,11 @@ class SGLangClient:
             raise
 
     def model_info(self) -> dict:
-        """/model_info (newer SGLang) or /get_model_info (0.5.x)."""
+        """/model_info (/get_model_info is deprecated in every supported version)."""
         return self._get_either("/model_info", "/get_model_info")
 
     def server_info(self) -> dict:
-        """/server_info (newer SGLang) or /get_server_info (0.5.x): server args + version."""
+        """/server_info (/get_server_info is deprecated in every supported version)."""
         return self._get_either("/server_info", "/get_server_info")
 
     def _get_either(self, new: str, old: str) -> dict:
@@ -229,7 +309,14 @@ class SGLangClient:
             return self.request("GET", old)
 
     def get_weight_version(self) -> str:
-        """GET /get_weight_version -> the version the server serves."""
+        """The version the server serves: ``/model_info["weight_version"]``.
+
+        ``/get_weight_version`` answers 404 on every supported SGLang; it is read only from a
+        server whose model info carries no weight version (pre-0.5 SGLang, old doubles).
+        """
+        info = self.model_info()
+        if isinstance(info, dict) and info.get("weight_version") is not None:
+            return str(info["weight_version"])
         return str(self.request("GET", "/get_weight_version")["weight_version"])
 
     def flush_cache(self) -> None:
@@ -238,28 +325,40 @@ class SGLangClient:
 
     # ----------------------------------------------------------------- generation control
     def pause_generation(self, mode: str = "abort") -> Any:
-        """POST /pause_generation; ``mode`` is PauseGenerationReqInput.mode (older servers ignore it)."""
+        """POST /pause_generation; ``mode`` abort returns in-flight requests as aborted."""
         return self.request("POST", "/pause_generation", {"mode": mode}, retries=0)
 
     def continue_generation(self) -> Any:
         """POST /continue_generation."""
         return self.request("POST", "/continue_generation", {})
 
+    def abort_request(self, rid: str | None = None, *, abort_all: bool = False) -> Any:
+        """POST /abort_request (AbortReq): one request by ``rid``, or all of them."""
+        body: dict[str, Any] = {"abort_all": abort_all}
+        if rid is not None:
+            body["rid"] = rid
+        return self.request("POST", "/abort_request", body, retries=0)
+
     def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> Any:
         """POST /update_weight_version (UpdateWeightVersionReqInput)."""
-        return self.request(
-            "POST",
-            "/update_weight_version",
-            {"new_version": new_version, "abort_all_requests": abort_all_requests},
-            retries=0,
-        )
+        body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        return self.request("POST", "/update_weight_version", body, retries=0)
 
+    def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        """POST /release_memory_occupation (needs --enable-memory-saver; the server must be idle)."""
+        return self.request("POST", "/release_memory_occupation", {"tags": tags}, retries=0)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        """POST /resume_memory_occupation (``tags``: weights, kv_cache; None: all)."""
+        return self.request("POST", "/resume_memory_occupation", {"tags": tags}, retries=0)
+
+    # ----------------------------------------------------------------- update session
     def supports_weight_update_session(self) -> bool | None:
         """Whether /begin_weight_update exists: True/False when known, None when unknown.
 
         ``moe-rl serve`` advertises its atomic session as ``server_info()["weight_update_session"]``;
-        SGLang 0.5.x has no such endpoints; later SGLang main has them (BeginWeightUpdateReqInput)
-        without advertising them, so there they are probed, and they are not atomic.
+        SGLang 0.5.11 has no such endpoint; 0.5.23 has it (and requires it around distributed and
+        tensor updates) without advertising it, so there it is probed.
         """
         if self._atomic_session is None:
             try:
@@ -282,7 +381,7 @@ class SGLangClient:
         if self.supports_weight_update_session() is False:
             return False
         try:
-            self.request("POST", "/begin_weight_update", {"selector": selector}, retries=0)
+            self.request("POST", SESSION_ENDPOINT, {"selector": selector}, retries=0)
         except SGLangNotFound:
             self._session_supported = False
             return False
@@ -331,6 +430,7 @@ class SGLangClient:
         group_name: str,
         flush_cache: bool = True,
         weight_version: str | None = None,
+        load_format: str | None = None,
         timeout_s: float | None = None,
     ) -> Any:
         """POST /update_weights_from_distributed; blocks while the trainer broadcasts."""
@@ -343,7 +443,28 @@ class SGLangClient:
         }
         if weight_version is not None:
             body["weight_version"] = weight_version
+        if load_format is not None:
+            body["load_format"] = load_format
         return self.request("POST", "/update_weights_from_distributed", body, timeout_s=timeout_s, retries=0)
+
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        *,
+        load_format: str | None = "flattened_bucket",
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """POST /update_weights_from_tensor: one base64 payload per TP rank of the server."""
+        body: dict[str, Any] = {
+            "serialized_named_tensors": serialized_named_tensors,
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return self.request("POST", "/update_weights_from_tensor", body, timeout_s=timeout_s, retries=0)
 
     def update_weights_from_disk(
         self,
@@ -369,24 +490,18 @@ class SGLangClient:
         return_routed_experts: bool = False,
         timeout_s: float | None = None,
     ) -> list[GenerateOutput]:
-        """POST /generate for a batch of token-id prompts; one parsed output per prompt."""
+        """POST /generate for a batch of token-id prompts in one request (tests, probes);
+        rollouts send one request per sample (:mod:`moe_rl.rollout.sglang_engine`)."""
         if not input_ids or not all(isinstance(p, list) and p for p in input_ids):
             raise ValueError("generate() needs a non-empty batch of non-empty token-id lists")
-        body: dict[str, Any] = {
-            "input_ids": input_ids,
-            "sampling_params": sampling_params,
-            "return_logprob": return_logprob,
-        }
-        if return_routed_experts:
-            body["return_routed_experts"] = True
+        body = generate_body(input_ids, sampling_params, return_logprob, return_routed_experts)
         out = self.request("POST", "/generate", body, timeout_s=timeout_s)
         if isinstance(out, dict):
             out = [out]
         if not isinstance(out, list) or len(out) != len(input_ids):
             raise SGLangError(
-                f"/generate returned {type(out).__name__} of "
-                f"{len(out) if isinstance(out, list) else 1} items for "
-                f"{len(input_ids)} prompts"
+                f"/generate returned {type(out).__name__} of {len(out) if isinstance(out, list) else 1} "
+                f"items for {len(input_ids)} prompts"
             )
         return [
             parse_generate_response(r, want_logprobs=return_logprob, want_routes=return_routed_experts)
@@ -394,45 +509,58 @@ class SGLangClient:
         ]
 
 
-def _decode(raw: bytes) -> Any:
-    try:
-        return json.loads(raw) if raw else None
-    except ValueError:
-        return raw.decode("utf-8", "replace")
+def generate_body(
+    input_ids: Any, sampling_params: Any, return_logprob: bool, return_routed_experts: bool, rid: Any = None
+) -> dict:
+    """A GenerateReqInput body (``return_routed_experts`` only when asked: older servers reject it)."""
+    body: dict[str, Any] = {
+        "input_ids": input_ids,
+        "sampling_params": sampling_params,
+        "return_logprob": return_logprob,
+    }
+    if rid is not None:
+        body["rid"] = rid
+    if return_routed_experts:
+        body["return_routed_experts"] = True
+    return body
 
 
-def parse_generate_response(resp: dict, *, want_logprobs: bool, want_routes: bool) -> GenerateOutput:
-    """Parse one ``/generate`` item (see the module docstring for where each field comes from)."""
+def parse_generate_response(
+    resp: dict, *, want_logprobs: bool, want_routes: bool, allow_abort: bool = False
+) -> GenerateOutput:
+    """Parse one ``/generate`` item (see the module docstring for where each field comes from).
+
+    ``allow_abort``: a request aborted by ``/abort_request`` (a straggler at the step deadline)
+    is returned with what it generated so far and finish_reason 'abort'.
+    """
     if not isinstance(resp, dict) or not isinstance(resp.get("meta_info"), dict):
         raise SGLangError(f"/generate item without meta_info: {str(resp)[:300]}")
     meta = resp["meta_info"]
     fr = meta.get("finish_reason")
     kind = fr.get("type") if isinstance(fr, dict) else fr
-    if kind == "abort" or kind not in ("stop", "length"):
+    if kind not in ("stop", "length") and not (allow_abort and kind == "abort"):
         detail = fr.get("message") if isinstance(fr, dict) else fr
         raise SGLangError(
-            f"request {meta.get('id')} did not finish normally "
-            f"(finish_reason={kind!r}: {detail}); was generation paused in 'abort' mode?"
+            f"request {meta.get('id')} did not finish normally (finish_reason={kind!r}: {detail}); "
+            f"was generation paused in 'abort' mode or the request aborted?"
         )
     triples = meta.get("output_token_logprobs")
     output_ids = resp.get("output_ids")
-    if output_ids is None and triples is not None:
-        output_ids = [int(t[1]) for t in triples]
+    if triples is not None:
+        from_triples = [int(t[1]) for t in triples]
+        if output_ids is not None and list(output_ids) != from_triples:
+            raise SGLangError("output_token_logprobs token ids disagree with output_ids")
+        output_ids = from_triples
+    elif want_logprobs:
+        raise SGLangError("meta_info.output_token_logprobs absent although return_logprob=true")
     if output_ids is None:
         raise SGLangError("/generate item has neither output_ids nor output_token_logprobs")
-    logprobs = None
-    if want_logprobs:
-        if triples is None:
-            raise SGLangError("meta_info.output_token_logprobs absent although return_logprob=true")
-        if [int(t[1]) for t in triples] != list(output_ids):
-            raise SGLangError("output_token_logprobs token ids disagree with output_ids")
-        logprobs = [float(t[0]) for t in triples]
     routes = meta.get("routed_experts")
-    if want_routes and routes is None:
+    if want_routes and routes is None and output_ids:
         raise RoutesMissing(ROUTES_MISSING)
     return GenerateOutput(
         output_ids=[int(t) for t in output_ids],
-        logprobs=logprobs,
+        logprobs=[float(t[0]) for t in triples] if want_logprobs else None,
         finish_reason=kind,
         prompt_tokens=int(meta.get("prompt_tokens", -1)),
         weight_version=meta.get("weight_version"),
@@ -460,145 +588,3 @@ def to_sglang_sampling_params(sampling: SamplingParams, seed: int | None) -> dic
     if seed is not None:
         sp["sampling_seed"] = int(seed)
     return sp
-
-
-class SGLangEngine:
-    """RolloutEngine over an SGLang server: builds ``Rollouts`` and checks weight versions.
-
-    ``num_layers``/``topk``/``num_experts`` describe the MoE (needed to decode routes).
-    ``weight_sync`` is a pusher from :mod:`moe_rl.rollout.weight_sync` (needed by
-    ``update_weights``); ``launcher`` (optional) is stopped by ``close()``.
-    """
-
-    def __init__(
-        self,
-        client: SGLangClient,
-        *,
-        num_layers: int | None = None,
-        topk: int | None = None,
-        num_experts: int | None = None,
-        pad_id: int = 0,
-        weight_sync: Any = None,
-        launcher: Any = None,
-        weight_version: str | None = None,
-    ):
-        self.client, self.pad_id = client, pad_id
-        self.num_layers, self.topk, self.num_experts = num_layers, topk, num_experts
-        self.weight_sync, self.launcher = weight_sync, launcher
-        self.weight_version = weight_version if weight_version is not None else client.get_weight_version()
-        self._weights_uncertain: str | None = None
-        self._seed_checked = False
-        self.last_push = None
-
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
-        """Sample ``n`` responses per prompt (rows of a prompt adjacent; row b uses seed + b)."""
-        if self._weights_uncertain:
-            raise StaleWeightsError(self._weights_uncertain)
-        if n < 1 or not prompts:
-            raise ValueError(f"generate needs prompts and n >= 1, got {len(prompts)} prompts, n={n}")
-        if sampling.return_routes and None in (self.num_layers, self.topk, self.num_experts):
-            raise ValueError("return_routes needs SGLangEngine(num_layers=, topk=, num_experts=)")
-        if sampling.seed is not None and not self._seed_checked:
-            self._check_seeds_honoured()
-        rows = [list(p) for p in prompts for _ in range(n)]
-        params = [
-            to_sglang_sampling_params(sampling, None if sampling.seed is None else sampling.seed + b)
-            for b in range(len(rows))
-        ]
-        t0 = time.perf_counter()
-        outs = self.client.generate(
-            rows, params, return_logprob=True, return_routed_experts=sampling.return_routes
-        )
-        gen_s = time.perf_counter() - t0
-        for b, o in enumerate(outs):
-            if o.weight_version != self.weight_version:
-                raise StaleWeightsError(
-                    f"row {b} was generated with weight_version {o.weight_version!r} but the trainer "
-                    f"last pushed {self.weight_version!r}: another process changed the server's "
-                    f"weights, or a push did not take effect"
-                )
-        batch = self._build(rows, outs, sampling, n)
-        ntok = batch.num_response_tokens
-        batch.extras.update(generate_s=gen_s, tokens_per_s=ntok / max(gen_s, 1e-9), requests=len(rows))
-        return batch
-
-    def _build(
-        self, rows: list[list[int]], outs: list[GenerateOutput], sampling: SamplingParams, n: int
-    ) -> Rollouts:
-        B = len(rows)
-        T = max(len(p) + len(o.output_ids) for p, o in zip(rows, outs))
-        tokens_BT = torch.full((B, T), self.pad_id, dtype=torch.int64)
-        mask_BT = torch.zeros(B, T, dtype=torch.float32)
-        logp_BT = torch.zeros(B, T, dtype=torch.float32)
-        routes_BTLK = None
-        if sampling.return_routes:
-            routes_BTLK = torch.zeros(B, T, self.num_layers, self.topk, dtype=torch.int64)
-        plen, tlen = [], []
-        for b, (p, o) in enumerate(zip(rows, outs)):
-            P, R = len(p), len(o.output_ids)
-            tokens_BT[b, :P] = torch.tensor(p)
-            tokens_BT[b, P : P + R] = torch.tensor(o.output_ids, dtype=torch.int64)
-            mask_BT[b, P : P + R] = 1.0
-            logp_BT[b, P : P + R] = torch.tensor(o.logprobs, dtype=torch.float32)
-            plen.append(P)
-            tlen.append(P + R)
-            if routes_BTLK is not None:
-                routes_NLK = decode_sglang_routes(o.routed_experts, self.num_layers, self.topk)
-                if routes_NLK.shape[0] != P + R - 1:
-                    raise SGLangError(
-                        f"row {b}: routed_experts has {routes_NLK.shape[0]} rows, expected "
-                        f"prompt {P} + completion {R} - 1 = {P + R - 1}"
-                    )
-                routes_BTLK[b, : P + R - 1] = routes_NLK
-        if routes_BTLK is not None:
-            routes_BTLK = encode_routes(routes_BTLK, self.num_experts)
-        return Rollouts(
-            tokens_BT=tokens_BT,
-            prompt_lens_B=torch.tensor(plen),
-            total_lens_B=torch.tensor(tlen),
-            response_mask_BT=mask_BT,
-            logprobs_BT=logp_BT,
-            finish_reasons=[o.finish_reason for o in outs],
-            weight_version=self.weight_version,
-            prompt_index_B=torch.arange(B) // n,
-            routes_BTLK=routes_BTLK,
-            pad_id=self.pad_id,
-        )
-
-    def _check_seeds_honoured(self) -> None:
-        """SGLang ignores sampling_seed unless launched with --enable-deterministic-inference."""
-        self._seed_checked = True
-        try:
-            deterministic = self.client.server_info().get("enable_deterministic_inference")
-        except SGLangError:
-            deterministic = None
-        if deterministic is False:
-            logger.warning(
-                "%s ignores sampling seeds: launch SGLang with --enable-deterministic-inference "
-                "for reproducible rollouts",
-                self.client.base_url,
-            )
-
-    def update_weights(self, source: HFStateSource, version: str) -> str:
-        """Push ``source`` with the configured weight sync; the server then serves ``version``."""
-        if self.weight_sync is None:
-            raise ValueError("SGLangEngine(weight_sync=...) is needed to push weights")
-        try:
-            self.last_push = self.weight_sync.push(source, version)
-        except Exception as e:
-            if getattr(e, "server_may_be_mixed", False):
-                self._weights_uncertain = (
-                    f"the push of {version!r} failed midway on a server without "
-                    f"atomic weight-update sessions; push again before generating"
-                )
-            raise
-        self._weights_uncertain = None
-        self.weight_version = version
-        return version
-
-    def close(self) -> None:
-        """Destroy the weight-update group and stop a launched server."""
-        if self.weight_sync is not None and hasattr(self.weight_sync, "close"):
-            self.weight_sync.close()
-        if self.launcher is not None:
-            self.launcher.stop()

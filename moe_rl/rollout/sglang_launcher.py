@@ -1,4 +1,4 @@
-"""Start, wait for, and stop an SGLang server process; or attach to a running one.
+"""Start, wait for, and stop SGLang servers and sglang-router; or attach to running ones.
 
 The command is ``<python> -m <module> --model-path ... --host 127.0.0.1 --port ...`` with the
 module ``sglang.launch_server`` by default. Option names are SGLang's ServerArgs
@@ -8,6 +8,11 @@ module ``sglang.launch_server`` by default. Option names are SGLang's ServerArgs
 "default") and ``--enable-deterministic-inference`` (needed for ``sampling_seed`` to make
 non-greedy sampling reproducible). Tests point ``python``/``module`` at ``moe_rl.serve.http``
 to launch ``moe-rl serve`` through the same code path.
+
+Placement: ``gpu_ids`` becomes the server's ``CUDA_VISIBLE_DEVICES`` (and ``--base-gpu-id 0``), so
+engine ``i`` of a recipe gets ``rollout.sglang.gpus[i*tp:(i+1)*tp]`` (:func:`plan_gpus`) and never
+the trainer's devices unless colocated (``--enable-memory-saver``). Launching ``sglang.launch_server``
+first checks the installed SGLang against ``SUPPORTED_SGLANG``.
 
 The process is started in its own session, so stopping it signals exactly the process group
 whose id is the PID we started: SIGTERM, then SIGKILL after a grace period. Never by name.
@@ -23,9 +28,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from moe_rl.dist import free_port
-from moe_rl.rollout.sglang_client import SGLangClient, SGLangError, SGLangHTTPError, SGLangUnavailable
+from moe_rl.rollout.sglang_client import (
+    SGLangClient,
+    SGLangError,
+    SGLangHTTPError,
+    SGLangUnavailable,
+    check_sglang_version,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +72,14 @@ class SGLangServerConfig:
     "Initial weight_version (None: SGLang's 'default')."
     enable_deterministic_inference: bool = False
     "Batch-invariant kernels; makes sampling_seed reproducible for non-greedy sampling."
+    gpu_ids: tuple[int, ...] | None = None
+    "GPUs of this server: its CUDA_VISIBLE_DEVICES, with --base-gpu-id 0 (None: inherit the environment)."
+    enable_memory_saver: bool = False
+    "--enable-memory-saver: colocated mode, memory released and resumed around training."
+    api_key: str | None = None
+    "--api-key (every endpoint but /health*)."
+    admin_api_key: str | None = None
+    "--admin-api-key (weight updates, pause, abort, memory)."
     extra_args: tuple[str, ...] = ()
     "More command-line options, passed as is."
     python: str = sys.executable
@@ -72,6 +92,33 @@ class SGLangServerConfig:
             raise ValueError(f"sglang tp_size={self.tp_size}, ep_size={self.ep_size}: both must be >= 1")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"sglang mem_fraction_static={self.mem_fraction_static}: use a value in (0, 1)")
+        if self.gpu_ids is not None and len(self.gpu_ids) != self.tp_size:
+            raise ValueError(f"sglang gpu_ids={list(self.gpu_ids)}: give exactly tp_size={self.tp_size} GPUs")
+
+    def env(self) -> dict[str, str]:
+        """Environment the server process gets on top of ours (its device mask)."""
+        return {} if self.gpu_ids is None else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.gpu_ids))}
+
+
+def plan_gpus(gpus: list[int], engines: int, tp: int) -> list[tuple[int, ...]]:
+    """Engine ``i`` gets ``gpus[i*tp:(i+1)*tp]``; ValueError when there are too few or repeats."""
+    if len(set(gpus)) != len(gpus):
+        raise ValueError(f"rollout.sglang.gpus={gpus} names a GPU twice")
+    if len(gpus) < engines * tp:
+        raise ValueError(
+            f"rollout.sglang.gpus={gpus}: {engines} engines x tp {tp} need {engines * tp} GPUs, got {len(gpus)}"
+        )
+    return [tuple(gpus[i * tp : (i + 1) * tp]) for i in range(engines)]
+
+
+def check_disjoint(rollout_gpus: list[int], trainer_gpus: list[int]) -> None:
+    """Rollout engines must not land on the trainer's devices (unless colocated)."""
+    shared = sorted(set(rollout_gpus) & set(trainer_gpus))
+    if shared:
+        raise ValueError(
+            f"rollout.sglang.gpus={rollout_gpus} overlaps the trainer's GPUs {trainer_gpus} at {shared}: "
+            f"give the engines other GPUs, or set rollout.sglang.colocate=true (memory saver)"
+        )
 
 
 def build_command(cfg: SGLangServerConfig, port: int) -> list[str]:
@@ -103,7 +150,29 @@ def build_command(cfg: SGLangServerConfig, port: int) -> list[str]:
         cmd.append("--enable-deterministic-inference")
     if cfg.weight_version is not None:
         cmd += ["--weight-version", cfg.weight_version]
+    if cfg.gpu_ids is not None:
+        cmd += ["--base-gpu-id", "0"]
+    if cfg.enable_memory_saver:
+        cmd.append("--enable-memory-saver")
+    if cfg.api_key:
+        cmd += ["--api-key", cfg.api_key]
+    if cfg.admin_api_key:
+        cmd += ["--admin-api-key", cfg.admin_api_key]
     return cmd + list(cfg.extra_args)
+
+
+def installed_sglang_version(python: str) -> str | None:
+    """The sglang version ``python`` would import (None when it has none)."""
+    if python == sys.executable:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("sglang")
+        except PackageNotFoundError:
+            return None
+    code = "import importlib.metadata as m\ntry: print(m.version('sglang'))\nexcept Exception: print('')"
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
+    return out.stdout.strip() or None
 
 
 def _log_tail(path: Path | None, n: int = 40) -> str:
@@ -140,18 +209,24 @@ class SGLangLauncher:
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
 
-    def client(self, **kwargs: float) -> SGLangClient:
-        """A client for this server."""
+    def client(self, **kwargs: Any) -> SGLangClient:
+        """A client for this server (with its keys)."""
+        kwargs.setdefault("api_key", self.cfg.admin_api_key or self.cfg.api_key)
         return SGLangClient(self.url, **kwargs)
 
     def start(self) -> SGLangClient:
         """Launch, wait until /health_generate answers 200, return a client."""
         if self.proc is not None:
             raise SGLangLaunchError(f"server {self.url} already started (pid {self.pid})")
+        if self.cfg.module.startswith("sglang."):
+            version = installed_sglang_version(self.cfg.python)
+            if version is None:
+                check_sglang_version(None)  # raises: not installed
+            check_sglang_version(version)
         cmd = build_command(self.cfg, self.port)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, **(self.env or {})}
+        env = {**os.environ, **self.cfg.env(), **(self.env or {})}
         logger.info("launching %s (log %s)", " ".join(cmd), self.log_path)
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -164,7 +239,7 @@ class SGLangLauncher:
 
     def wait_ready(self) -> SGLangClient:
         """Poll /health_generate until 200, the process exits, or the startup deadline passes."""
-        client = SGLangClient(self.url, timeout_s=30.0, retries=0)
+        client = self.client(timeout_s=30.0, retries=0)
         t0 = time.monotonic()
         deadline = t0 + self.startup_timeout_s
         while True:
@@ -185,7 +260,7 @@ class SGLangLauncher:
             try:
                 if client.health_generate(timeout_s=min(30.0, max(remaining, 0.1))):
                     logger.info("server %s healthy after %.1f s", self.url, time.monotonic() - t0)
-                    return SGLangClient(self.url)
+                    return self.client()
             except (SGLangUnavailable, SGLangHTTPError):
                 pass
             time.sleep(self.poll_s)
@@ -224,9 +299,9 @@ class SGLangLauncher:
         self.stop()
 
 
-def attach(url: str, *, timeout_s: float = 60.0, poll_s: float = 1.0, **client_kwargs: float) -> SGLangClient:
+def attach(url: str, *, timeout_s: float = 60.0, poll_s: float = 1.0, **client_kwargs: Any) -> SGLangClient:
     """Use a server someone else started: wait until /health_generate answers, return a client."""
-    probe = SGLangClient(url, timeout_s=min(30.0, timeout_s), retries=0)
+    probe = SGLangClient(url, timeout_s=min(30.0, timeout_s), retries=0, api_key=client_kwargs.get("api_key"))
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
     while time.monotonic() < deadline:

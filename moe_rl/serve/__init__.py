@@ -3,21 +3,24 @@
 - :mod:`.protocol`: request checks, SGLang ``sampling_params`` -> our SamplingParams, the
   response bodies SGLang uses for errors and weight updates (no HTTP, no engine).
 - :mod:`.app`: :class:`~moe_rl.serve.app.SGLangProtocolApp`, the endpoints as
-  ``(method, path, JSON body) -> (status, body)``, the pause gate and the atomic update session.
-- :mod:`.http`: the standard-library HTTP server around the app and the SGLang-style ``main``.
+  ``(method, path, JSON body) -> (status, body)``, the pause gate and aborts;
+  :mod:`.weights` its weight-update and memory endpoints; :mod:`.batcher` the micro-batching
+  of concurrent per-sample requests.
+- :mod:`.http`: FastAPI + uvicorn around the app (as SGLang's own server), api keys, and the
+  ``moe-rl serve`` command line (:func:`~moe_rl.serve.http.build_arg_parser`).
 - :mod:`.embedded`: the engine factory of ``moe-rl serve`` (HF checkpoint or recipe -> EmbeddedEngine).
 
 The same client, launcher and weight-sync code then run end to end on a CPU machine.
-Requests and responses follow SGLang 0.5.x (sgl-project/sglang):
+Requests and responses follow SGLang 0.5.23 (sgl-project/sglang), checked against its wheel:
 ``python/sglang/srt/entrypoints/http_server.py`` (paths, status codes, error bodies),
 ``python/sglang/srt/managers/io_struct.py`` (request fields and defaults),
 ``python/sglang/srt/managers/tokenizer_manager.py`` (meta_info keys) and
 ``python/sglang/srt/sampling/sampling_params.py`` (sampling fields). The server behaves like
 SGLang launched with ``--skip-tokenizer-init``: token ids in, token ids out, no ``text``.
 
-Ours, not SGLang 0.5.x: ``/begin_weight_update`` and ``/end_weight_update`` exist only on later
-SGLang main (BeginWeightUpdateReqInput); here they open an *atomic* session: generation waits,
-updates are staged, and ``/end_weight_update`` applies everything or nothing
-(``{"abort": true}`` discards). ``server_info`` advertises this as ``weight_update_session``.
+Ours, beyond SGLang: the begin/end weight-update session (0.5.23; misuse fails with SGLang's
+messages, and distributed / tensor updates need it) is *atomic*: generation waits, updates are
+staged, and ``/end_weight_update`` applies everything or nothing (``{"abort": true}`` discards).
+``server_info`` advertises this as ``weight_update_session``.
 Malformed requests get 400 with SGLang's ErrorResponse body naming the field.
 """

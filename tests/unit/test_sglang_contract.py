@@ -21,9 +21,9 @@ Sources (sgl-project/sglang, 0.5.x and main as stored at the time of writing):
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any, Literal
 
+import httpx
 import msgspec
 import pytest
 import torch
@@ -34,14 +34,15 @@ from moe_rl.rollout.sglang_client import (
     RoutesMissing,
     SGLangBadRequest,
     SGLangClient,
-    SGLangEngine,
     SGLangError,
     SGLangHTTPError,
+    SGLangNotFound,
     SGLangUnavailable,
     StaleWeightsError,
     parse_generate_response,
     to_sglang_sampling_params,
 )
+from moe_rl.rollout.sglang_engine import SGLangEngine
 from moe_rl.rollout.sglang_launcher import SGLangServerConfig, build_command
 from moe_rl.rollout.types import Rollouts, SamplingParams
 from moe_rl.routing.codec import decode_sglang_routes
@@ -67,6 +68,16 @@ class GenerateBatchRequest(msgspec.Struct, forbid_unknown_fields=True):
     input_ids: list[list[int]]
     sampling_params: SGLSamplingParams | list[SGLSamplingParams] | None = None
     return_logprob: bool | list[bool] | None = None
+    return_routed_experts: bool = False
+
+
+class GenerateOneRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """api_types.py GenerateRequest for one sample (as the engine sends them), plus return_routed_experts."""
+
+    input_ids: list[int]
+    rid: str
+    sampling_params: SGLSamplingParams
+    return_logprob: bool
     return_routed_experts: bool = False
 
 
@@ -294,24 +305,39 @@ class _Canned:
         self.answers, self.calls = answers, []
 
     def __call__(self, method: str, path: str, payload: bytes | None, timeout: float):
-        self.calls.append((method, path, None if payload is None else json.loads(payload)))
+        body_in = None if payload is None else json.loads(payload)
+        self.calls.append((method, path, body_in))
         answer = self.answers.get(path, (404, {"detail": "Not Found"}))
+        answer = answer(body_in) if callable(answer) else answer
         status, body = answer if isinstance(answer, tuple) else (200, answer)
         if isinstance(body, Exception):
             raise body
         return status, (body if isinstance(body, bytes) else json.dumps(body).encode())
 
+    def transport(self) -> httpx.MockTransport:
+        """The same answers for httpx clients (the engine's per-sample async requests)."""
+
+        def handler(request: httpx.Request) -> httpx.Response:
+            status, raw = self(request.method, request.url.path, request.content or None, 0.0)
+            return httpx.Response(status, content=raw)
+
+        return httpx.MockTransport(handler)
+
+
+def _pinned_per_prompt(body: dict) -> dict:
+    """/generate answered per sample, as SGLang answers one request per prompt."""
+    return PINNED_GENERATE[0] if body["input_ids"] == [1, 2, 3, 4] else PINNED_GENERATE[1]
+
 
 def _engine_with(monkeypatch, answers, version="step-7") -> tuple[SGLangEngine, _Canned]:
-    client = SGLangClient("http://127.0.0.1:1", timeout_s=1, retries=0)
     canned = _Canned(answers)
-    monkeypatch.setattr(client, "_send", canned)
+    client = SGLangClient("http://127.0.0.1:1", timeout_s=1, retries=0, transport=canned.transport())
     return SGLangEngine(client, num_layers=2, topk=2, num_experts=8, weight_version=version), canned
 
 
 def test_engine_builds_rollouts_from_pinned_responses(monkeypatch, caplog):
     info = {"enable_deterministic_inference": False}  # SGLang's server_info carries all ServerArgs
-    engine, canned = _engine_with(monkeypatch, {"/generate": PINNED_GENERATE, "/get_server_info": info})
+    engine, canned = _engine_with(monkeypatch, {"/generate": _pinned_per_prompt, "/server_info": info})
     sp = SamplingParams(
         temperature=0.7, top_p=0.9, max_new_tokens=4, seed=100, return_routes=True, stop_token_ids=(3,)
     )
@@ -327,13 +353,15 @@ def test_engine_builds_rollouts_from_pinned_responses(monkeypatch, caplog):
     assert ro.routes_BTLK[0, :6].tolist() == PINNED_ROUTES_0 and ro.routes_BTLK[0, 6].sum() == 0
     assert ro.routes_BTLK[1, :5].tolist() == PINNED_ROUTES_1 and ro.routes_BTLK[1, 5:].sum() == 0
     assert "--enable-deterministic-inference" in caplog.text  # seeds would be ignored: say so
-    body = msgspec.convert(canned.calls[-1][2], GenerateBatchRequest)
-    assert [p.sampling_seed for p in body.sampling_params] == [100, 101]
-    assert body.return_routed_experts and body.sampling_params[0].stop_token_ids == [3]
+    sent = sorted((c[2] for c in canned.calls if c[1] == "/generate"), key=lambda b: -len(b["input_ids"]))
+    bodies = [msgspec.convert(b, GenerateOneRequest) for b in sent]  # one request per sample
+    assert [b.sampling_params.sampling_seed for b in bodies] == [100, 101]
+    assert all(b.return_routed_experts and b.sampling_params.stop_token_ids == [3] for b in bodies)
+    assert len({b.rid for b in bodies}) == 2  # each row has its own rid (for /abort_request)
 
 
 def test_engine_rejects_stale_weights(monkeypatch):
-    engine, _ = _engine_with(monkeypatch, {"/generate": PINNED_GENERATE}, version="step-8")
+    engine, _ = _engine_with(monkeypatch, {"/generate": _pinned_per_prompt}, version="step-8")
     with pytest.raises(StaleWeightsError, match="'step-7'.*'step-8'"):
         engine.generate([[1, 2, 3, 4], [5, 6]], 1, SamplingParams(max_new_tokens=4))
 
@@ -417,7 +445,7 @@ def test_errors_retries_and_unavailable(monkeypatch):
             "/generate": (400, PINNED_VALIDATION_ERROR),
             "/update_weights_from_disk": (400, {"success": False, "message": "bad shape"}),
             "/flush_cache": (503, b"busy"),
-            "/get_weight_version": (400, {"error": {"message": "nope"}}),
+            "/model_info": (400, {"error": {"message": "nope"}}),
         }
     )
     monkeypatch.setattr(client, "_send", canned)
@@ -541,14 +569,9 @@ class _EchoEngine:
 
 @pytest.fixture
 def local_server():
-    httpd = srv_http.make_server(
-        _EchoEngine(), "127.0.0.1", 0, weight_version="v0", enable_return_routed_experts=True
-    )
-    th = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    th.start()
-    yield SGLangClient(f"http://127.0.0.1:{httpd.server_address[1]}", timeout_s=10, retries=0)
-    httpd.shutdown()
-    httpd.server_close()
+    server = srv_http.ServerThread(_EchoEngine(), weight_version="v0", enable_return_routed_experts=True)
+    yield SGLangClient(server.url, timeout_s=10, retries=0)
+    server.stop()
 
 
 def test_our_server_speaks_the_contract(local_server):
@@ -577,9 +600,17 @@ def test_our_server_speaks_the_contract(local_server):
         msgspec.convert(c.request("GET", path), GetModelInfoResponse)
     for path in ("/server_info", "/get_server_info"):
         assert msgspec.convert(c.request("GET", path), GetServerInfoResponse).weight_version == "v0"
-    msgspec.convert(c.request("GET", "/get_weight_version"), WeightVersion)
+    for path in ("/get_weight_version", "/weight_version"):  # removed in SGLang 0.5.11: 404, use /model_info
+        with pytest.raises(SGLangNotFound, match=r"deprecated\. Please use '/model_info'"):
+            c.request("GET", path)
+    assert msgspec.convert(c.request("GET", "/model_info"), WeightVersion).weight_version == "v0"
     msgspec.convert(c.request("POST", "/pause_generation", {"mode": "abort"}), StatusMessage)
+    assert not c.health_generate() and c.health()  # SGLang: /health_generate 503 while paused
+    with pytest.raises(SGLangHTTPError) as e:
+        c.request("GET", "/ready")
+    assert e.value.status == 503
     msgspec.convert(c.request("POST", "/continue_generation", {}), StatusMessage)
+    assert c.request("GET", "/ready") is None
     r = msgspec.convert(
         c.request("POST", "/update_weight_version", {"new_version": "v1"}), WeightVersionUpdateResponse
     )
@@ -627,7 +658,7 @@ def test_our_server_session_is_atomic(local_server, tmp_path):
     save_file({"w": torch.tensor([1.0, 2.0])}, str(good / "model.safetensors"))
     save_file({"w": torch.zeros(3)}, str(bad / "model.safetensors"))
     assert c.begin_weight_update() is True
-    with pytest.raises(SGLangBadRequest, match="already open"):
+    with pytest.raises(SGLangBadRequest, match="a weight-update session is already open"):
         c.request("POST", "/begin_weight_update", {})
     msgspec.convert(
         c.request("POST", "/update_weights_from_disk", {"model_path": str(good), "weight_version": "v2"}),
@@ -646,5 +677,7 @@ def test_our_server_session_is_atomic(local_server, tmp_path):
     msgspec.convert(c.end_weight_update(), SuccessMessage)
     out = c.generate([[1]], {"max_new_tokens": 1})[0]
     assert out.logprobs == [-1.5] and out.weight_version == "v2"
-    with pytest.raises(SGLangBadRequest, match="begin_weight_update first"):
+    with pytest.raises(
+        SGLangBadRequest, match=r"no weight-update session is open; call begin_weight_update\(\) first"
+    ):
         c.end_weight_update()

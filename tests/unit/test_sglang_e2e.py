@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from moe_rl.rollout.sglang_client import (
     SGLangBadRequest,
     SGLangClient,
-    SGLangEngine,
     SGLangUnavailable,
     StaleWeightsError,
 )
+from moe_rl.rollout.sglang_engine import SGLangEngine
 from moe_rl.rollout.sglang_launcher import SGLangLauncher, SGLangLaunchError, SGLangServerConfig
 from moe_rl.rollout.types import Rollouts, SamplingParams
 from moe_rl.rollout.weight_sync import DiskWeightSync, DistributedWeightSync, WeightSyncError

@@ -1,9 +1,9 @@
 """Push weights through HF safetensors on a filesystem the server can read.
 
 The checkpoint (shards + ``model.safetensors.index.json``, :mod:`moe_rl.hf_io`) is written into a
-temp directory renamed into place while generation keeps running; then, inside the update
-session of :mod:`.session`, ``POST /update_weights_from_disk`` {model_path, weight_version}
-loads it.
+temp directory renamed into place while generation keeps running; then every engine loads it
+with ``POST /update_weights_from_disk`` {model_path, weight_version}, paused but outside any
+begin/end session (SGLang does not wrap disk loads in one; see :mod:`.session`).
 
 Field names: ``python/sglang/srt/managers/io_struct.py`` (sgl-project/sglang),
 UpdateWeightFromDiskReqInput.
@@ -54,15 +54,15 @@ def write_hf_checkpoint(
 
 
 class DiskWeightSync:
-    """Push through HF safetensors on a filesystem the server can read.
+    """Push through HF safetensors on a filesystem every server can read.
 
-    ``server_root_dir`` is the same directory as the server sees it (default: ``root_dir``).
+    ``client`` is one SGLangClient or a list of them (one per engine). ``server_root_dir`` is the same directory as the server sees it (default: ``root_dir``).
     The last ``keep_last`` checkpoints this object wrote are kept; older ones are deleted.
     """
 
     def __init__(
         self,
-        client: SGLangClient,
+        client: SGLangClient | list[SGLangClient],
         root_dir: str | Path,
         *,
         server_root_dir: str | Path | None = None,
@@ -71,7 +71,8 @@ class DiskWeightSync:
         metadata_from: str | Path | None = None,
         timeout_s: float = 600.0,
     ):
-        self.client, self.root = client, Path(root_dir)
+        self.clients = list(client) if isinstance(client, (list, tuple)) else [client]
+        self.client, self.root = self.clients[0], Path(root_dir)
         self.server_root = Path(server_root_dir) if server_root_dir is not None else self.root
         self.max_shard_bytes, self.keep_last = max_shard_bytes, max(1, keep_last)
         self.metadata_from, self.timeout_s = metadata_from, timeout_s
@@ -90,13 +91,12 @@ class DiskWeightSync:
         write_s = time.perf_counter() - t0
         server_path = str(self.server_root / name)
         self._remember(self.root / name)
-        paused_s, session = run_update_session(
-            self.client,
-            version,
-            lambda: self.client.update_weights_from_disk(
-                server_path, weight_version=version, timeout_s=self.timeout_s
-            ),
-        )
+
+        def apply() -> None:
+            for c in self.clients:
+                c.update_weights_from_disk(server_path, weight_version=version, timeout_s=self.timeout_s)
+
+        paused_s, session = run_update_session(self.clients, version, apply, session=False)
         report = PushReport(
             method="disk",
             version=version,

@@ -27,6 +27,7 @@ import torch
 from moe_rl.dist import free_port
 from moe_rl.rollout.sglang_client import SGLangClient
 from moe_rl.rollout.types import HFStateSource
+from moe_rl.rollout.weight_sync.address import bound_to, trainer_address
 from moe_rl.rollout.weight_sync.session import PushReport, WeightSyncError, run_update_session
 
 logger = logging.getLogger(__name__)
@@ -46,13 +47,21 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def init_custom_process_group(
-    *, backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout: timedelta
+    *,
+    backend: str,
+    init_method: str,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout: timedelta,
+    local_address: str | None = None,
 ) -> Any:
     """A process group outside the default one, as SGLang builds its weight-update group.
 
     Mirrors ``init_custom_process_group`` in sgl-project/sglang ``python/sglang/srt/utils``
     (TCP rendezvous, ``PrefixStore(group_name)``, torch's ``_new_process_group_helper``), so
     the trainer side and SGLang's side agree on store keys. Rank 0 hosts the TCPStore.
+    ``local_address``: this side's address toward the peers; gloo/NCCL then use its interface.
     """
     from torch.distributed.distributed_c10d import (
         Backend,
@@ -65,16 +74,17 @@ def init_custom_process_group(
     store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        Backend(backend),
-        store,
-        group_name=group_name,
-        backend_options=None,
-        timeout=timeout,
-    )
+    with bound_to(local_address, backend):
+        pg, _ = _new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            Backend(backend),
+            store,
+            group_name=group_name,
+            backend_options=None,
+            timeout=timeout,
+        )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
@@ -118,27 +128,45 @@ def _buckets(
 
 
 class DistributedWeightSync:
-    """Push by broadcast over a dedicated gloo (CPU) or nccl (GPU) group; trainer is rank 0.
+    """Push by broadcast over one dedicated gloo (CPU) or nccl (GPU) group to every engine.
 
-    ``world_size`` is 1 + the server's tensor-parallel size; the server's ranks start at
-    ``rank_offset`` (SGLang: rank = rank_offset + tp_rank).
+    The trainer is rank 0; engine ``i`` (tensor-parallel size ``tp_sizes[i]``) takes the ranks from
+    ``rank_offset = 1 + sum(tp_sizes[:i])`` (SGLang: rank = rank_offset + tp_rank), as slime builds
+    the group; ``world_size = 1 + sum(tp_sizes)``. ``master_address`` (None: :func:`trainer_address`
+    of the engines' hosts) is where the engines reach the trainer's TCPStore. Single-engine
+    callers may still pass ``world_size`` (= 1 + its TP size) and ``rank_offset``.
     """
 
     def __init__(
         self,
-        client: SGLangClient,
+        client: SGLangClient | list[SGLangClient],
         *,
-        master_address: str = "127.0.0.1",
+        master_address: str | None = None,
         master_port: int | None = None,
+        tp_sizes: list[int] | None = None,
         rank_offset: int = 1,
-        world_size: int = 2,
+        world_size: int | None = None,
         group_name: str = "moe_rl_weight_update",
         backend: str | None = None,
         bucket_bytes: int = 512 << 20,
         timeout_s: float = 600.0,
     ):
-        self.client, self.master_address, self.master_port = client, master_address, master_port
-        self.rank_offset, self.world_size, self.group_name = rank_offset, world_size, group_name
+        self.clients = list(client) if isinstance(client, (list, tuple)) else [client]
+        self.client = self.clients[0]
+        if tp_sizes is None:
+            tp_sizes = (
+                [world_size - rank_offset] if world_size is not None and len(self.clients) == 1 else None
+            )
+            tp_sizes = tp_sizes or [1] * len(self.clients)
+        if len(tp_sizes) != len(self.clients) or min(tp_sizes) < 1:
+            raise ValueError(
+                f"tp_sizes {tp_sizes} must give a size >= 1 for each of {len(self.clients)} engines"
+            )
+        self.rank_offsets = [rank_offset + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
+        self.world_size = rank_offset + sum(tp_sizes)
+        self.rank_offset = rank_offset
+        master_address = trainer_address([c.host for c in self.clients], configured=master_address)
+        self.master_address, self.master_port, self.group_name = master_address, master_port, group_name
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
@@ -150,25 +178,33 @@ class DistributedWeightSync:
         self._active_name: str | None = None
         self._connects = 0
 
+    def _on_every_engine(
+        self, call: Callable[[SGLangClient, int], Any]
+    ) -> list[tuple[threading.Thread, dict]]:
+        """Start ``call(client, i)`` for every engine in its own thread (the calls block on the group)."""
+        out = []
+        for i, c in enumerate(self.clients):
+            box: dict = {}
+            out.append((_in_thread(lambda c=c, i=i: call(c, i), box), box))
+        return out
+
     def connect(self) -> None:
-        """Create the group (once): the server joins from its HTTP handler, we join as rank 0."""
+        """Create the group (once): every engine joins from its HTTP handler, we join as rank 0."""
         if self._group is not None:
             return
         port = self.master_port or free_port(self.master_address)
         name = self.group_name if self._connects == 0 else f"{self.group_name}-{self._connects}"
         self._connects += 1
-        box: dict = {}
-        th = _in_thread(
-            lambda: self.client.init_weights_update_group(
+        joins = self._on_every_engine(
+            lambda c, i: c.init_weights_update_group(
                 master_address=self.master_address,
                 master_port=port,
-                rank_offset=self.rank_offset,
+                rank_offset=self.rank_offsets[i],
                 world_size=self.world_size,
                 group_name=name,
                 backend=self.backend,
                 timeout_s=self.timeout_s,
-            ),
-            box,
+            )
         )
         try:
             group = init_custom_process_group(
@@ -178,28 +214,33 @@ class DistributedWeightSync:
                 rank=0,
                 group_name=name,
                 timeout=timedelta(seconds=self.timeout_s),
+                local_address=self.master_address,
             )
         except Exception as e:
-            th.join(5.0)
+            for th, _ in joins:
+                th.join(5.0)
+            said = [box.get("error") or box.get("result") for _, box in joins]
             raise WeightSyncError(
-                f"could not form weight-update group {name!r} at "
-                f"{self.master_address}:{port} with {self.client.base_url}: {e}; "
-                f"server said: {box.get('error') or box.get('result')}"
+                f"could not form weight-update group {name!r} at {self.master_address}:{port} with "
+                f"{[c.base_url for c in self.clients]}: {e}; servers said: {said}"
             ) from e
-        th.join(self.timeout_s)
-        if "error" in box or th.is_alive():
+        failed = []
+        for (th, box), c in zip(joins, self.clients):
+            th.join(self.timeout_s)
+            if "error" in box or th.is_alive():
+                failed.append(f"{c.base_url}: {box.get('error', 'timed out')}")
+        if failed:
             destroy_process_group(group)
-            raise WeightSyncError(
-                f"{self.client.base_url} did not join weight-update group {name!r}: "
-                f"{box.get('error', 'timed out')}"
-            )
+            raise WeightSyncError(f"engines did not join weight-update group {name!r}: {'; '.join(failed)}")
         self._group, self._active_name = group, name
         logger.info(
-            "weight-update group %r formed with %s (%s, world %d)",
+            "weight-update group %r formed with %d engines at %s (%s, world %d, rank offsets %s)",
             name,
-            self.client.base_url,
+            len(self.clients),
+            self.master_address,
             self.backend,
             self.world_size,
+            self.rank_offsets,
         )
 
     def push(self, source: HFStateSource, version: str) -> PushReport:
@@ -216,7 +257,7 @@ class DistributedWeightSync:
 
         t0 = time.perf_counter()
         paused_s, session = run_update_session(
-            self.client, version, apply, applied_any=lambda: stats["buckets"] > 0
+            self.clients, version, apply, applied_any=lambda: stats["buckets"] > 0
         )
         report = PushReport(
             method="distributed",
@@ -239,10 +280,10 @@ class DistributedWeightSync:
         return report
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: str | None, flush: bool) -> None:
+        """Announce the bucket to every engine, broadcast each tensor once, wait for every engine."""
         tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
-        box: dict = {}
-        th = _in_thread(
-            lambda: self.client.update_weights_from_distributed(
+        calls = self._on_every_engine(
+            lambda c, i: c.update_weights_from_distributed(
                 names=[n for n, _ in bucket],
                 dtypes=[dtype_name(t.dtype) for t in tensors],
                 shapes=[list(t.shape) for t in tensors],
@@ -250,30 +291,32 @@ class DistributedWeightSync:
                 flush_cache=flush,
                 weight_version=version,
                 timeout_s=self.timeout_s,
-            ),
-            box,
+            )
         )
         deadline = time.monotonic() + self.timeout_s
         try:
             works = [self._group.broadcast(t, 0) for t in tensors]
             for w in works:
                 while not w.is_completed():
-                    if "error" in box:
-                        raise box["error"]
+                    for _, box in calls:
+                        if "error" in box:
+                            raise box["error"]
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"broadcast not received within {self.timeout_s:.0f} s")
                     time.sleep(0.0005)
                 w.wait()
         except BaseException:
             self._drop_group()
-            th.join(1.0)
+            for th, _ in calls:
+                th.join(1.0)
             raise
-        th.join(max(1.0, deadline - time.monotonic()))
-        if th.is_alive():
-            self._drop_group()
-            raise TimeoutError(f"{self.client.base_url} did not finish the update call")
-        if "error" in box:
-            raise box["error"]
+        for (th, box), c in zip(calls, self.clients):
+            th.join(max(1.0, deadline - time.monotonic()))
+            if th.is_alive():
+                self._drop_group()
+                raise TimeoutError(f"{c.base_url} did not finish the update call")
+            if "error" in box:
+                raise box["error"]
 
     def _drop_group(self) -> None:
         """A failed broadcast leaves the group unusable: forget it, reconnect next push."""
@@ -285,8 +328,9 @@ class DistributedWeightSync:
         """Destroy the group on both sides (best effort)."""
         if self._group is None:
             return
-        try:
-            self.client.destroy_weights_update_group(self._active_name)
-        except Exception as e:  # noqa: BLE001
-            logger.warning("server did not destroy weight-update group: %s", e)
+        for c in self.clients:
+            try:
+                c.destroy_weights_update_group(self._active_name)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("%s did not destroy weight-update group: %s", c.base_url, e)
         self._drop_group()

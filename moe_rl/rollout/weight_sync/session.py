@@ -1,7 +1,9 @@
 """The weight-update session every push runs inside, and what a push reports.
 
-pause generation -> begin the atomic session (``moe-rl serve``; absent on SGLang 0.5.x) ->
-apply (the transport's work) -> set ``weight_version`` -> end the session -> continue generation.
+pause generation -> begin the session (SGLang 0.5.23 requires it around distributed and tensor
+updates; absent on 0.5.11; atomic on ``moe-rl serve``; never around disk loads) -> apply (the
+transport's work) -> set ``weight_version`` -> end the session -> continue generation, on every
+engine, then each engine's ``/model_info`` weight version is checked.
 A failure aborts the session, continues generation and raises :class:`WeightSyncError` saying
 what the server now serves. The transports are :mod:`.distributed` and :mod:`.disk`.
 
@@ -56,67 +58,89 @@ class PushReport:
         return self.bytes / 1e9 / max(self.seconds, 1e-9)
 
 
+def _as_list(clients: SGLangClient | list[SGLangClient]) -> list[SGLangClient]:
+    return list(clients) if isinstance(clients, (list, tuple)) else [clients]
+
+
 def run_update_session(
-    client: SGLangClient,
+    clients: SGLangClient | list[SGLangClient],
     version: str,
     apply: Callable[[], None],
     applied_any: Callable[[], bool] = lambda: True,
+    *,
+    session: bool = True,
 ) -> tuple[float, bool]:
-    """pause -> begin session -> apply -> set weight_version -> end session -> continue.
+    """pause -> [begin session] -> apply -> set weight_version -> [end session] -> continue, on every engine.
 
-    On failure the session is aborted (``moe-rl serve`` then keeps its previous weights and
-    version), generation is continued, and WeightSyncError says what the server now serves.
+    ``session``: open SGLang's begin/end weight-update session where the server has one (current
+    SGLang requires it around distributed and tensor updates; disk loads run without it). On
+    failure the sessions are aborted (``moe-rl serve`` then keeps its previous weights and
+    version), generation is continued, and WeightSyncError says what each engine now serves.
+    Afterwards every engine must report ``version`` (read from ``/model_info``).
     Returns (seconds generation was paused, whether a session was used).
     """
+    clients = _as_list(clients)
     t0 = time.perf_counter()
-    opened = used_session = False
+    opened: list[SGLangClient] = []
     error = None
     try:
-        client.pause_generation()
-        opened = used_session = client.begin_weight_update()
+        for c in clients:
+            c.pause_generation()
+        if session:
+            opened = [c for c in clients if c.begin_weight_update()]
         apply()
-        client.update_weight_version(version, abort_all_requests=False)
-        if opened:
-            client.end_weight_update()
-            opened = False
+        for c in clients:
+            c.update_weight_version(version, abort_all_requests=False)
+        while opened:
+            opened[0].end_weight_update()
+            opened.pop(0)
     except BaseException as e:  # noqa: BLE001 - re-raised below as WeightSyncError
         error = e
-        if opened:
+        for c in opened:
             try:
-                client.end_weight_update(abort=True)
+                c.end_weight_update(abort=True)
             except Exception as e2:  # noqa: BLE001
-                logger.warning("aborting the weight-update session failed: %s", e2)
-    try:
-        client.continue_generation()
-    except Exception as e:  # noqa: BLE001
-        error = error or e
+                logger.warning("aborting the weight-update session on %s failed: %s", c.base_url, e2)
+    for c in clients:
+        try:
+            c.continue_generation()
+        except Exception as e:  # noqa: BLE001
+            error = error or e
     paused_s = time.perf_counter() - t0
     if error is not None and not isinstance(error, Exception):
         raise error  # KeyboardInterrupt / SystemExit: cleaned up above, not a push failure
     if error is not None:
-        raise _push_failed(client, version, error, applied_any()) from error
-    served = client.get_weight_version()
-    if served != version:
-        raise WeightSyncError(
-            f"pushed weights {version!r} to {client.base_url} but it serves weight_version {served!r}"
+        raise _push_failed(clients, version, error, applied_any()) from error
+    for c in clients:
+        served = c.get_weight_version()
+        if served != version:
+            raise WeightSyncError(
+                f"pushed weights {version!r} to {c.base_url} but it serves weight_version {served!r}"
+            )
+    return paused_s, session and bool(clients) and clients[0].supports_weight_update_session() is True
+
+
+def _push_failed(
+    clients: list[SGLangClient], version: str, error: BaseException, applied: bool
+) -> WeightSyncError:
+    states, mixed = [], False
+    for c in clients:
+        try:
+            served = repr(c.get_weight_version())
+        except Exception:  # noqa: BLE001
+            served = "unknown (server unreachable)"
+        c_mixed = applied and not c.atomic_weight_updates
+        mixed |= c_mixed
+        states.append(
+            f"{c.base_url} may hold a mix of old and new weights (no atomic update session); it reports "
+            f"weight_version {served}"
+            if c_mixed
+            else f"{c.base_url} kept its previous weights and serves weight_version {served}"
         )
-    return paused_s, used_session
-
-
-def _push_failed(client: SGLangClient, version: str, error: BaseException, applied: bool) -> WeightSyncError:
-    try:
-        served = repr(client.get_weight_version())
-    except Exception:  # noqa: BLE001
-        served = "unknown (server unreachable)"
-    mixed = applied and not client.atomic_weight_updates
-    state = (
-        f"the server may hold a mix of old and new weights (no atomic update session); it reports "
-        f"weight_version {served}"
-        if mixed
-        else f"the server kept its previous weights and serves weight_version {served}"
-    )
+    where = clients[0].base_url if len(clients) == 1 else f"{len(clients)} engines"
     err = WeightSyncError(
-        f"pushing weights {version!r} to {client.base_url} failed: {type(error).__name__}: {error}. {state}"
+        f"pushing weights {version!r} to {where} failed: {type(error).__name__}: {error}. "
+        + "; ".join(states)
     )
     err.server_may_be_mixed = mixed
     return err

@@ -1,0 +1,109 @@
+"""Cross-host weight sync: the server in one network namespace, the trainer in another.
+
+Two namespaces made for this test, joined by a veth pair with private addresses only they use
+(192.168.77.1 server, 192.168.77.2 trainer). ``moe-rl serve`` binds 192.168.77.1; the trainer
+finds its rendezvous address from the route to the server (never loopback), forms the gloo
+group across the namespaces, pushes weights, and the server reports the new version and
+generates with them. Needs root and ``ip netns`` (CI runs as root); the namespaces are deleted
+even when the test fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_rl.dist import free_port
+
+pytestmark = pytest.mark.dist
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+SERVER_IP, TRAINER_IP = "192.168.77.1", "192.168.77.2"
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+def _netns_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces (CI runs .ci/run as root)"
+    if shutil.which("ip") is None:
+        return "needs iproute2's `ip` (apt-get install iproute2; .ci/run installs it)"
+    probe = f"mrl-probe-{os.getpid()}"
+    try:
+        _ip("netns", "add", probe)
+    except (subprocess.CalledProcessError, OSError) as e:
+        return f"`ip netns add` is not permitted here: {getattr(e, 'stderr', e)}"
+    _ip("netns", "del", probe)
+    return None
+
+
+@pytest.fixture
+def namespaces():
+    reason = _netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    tag = os.getpid() % 100000
+    srv, trn, vs, vt = f"mrl-srv-{tag}", f"mrl-trn-{tag}", f"mrls{tag}", f"mrlt{tag}"
+    made: list[str] = []
+    try:
+        for ns in (srv, trn):
+            _ip("netns", "add", ns)
+            made.append(ns)
+        _ip("link", "add", vs, "type", "veth", "peer", "name", vt)
+        _ip("link", "set", vs, "netns", srv)
+        _ip("link", "set", vt, "netns", trn)
+        for ns, dev, addr in ((srv, vs, SERVER_IP), (trn, vt, TRAINER_IP)):
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield srv, trn
+    finally:
+        for ns in made:  # deleting a namespace deletes its end of the veth pair, and so the pair
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def test_weight_sync_across_network_namespaces(namespaces, tmp_path):
+    srv, trn = namespaces
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "unit"), str(REPO)])}
+    env.pop("MOE_RL_TRAINER_ADDR", None)
+    port = free_port()
+    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - closed below
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", srv, sys.executable, "-m", "moe_rl.serve.http", "--host", SERVER_IP,
+         "--port", str(port), "--weight-version", "v0", "--enable-return-routed-experts",
+         "--engine-factory", "test_sglang_e2e:make_engine"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out = subprocess.run(
+            ["ip", "netns", "exec", trn, sys.executable, str(HERE / "sglang_netns_trainer.py"),
+             f"http://{SERVER_IP}:{port}"],
+            capture_output=True, text=True, env={**env, "PYTHONPATH": env["PYTHONPATH"] + os.pathsep + str(HERE)},
+            timeout=240,
+        )  # fmt: skip
+        assert out.returncode == 0, (
+            out.stdout[-3000:] + out.stderr[-3000:] + (tmp_path / "server.log").read_text()
+        )
+        found = json.loads(out.stdout.strip().splitlines()[-1])
+        assert found["master_address"] == TRAINER_IP  # routable, not loopback
+        assert found["served"] == "v1" and found["max_err"] < 1e-4
+    finally:  # the server's process group (its id is the PID we started), never by name
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
