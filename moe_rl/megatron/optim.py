@@ -139,6 +139,7 @@ class Optimizer:
             self.opt = get_megatron_optimizer(_megatron_config(cfg, model, self.distributed), [self.ddp])
         self.step_count = 0
         self.lr_scale = 1.0  # lowered by the collapse sentinel's rollback
+        self._synced = False
         self.zero_grad()
 
     @property
@@ -159,13 +160,17 @@ class Optimizer:
         self.ddp.zero_grad_buffer()
         with cuda_as_cpu():
             self.opt.zero_grad()
+        self._synced = False
 
     def finish_grad_sync(self) -> None:
         """Reduce the accumulated gradients (DDP buckets, then sequence-parallel parameters over
-        TP): ``param.main_grad`` then holds the global gradient (its own shard, when distributed)."""
+        TP): ``param.main_grad`` then holds the global gradient (this rank's shard of it, when
+        distributed). Once per step, after the last backward: :meth:`step` calls it if not yet called."""
         from megatron.core.distributed import finalize_model_grads
 
-        finalize_model_grads([self.ddp])
+        if not self._synced:
+            finalize_model_grads([self.ddp])
+            self._synced = True
 
     def _set_schedule(self, lr: float) -> None:
         for opt in self.inner:
@@ -249,10 +254,14 @@ class Optimizer:
                     st["step"] = torch.tensor(float(step_count), dtype=torch.float32)
         self.step_count = step_count
 
+    def reload_model_params(self) -> None:
+        """Copy the model's weights into the fp32 main weights (after they were set from outside)."""
+        with cuda_as_cpu():
+            self.opt.reload_model_params()
+
     def reset(self) -> None:
         """Back to a fresh optimizer on the model's current weights: no Adam moments, step 0."""
         for opt in self.inner:
             opt.optimizer.state.clear()
-        with cuda_as_cpu():
-            self.opt.reload_model_params()  # fp32 main weights of bf16 parameters
+        self.reload_model_params()  # fp32 main weights of bf16 parameters
         self.step_count = 0

@@ -36,6 +36,16 @@ def main() -> None:
         out.logp_BT.sum().backward()
     if op == "checkpoint":
         save_checkpoint(tempfile.mkdtemp(), 0, policy.model)
+    if op == "optimizer":  # megatron-core's distributed optimizer: step, save, resume
+        from moe_rl.config import OptimConfig
+        from moe_rl.megatron.checkpoint import load_checkpoint
+        from moe_rl.megatron.optim import Optimizer
+
+        opt = Optimizer(policy.model, OptimConfig(distributed="on"), info)
+        out.logp_BT.sum().backward()
+        assert opt.step()["skipped"] == 0
+        path = save_checkpoint(tempfile.mkdtemp(), 1, policy.model, opt)
+        load_checkpoint(path, policy.model, Optimizer(policy.model, OptimConfig(distributed="on"), info))
     if info.rank == 0:
         print("OK")
 
