@@ -191,8 +191,8 @@ class OptimConfig:
     "Steps of decay after warmup (0: constant lr after warmup)."
     decay_style: Literal["constant", "linear", "cosine"] = "constant"
     "constant | linear | cosine."
-    distributed: Literal["auto", "on", "off"] = "auto"
-    "megatron-core's distributed optimizer (ZeRO-1: fp32 main weights and Adam moments sharded over data-parallel ranks, experts over expert-data-parallel ranks): auto (on where data_parallel > 1) | on | off."
+    distributed: Literal["auto"] | bool = "auto"
+    "megatron-core's distributed optimizer (ZeRO-1: fp32 main weights and Adam moments sharded over data-parallel ranks, experts over expert-data-parallel ranks): auto (on where data_parallel > 1) | true | false."
     grad_reduce_in_fp32: bool = True
     "Accumulate and reduce gradients in fp32 (DDP's grad buffers) whatever the parameter dtype."
     overlap_grad_reduce: bool = True

@@ -112,7 +112,7 @@ def layout(p: ParallelConfig) -> dict[str, int]:
 
 def distributed_optimizer(r: Recipe, p: ParallelConfig) -> bool:
     """``optim.distributed`` resolved as moe_rl.megatron.optim does: auto is on where DP > 1."""
-    return r.optim.distributed == "on" or (r.optim.distributed == "auto" and p.data_parallel > 1)
+    return r.optim.distributed is True or (r.optim.distributed == "auto" and p.data_parallel > 1)
 
 
 def _tokens_per_forward(r: Recipe, dp: int, micro_batch: int | None) -> tuple[int, int, int]:
@@ -226,7 +226,8 @@ def plan(
 
     ``num_gpus`` re-derives data_parallel = num_gpus / (tensor x pipeline parallel).
     ``micro_batch``: sequences per forward on one rank, for both the training and the pi_old
-    forward (None: what the trainer runs today, the whole local share). Raises PlanError when
+    forward (None: the recipe's train.micro_batch_size, or the whole local share when that is 0).
+    Raises PlanError when
     the estimate exceeds 90% of ``gpu_mem_gib``, unless ``allow_unfit``.
     """
     p = recipe.parallel
@@ -238,6 +239,8 @@ def plan(
             )
         p = dataclasses.replace(p, data_parallel=num_gpus // mp)
     m = recipe.model
+    if micro_batch is None and recipe.train.micro_batch_size:
+        micro_batch = recipe.train.micro_batch_size
     total = param_counts(m)
     mem = memory(recipe, p, micro_batch)
     budget = USABLE * gpu_mem_gib * GIB
@@ -340,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         "--micro-batch",
         type=int,
         default=None,
-        help="sequences per forward on one rank (default: the trainer's whole local share)",
+        help="sequences per forward on one rank (default: train.micro_batch_size, else the whole share)",
     )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)

@@ -43,7 +43,7 @@ def lr_at(cfg: OptimConfig, step: int) -> float:
 
 def use_distributed_optimizer(cfg: OptimConfig, info: ParallelInfo) -> bool:
     """``optim.distributed`` resolved: auto is on where data_parallel > 1."""
-    return cfg.distributed == "on" or (cfg.distributed == "auto" and info.dp_size > 1)
+    return cfg.distributed is True or (cfg.distributed == "auto" and info.dp_size > 1)
 
 
 def _ddp_key(cfg: OptimConfig, info: ParallelInfo) -> tuple:

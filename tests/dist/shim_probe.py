@@ -41,11 +41,11 @@ def main() -> None:
         from moe_rl.megatron.checkpoint import load_checkpoint
         from moe_rl.megatron.optim import Optimizer
 
-        opt = Optimizer(policy.model, OptimConfig(distributed="on"), info)
+        opt = Optimizer(policy.model, OptimConfig(distributed=True), info)
         out.logp_BT.sum().backward()
         assert opt.step()["skipped"] == 0
         path = save_checkpoint(tempfile.mkdtemp(), 1, policy.model, opt)
-        load_checkpoint(path, policy.model, Optimizer(policy.model, OptimConfig(distributed="on"), info))
+        load_checkpoint(path, policy.model, Optimizer(policy.model, OptimConfig(distributed=True), info))
     if info.rank == 0:
         print("OK")
 

@@ -118,8 +118,9 @@ def main() -> None:
     ap.add_argument("--save-after", default=None)
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=0)
-    ap.add_argument("--distributed", default="off")
+    ap.add_argument("--distributed", default="off", choices=["auto", "on", "off"])
     args = ap.parse_args()
+    args.distributed = {"auto": "auto", "on": True, "off": False}[args.distributed]
 
     from moe_rl.config import ModelConfig, ParallelConfig
     from moe_rl.megatron.parallel import destroy_parallel, init_parallel

@@ -100,7 +100,7 @@ def test_a_second_optimizer_reuses_the_ddp_wrapper(policy, parallel_info):
     for a, p in zip(once, policy.parameters()):
         torch.testing.assert_close(p.main_grad, a, atol=0, rtol=0)
     with pytest.raises(ValueError, match="already wrapped in DDP"):
-        Optimizer(policy.model, OptimConfig(lr=1e-3, distributed="on"), parallel_info)
+        Optimizer(policy.model, OptimConfig(lr=1e-3, distributed=True), parallel_info)
 
 
 def test_non_finite_gradient_skips_the_step(policy, parallel_info):
@@ -125,7 +125,7 @@ def test_lr_schedule():
     assert [lr_at(lin, s) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
 
 
-@pytest.mark.parametrize("distributed", ["off", "on"])
+@pytest.mark.parametrize("distributed", [False, True])
 def test_checkpoint_round_trip_is_exact(policy, parallel_info, tiny_model_cfg, tmp_path, distributed):
     from moe_rl.megatron.checkpoint import load_checkpoint, save_checkpoint
     from moe_rl.megatron.optim import Optimizer
