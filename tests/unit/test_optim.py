@@ -176,3 +176,17 @@ def test_bf16_parameters_get_fp32_master_weights(parallel_info, tiny_model_cfg):
     # per step but visible in total; plain bf16 AdamW would leave w at exactly 1.0
     assert torch.allclose(w.main_param, torch.full(w.shape, 1 - 5e-3), atol=2e-4)
     assert w.dtype == torch.bfloat16 and float(w[0]) < 1.0
+
+
+def test_a_checkpoint_saved_before_the_first_step_resets_the_optimizer(policy, parallel_info, tmp_path):
+    from moe_rl.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from moe_rl.megatron.optim import Optimizer
+
+    opt = Optimizer(policy.model, OptimConfig(lr=1e-3), parallel_info)
+    save_checkpoint(tmp_path, 1, policy.model, opt)  # no Adam state yet: none is saved
+    saved = [p.detach().clone() for p in policy.parameters()]
+    (-policy.logprobs(tokens()).logp_BT.mean()).backward()
+    opt.step()
+    load_checkpoint(tmp_path, policy.model, opt)
+    assert opt.step_count == 0 and all(not o.optimizer.state for o in opt.inner)
+    assert all(torch.equal(a, p) for a, p in zip(saved, policy.parameters()))
