@@ -22,9 +22,17 @@ def main() -> None:
 
     par = ParallelConfig(expert_parallel=2, data_parallel=2) if op == "ep2" else ParallelConfig()
     info = init_parallel(par, seed=0)
-    cfg = ModelConfig(vocab_size=32, hidden_size=32, num_layers=1, num_attention_heads=2,
-                      num_query_groups=1, head_dim=16, moe_ffn_hidden_size=32, num_experts=4,
-                      recompute=op == "recompute")
+    cfg = ModelConfig(
+        vocab_size=32,
+        hidden_size=32,
+        num_layers=1,
+        num_attention_heads=2,
+        num_query_groups=1,
+        head_dim=16,
+        moe_ffn_hidden_size=32,
+        num_experts=4,
+        recompute=op == "recompute",
+    )
     policy = build_policy(cfg, par, info)
     tok = torch.randint(0, 32, (2, 9))
     if op == "stock_forward":  # megatron-core's own local modules (DotProductAttention, SequentialMLP)
