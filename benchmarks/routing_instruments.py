@@ -122,9 +122,7 @@ def main(argv=None) -> dict:
 
         from moe_rl.megatron.optim import Optimizer
 
-        run.optimizer = Optimizer(
-            run.policy.parameters(), replace(recipe.optim, lr=lr, grad_clip=1.0), run.info
-        )
+        run.optimizer = Optimizer(run.policy.model, replace(recipe.optim, lr=lr, grad_clip=1.0), run.info)
         update("none")
         run.optimizer.step()
         after = natural()

@@ -42,7 +42,7 @@ def worker(argv) -> None:
     par = ParallelConfig(tensor_parallel=a.tp, expert_parallel=a.ep, data_parallel=a.dp)
     info = init_parallel(par, seed=0)
     policy = build_policy(ModelConfig(), par, info)
-    opt = Optimizer(policy.parameters(), OptimConfig(lr=1e-4), info)
+    opt = Optimizer(policy.model, OptimConfig(lr=1e-4), info)
     tokens = torch.randint(0, 104, (8, 129), generator=torch.Generator().manual_seed(0))
     rows = 8 // info.dp_size
     mine = tokens[info.dp_rank * rows : (info.dp_rank + 1) * rows]

@@ -168,7 +168,8 @@ class ParallelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    """AdamW with global-norm gradient clipping and a warmup + decay LR schedule."""
+    """megatron-core's Adam (decoupled weight decay) behind its DistributedDataParallel, with
+    global-norm gradient clipping, a warmup + decay LR schedule and fp32 main weights."""
 
     lr: float = 1e-4
     "Peak learning rate."
@@ -190,6 +191,16 @@ class OptimConfig:
     "Steps of decay after warmup (0: constant lr after warmup)."
     decay_style: Literal["constant", "linear", "cosine"] = "constant"
     "constant | linear | cosine."
+    distributed: Literal["auto"] | bool = "auto"
+    "megatron-core's distributed optimizer (ZeRO-1: fp32 main weights and Adam moments sharded over data-parallel ranks, experts over expert-data-parallel ranks): auto (on where data_parallel > 1) | true | false."
+    grad_reduce_in_fp32: bool = True
+    "Accumulate and reduce gradients in fp32 (DDP's grad buffers) whatever the parameter dtype."
+    overlap_grad_reduce: bool = True
+    "Overlap DDP's bucketed gradient reduction with backward (GPU only; CPU reduces at the step)."
+    overlap_param_gather: bool = False
+    "Defer the distributed optimizer's weight all-gather into the next forward (GPU only; off by default: the embedded engine's lean decoder reads weights without a forward)."
+    bucket_size: int | None = None
+    "DDP bucket size in elements when overlapping (None: megatron-core's default, max(4e7, 1e6 x DP))."
 
     def __post_init__(self) -> None:
         check_choices(self, "optim")
@@ -199,6 +210,10 @@ class OptimConfig:
         require(
             self.warmup_steps >= 0 and self.decay_steps >= 0,
             "optim.warmup_steps and optim.decay_steps must be >= 0",
+        )
+        require(
+            self.bucket_size is None or self.bucket_size > 0,
+            f"optim.bucket_size must be positive or null, got {self.bucket_size}",
         )
 
 

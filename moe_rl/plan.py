@@ -13,10 +13,17 @@ Parameters (exact for the megatron-core policy moe_rl.megatron.model.build_gpt b
     norms       L (2h + 2d) + h          (input, pre-MLP, q/k norms; final norm)
     active per token: the same with K experts in place of E (the router still scores all E).
 
-Per-GPU memory (bytes) of the P parameters this GPU holds, b = bytes of model.dtype
+Per-GPU memory (bytes) of the P parameters this GPU holds (P_e of them experts), b = bytes of
+model.dtype, s = 8 (+ 4 in bf16) optimizer bytes per parameter (Adam m and v in fp32, plus the fp32
+main copy of bf16 weights)
     weights     P b
-    gradients   P 4                      (fp32 main gradients; fp32 is also the dtype in fp32 runs)
-    optimizer   P 8 (+ P 4 in bf16)      (Adam m and v in fp32, plus the fp32 master copy)
+    gradients   P 4                      (megatron-core DDP's grad buffer, fp32 with
+                                          optim.grad_reduce_in_fp32, else P b; never sharded)
+    optimizer   (P - P_e) s / D + P_e s / D_e
+                                         with megatron-core's distributed optimizer
+                                         (optim.distributed; auto = on where DP > 1) D = DP and
+                                         D_e = expert-DP (experts' state is sharded over the ranks
+                                         holding the same experts); without it D = D_e = 1
     activations max(train, old-logprob forward), per token of one forward (N tokens):
         layer    a = b (6h + 2(q + g) d + K (2h + 3f)) / TP + 4E   (norm in/out, QKV, attention
                  out, projection, residual; K routed copies of the expert input, fc1, SwiGLU and
@@ -103,6 +110,11 @@ def layout(p: ParallelConfig) -> dict[str, int]:
     }
 
 
+def distributed_optimizer(r: Recipe, p: ParallelConfig) -> bool:
+    """``optim.distributed`` resolved as moe_rl.megatron.optim does: auto is on where DP > 1."""
+    return r.optim.distributed is True or (r.optim.distributed == "auto" and p.data_parallel > 1)
+
+
 def _tokens_per_forward(r: Recipe, dp: int, micro_batch: int | None) -> tuple[int, int, int]:
     """(sequences per training forward, tokens per training forward, tokens of the pi_old forward)."""
     t, s = r.train, r.model.max_seq_len
@@ -132,10 +144,13 @@ def memory(r: Recipe, p: ParallelConfig, micro_batch: int | None = None) -> dict
     seqs, n_train, n_old = _tokens_per_forward(r, p.data_parallel, micro_batch)
     train = n_train * (kept + edge + logits)
     old = n_old * (layer + logits)
+    state = 8 + (4 if b == 2 else 0)
+    sharded = distributed_optimizer(r, p)
+    dp, edp = (p.data_parallel, layout(p)["expert_dp"]) if sharded else (1, 1)
     terms = {
         "weights": n * b,
-        "gradients": n * 4,
-        "optimizer": n * (8 + (4 if b == 2 else 0)),
+        "gradients": n * (4 if r.optim.grad_reduce_in_fp32 else b),
+        "optimizer": (n - shard["experts"]) * state / dp + shard["experts"] * state / edp,
         "activations": max(train, old),
     }
     return {
@@ -143,6 +158,7 @@ def memory(r: Recipe, p: ParallelConfig, micro_batch: int | None = None) -> dict
         "total": int(sum(terms.values())),
         "params_per_gpu": shard,
         "dtype_bytes": b,
+        "optimizer_sharding": {"distributed": sharded, "dense_over": dp, "experts_over": edp},
         "sequences_per_forward": seqs,
         "tokens_per_forward": n_train,
         "old_logprob_tokens": n_old,
@@ -210,7 +226,8 @@ def plan(
 
     ``num_gpus`` re-derives data_parallel = num_gpus / (tensor x pipeline parallel).
     ``micro_batch``: sequences per forward on one rank, for both the training and the pi_old
-    forward (None: what the trainer runs today, the whole local share). Raises PlanError when
+    forward (None: the recipe's train.micro_batch_size, or the whole local share when that is 0).
+    Raises PlanError when
     the estimate exceeds 90% of ``gpu_mem_gib``, unless ``allow_unfit``.
     """
     p = recipe.parallel
@@ -222,6 +239,8 @@ def plan(
             )
         p = dataclasses.replace(p, data_parallel=num_gpus // mp)
     m = recipe.model
+    if micro_batch is None and recipe.train.micro_batch_size:
+        micro_batch = recipe.train.micro_batch_size
     total = param_counts(m)
     mem = memory(recipe, p, micro_batch)
     budget = USABLE * gpu_mem_gib * GIB
@@ -276,9 +295,16 @@ def format_plan(pl: dict) -> str:
     lines.append(
         f"            active/token {pa['active']:>13,}   ({_n(pa['total'])} total, {_n(pa['active'])} active)"
     )
+    o = me["optimizer_sharding"]
     lines.append(
-        f"memory/GPU  ({'bf16' if me['dtype_bytes'] == 2 else 'fp32'} params, fp32 grads and Adam"
-        f"{' + fp32 master' if me['dtype_bytes'] == 2 else ''})"
+        f"memory/GPU  ({'bf16' if me['dtype_bytes'] == 2 else 'fp32'} params, grad buffer, Adam"
+        f"{' + fp32 main' if me['dtype_bytes'] == 2 else ''}; "
+        + (
+            f"distributed optimizer: state over DP {o['dense_over']}, experts' over expert-DP "
+            f"{o['experts_over']})"
+            if o["distributed"]
+            else "optimizer state not sharded)"
+        )
     )
     for k in ("weights", "gradients", "optimizer", "activations"):
         lines.append(f"            {k:<12} {t[k] / GIB:>9.2f} GiB")
@@ -317,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         "--micro-batch",
         type=int,
         default=None,
-        help="sequences per forward on one rank (default: the trainer's whole local share)",
+        help="sequences per forward on one rank (default: train.micro_batch_size, else the whole share)",
     )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)

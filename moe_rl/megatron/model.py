@@ -163,8 +163,13 @@ def build_gpt(cfg: ModelConfig, par: ParallelConfig, *, stock_local: bool = Fals
     for name, p in model.named_parameters():
         # Experts are replicated over the expert-data-parallel group whatever EP is (under
         # TP with expert-TP 1 each TP rank routes only its sequence-parallel share of the
-        # tokens); megatron-core tags them allreduce=False only when EP > 1.
+        # tokens, so their gradients differ across TP ranks); megatron-core tags them
+        # allreduce=False (reduced by its DDP over the expert-data-parallel group) only when
+        # EP > 1 (0.16.1: tensor_parallel/layers.py), which under TP=2, EP=1 would reduce them
+        # over the data-parallel group alone and leave out the other TP rank's tokens.
         p.moe_expert = ".mlp.experts." in name
+        if p.moe_expert:
+            p.allreduce = False
     if torch.cuda.is_available():
         model = model.cuda()
     return model

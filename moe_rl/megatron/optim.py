@@ -1,24 +1,32 @@
-"""AdamW with explicit gradient synchronisation, model-parallel-aware clipping and LR schedule.
+"""megatron-core's DistributedDataParallel and optimizer behind moe-rl's step interface.
 
-Gradients are summed, not averaged, across data-parallel ranks: the losses carry global
-denominators (moe_rl.losses), so the sum of every rank's contribution is the gradient of
-the whole batch. Which group reduces which parameter follows megatron-core's tags:
-- ``sequence_parallel`` (norms, router under TP+SP): summed across the TP group first;
-- experts (``moe_expert``, tagged by the builder): summed across the expert-data-parallel group;
-- everything else: summed across the data-parallel group.
-Works on CPU (gloo) and GPU (NCCL); all collectives are no-ops in a world of one.
+The policy's module is wrapped once in megatron-core's ``DistributedDataParallel`` (contiguous
+fp32 grad buffers, bucketed reduction overlapped with backward on GPU) and stepped by
+``get_megatron_optimizer`` (Adam with decoupled weight decay; the distributed optimizer shards
+fp32 main weights and Adam moments over data-parallel ranks). Which group reduces which gradient
+is megatron-core's own rule, with one tag fixed by the builder (``moe_rl.megatron.model``):
+
+- experts (``allreduce=False``): summed over the expert-data-parallel group;
+- everything else: summed over the data-parallel group;
+- ``sequence_parallel`` parameters (norms under TP + SP): then summed over the TP group
+  (``finalize_model_grads``).
+
+Gradients are summed, not averaged: the losses carry global denominators (moe_rl.losses), so
+DDP runs with ``calculate_per_token_loss`` (scaling factor 1). On CPU every call into
+megatron-core's optimizer runs inside :func:`moe_rl.megatron.shims.cuda_as_cpu`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from moe_rl.config import OptimConfig
-from moe_rl.dist import all_reduce
 from moe_rl.megatron.parallel import ParallelInfo
+from moe_rl.megatron.shims import cuda_as_cpu
 
 
 def lr_at(cfg: OptimConfig, step: int) -> float:
@@ -33,107 +41,227 @@ def lr_at(cfg: OptimConfig, step: int) -> float:
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * frac))
 
 
-def _reduce_flat(grads: list[torch.Tensor], group) -> None:
-    if not grads or group is None:
-        return
-    flat = _flatten_dense_tensors(grads)
-    all_reduce(flat, group)
-    for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        g.copy_(r)
+def use_distributed_optimizer(cfg: OptimConfig, info: ParallelInfo) -> bool:
+    """``optim.distributed`` resolved: auto is on where data_parallel > 1."""
+    return cfg.distributed is True or (cfg.distributed == "auto" and info.dp_size > 1)
 
 
-def sync_grads(params: list[torch.nn.Parameter], info: ParallelInfo) -> None:
-    """Sum gradients across the groups each parameter is replicated over (module doc)."""
-    with_grad = [p for p in params if p.grad is not None]
-    if info.tp_size > 1:
-        _reduce_flat([p.grad for p in with_grad if getattr(p, "sequence_parallel", False)], info.tp_group)
-    if info.world_size > 1:
-        dense = [p.grad for p in with_grad if not getattr(p, "moe_expert", False)]
-        expert = [p.grad for p in with_grad if getattr(p, "moe_expert", False)]
-        if info.dp_size > 1:
-            _reduce_flat(dense, info.dp_group)
-        _reduce_flat(expert, info.expert_dp_group)
+def _ddp_key(cfg: OptimConfig, info: ParallelInfo) -> tuple:
+    on_gpu = info.device.type == "cuda"
+    distributed = use_distributed_optimizer(cfg, info)
+    return (
+        distributed,
+        cfg.grad_reduce_in_fp32,
+        cfg.overlap_grad_reduce and on_gpu,
+        cfg.overlap_param_gather and on_gpu and distributed,
+        cfg.bucket_size,
+    )
 
 
-def grad_norm(params: list[torch.nn.Parameter], info: ParallelInfo) -> torch.Tensor:
-    """Global L2 norm of the gradients, counting each replicated parameter once."""
-    dev = info.device
-    dense_sq = torch.zeros((), dtype=torch.float32, device=dev)
-    expert_sq = torch.zeros((), dtype=torch.float32, device=dev)
-    for p in params:
-        if p.grad is None:
-            continue
-        sq = p.grad.detach().float().pow(2).sum()
-        if getattr(p, "moe_expert", False):
-            expert_sq += sq  # distinct across EP ranks, identical across TP ranks (expert TP 1)
-        elif getattr(p, "tensor_model_parallel", False) or info.tp_rank == 0:
-            dense_sq += sq  # TP-sharded, or replicated across TP and counted on rank 0
-    all_reduce(dense_sq, info.tp_group)
-    all_reduce(expert_sq, info.ep_group)
-    return (dense_sq + expert_sq).sqrt()
+def wrap_ddp(model: torch.nn.Module, cfg: OptimConfig, info: ParallelInfo):
+    """megatron-core's DistributedDataParallel around ``model``, built once per module.
+
+    DDP hooks every parameter's gradient accumulator; a second wrapper would hook them again, so
+    later optimizers of the same model (one per stage) reuse the first wrapper, which must have
+    been built with the same DDP settings.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    key = _ddp_key(cfg, info)
+    held = model.__dict__.get("_moe_rl_ddp")
+    if held is not None:
+        if held[0] != key:
+            raise ValueError(
+                f"this model is already wrapped in DDP with (distributed, grad_reduce_in_fp32, "
+                f"overlap_grad_reduce, overlap_param_gather, bucket_size) = {held[0]}, not {key}: "
+                "build the policy again to change these optim settings"
+            )
+        return held[1]
+    distributed, fp32_reduce, overlap_grad, overlap_param, bucket = key
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=fp32_reduce,
+        overlap_grad_reduce=overlap_grad,
+        overlap_param_gather=overlap_param,
+        use_distributed_optimizer=distributed,
+        bucket_size=bucket,
+    )
+    # Sum, do not average, over data-parallel ranks (the module doc): DDP reads this flag only to
+    # pick its gradient scaling factor; the model's own config (router aux-loss scaling) keeps its.
+    ddp_model_cfg = copy.copy(model.config)
+    ddp_model_cfg.calculate_per_token_loss = True
+    ddp = DistributedDataParallel(config=ddp_model_cfg, ddp_config=ddp_cfg, module=model)
+    object.__setattr__(model, "_moe_rl_ddp", (key, ddp))  # not a submodule: no module cycle
+    return ddp
+
+
+def _megatron_config(cfg: OptimConfig, model: torch.nn.Module, distributed: bool):
+    from megatron.core.optimizer import OptimizerConfig
+
+    bf16 = model.config.params_dtype == torch.bfloat16
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.beta1,
+        adam_beta2=cfg.beta2,
+        adam_eps=cfg.adam_eps,
+        clip_grad=cfg.grad_clip,
+        bf16=bf16,
+        params_dtype=model.config.params_dtype,
+        use_distributed_optimizer=distributed,
+        overlap_param_gather=cfg.overlap_param_gather and distributed and torch.cuda.is_available(),
+    )
 
 
 class Optimizer:
-    """AdamW over the policy's parameters with sync, clipping, skip-on-non-finite and schedule.
+    """megatron-core DDP + optimizer with the trainer's interface: ``step()`` -> skipped /
+    grad_norm / lr, ``step_count`` (drives the LR schedule) and ``lr_scale`` (sentinel rollbacks).
 
-    Mixed precision: parameters stored in bf16 get an fp32 master copy; AdamW (and its
-    state) works on the fp32 masters and the result is cast back, so updates smaller than
-    bf16's resolution accumulate instead of rounding away (18 bytes per parameter, as
-    ``moe_rl.plan`` assumes). fp32 parameters are updated in place.
+    bf16 parameters (GPU) get fp32 main weights (megatron's mixed-precision optimizer); fp32
+    parameters are their own main weights. A step with a non-finite gradient norm is skipped and
+    reported, and the gradients are cleared either way.
+
+    Gradient accumulation: call ``backward`` once per micro-batch and :meth:`step` once per
+    minibatch; iterate the micro-batches through :meth:`micro_batches` so that DDP starts its
+    reduction only after the last one (with ``overlap_grad_reduce``).
     """
 
-    def __init__(self, params, cfg: OptimConfig, info: ParallelInfo):
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, info: ParallelInfo):
+        from megatron.core.optimizer import get_megatron_optimizer
+
         self.cfg = cfg
         self.info = info
-        self.params = [p for p in params if p.requires_grad]
-        self.master = {
-            p: p.detach().float().clone().requires_grad_(True)
-            for p in self.params
-            if p.dtype != torch.float32
-        }
-        opt_params = [self.master.get(p, p) for p in self.params]
-        decay = [q for p, q in zip(self.params, opt_params) if p.dim() >= 2]
-        no_decay = [q for p, q in zip(self.params, opt_params) if p.dim() < 2]
-        # model parameters in the optimizer's own order (checkpoints map state by position)
-        self.group_params = [
-            [p for p in self.params if p.dim() >= 2],
-            [p for p in self.params if p.dim() < 2],
-        ]
-        self.opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr_at(cfg, 0),
-            betas=(cfg.beta1, cfg.beta2),
-            eps=cfg.adam_eps,
-            fused=True,
-        )  # one kernel over all tensors: 3.5x faster than the per-tensor loop on CPU
+        self.distributed = use_distributed_optimizer(cfg, info)
+        "Whether megatron-core's distributed optimizer (sharded state) is in use."
+        self.ddp = wrap_ddp(model, cfg, info)
+        with cuda_as_cpu():
+            self.opt = get_megatron_optimizer(_megatron_config(cfg, model, self.distributed), [self.ddp])
         self.step_count = 0
         self.lr_scale = 1.0  # lowered by the collapse sentinel's rollback
+        self._synced = False
+        self.zero_grad()
+
+    @property
+    def inner(self) -> list:
+        """The megatron optimizers (dense, then experts) behind the chained one."""
+        return list(getattr(self.opt, "chained_optimizers", [self.opt]))
+
+    def micro_batches(self, items):
+        """Yield ``items`` (micro-batches); backward passes of all but the last run under DDP's
+        ``no_sync``, so an overlapped reduction starts once, after the last backward."""
+        items = list(items)
+        for i, item in enumerate(items):
+            with self.ddp.no_sync() if i < len(items) - 1 else contextlib.nullcontext():
+                yield item
 
     def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
+        """Clear DDP's grad buffers and the optimizer's main gradients."""
+        self.ddp.zero_grad_buffer()
+        with cuda_as_cpu():
+            self.opt.zero_grad()
+        self._synced = False
+
+    def finish_grad_sync(self) -> None:
+        """Reduce the accumulated gradients (DDP buckets, then sequence-parallel parameters over
+        TP): ``param.main_grad`` then holds the global gradient (this rank's shard of it, when
+        distributed). Once per step, after the last backward: :meth:`step` calls it if not yet called."""
+        from megatron.core.distributed import finalize_model_grads
+
+        if not self._synced:
+            finalize_model_grads([self.ddp])
+            self._synced = True
+
+    def _set_schedule(self, lr: float) -> None:
+        for opt in self.inner:
+            for group in opt.param_groups:
+                group["lr"] = lr * group.get("lr_mult", 1.0)
+                group["weight_decay"] = self.cfg.weight_decay * group.get("wd_mult", 1.0)
+
+    def _clip(self, norm: float) -> None:
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        for opt in self.inner:
+            params = opt.get_parameters()
+            if params:
+                clip_grad_by_total_norm_fp32(params, self.cfg.grad_clip, norm)
 
     def step(self) -> dict[str, float]:
-        """Sync, clip and apply the gradients; skip (and report) a non-finite step."""
-        sync_grads(self.params, self.info)
-        norm = grad_norm(self.params, self.info)
-        finite = bool(torch.isfinite(norm))
+        """Reduce, clip and apply the gradients; skip (and report) a non-finite step."""
         lr = lr_at(self.cfg, self.step_count) * self.lr_scale
-        if finite:
-            if self.cfg.grad_clip > 0:
-                coef = torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-            for g in self.opt.param_groups:
-                g["lr"] = lr
-            for p, m in self.master.items():
-                m.grad = None if p.grad is None else p.grad.float()
-            self.opt.step()
-            with torch.no_grad():
-                for p, m in self.master.items():
-                    p.copy_(m)
-                    m.grad = None
-            self.step_count += 1
+        self.finish_grad_sync()
+        with cuda_as_cpu():
+            self._set_schedule(lr)
+            found_inf = self.opt.prepare_grads()  # copies grads to the main weights (fp32)
+            norm = float(self.opt.get_grad_norm() or 0.0)  # global: all ranks agree
+            finite = not found_inf and math.isfinite(norm)
+            if finite:
+                if self.cfg.grad_clip > 0:
+                    self._clip(norm)
+                self.opt.step_with_ready_grads()  # also all-gathers the weights when distributed
+                self.step_count += 1
         self.zero_grad()
-        return {"grad_norm": float(norm), "lr": lr, "skipped": 0.0 if finite else 1.0}
+        return {"grad_norm": norm, "lr": lr, "skipped": 0.0 if finite else 1.0}
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, *, is_loading: bool) -> dict:
+        """The optimizer's dist_checkpointing state: Adam moments and fp32 main weights as
+        ShardedTensors shaped like the model's, so it reshards across TP, EP and DP.
+
+        The distributed optimizer uses its ``fully_reshardable`` format (gathered over DP at save):
+        megatron-core 0.16.1 rejects the flattened ShardedTensors of ``fully_sharded_model_space``.
+        """
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+        if is_loading:
+            self._materialise_state()
+        with cuda_as_cpu():
+            return self.opt.sharded_state_dict(
+                model_sharded_state_dict, is_loading=is_loading, metadata=metadata
+            )
+
+    @torch.no_grad()
+    def _materialise_state(self) -> None:
+        """Give a fresh optimizer its Adam state (zero moments) to load into: one step at lr 0 with
+        zero gradients, which changes no weight (the distributed optimizer's ``state_dict`` needs
+        a step count to exist)."""
+        for opt in self.inner:
+            inner = opt.optimizer
+            if inner.state:
+                continue
+            lrs = [group["lr"] for group in inner.param_groups]
+            for group in inner.param_groups:
+                group["lr"] = 0.0
+                for p in group["params"]:
+                    p.grad = torch.zeros_like(p)
+            inner.step()
+            for group, lr in zip(inner.param_groups, lrs):
+                group["lr"] = lr
+                for p in group["params"]:
+                    p.grad = None
+
+    def load_state_dict(self, state: dict, step_count: int) -> None:
+        """Load what :meth:`sharded_state_dict` described, as ``dist_checkpointing.load`` returns it.
+
+        torch's Adam (megatron-core's fallback without transformer-engine or apex, so on CPU) keeps
+        a per-parameter ``step``, which megatron-core's loaders restore as one tensor shared by all
+        parameters (then advanced once per parameter at each step): every parameter gets its own,
+        equal to ``step_count``, the number of applied updates.
+        """
+        with cuda_as_cpu():
+            self.opt.load_state_dict(state)
+        for opt in self.inner:
+            if isinstance(opt.optimizer, torch.optim.Adam | torch.optim.AdamW):
+                for st in opt.optimizer.state.values():
+                    st["step"] = torch.tensor(float(step_count), dtype=torch.float32)
+        self.step_count = step_count
+
+    def reload_model_params(self) -> None:
+        """Copy the model's weights into the fp32 main weights (after they were set from outside)."""
+        with cuda_as_cpu():
+            self.opt.reload_model_params()
+
+    def reset(self) -> None:
+        """Back to a fresh optimizer on the model's current weights: no Adam moments, step 0."""
+        for opt in self.inner:
+            opt.optimizer.state.clear()
+        self.reload_model_params()  # fp32 main weights of bf16 parameters
+        self.step_count = 0

@@ -7,7 +7,10 @@ the names of the shims it applied so tests can check each one is needed and enou
 
 The sequence-parallel norm is not a shim: the policy builder uses its own norm class
 (:class:`moe_rl.megatron.model.RMSNorm`) that tags parameters instead of refusing SP.
-The optimizer shim is not needed: moe-rl uses torch.optim.AdamW, not megatron's optimizer.
+megatron-core's optimizer (``get_megatron_optimizer`` and its gradient clipping) is the one
+place that needs more than a patched function: it makes tensors on ``device="cuda"`` and checks
+``param.type() == "torch.cuda.FloatTensor"`` in many places, so moe-rl runs each call into it
+inside :func:`cuda_as_cpu` (the ``cuda_as_cpu`` shim; see docs/megatron_cpu.md).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import contextlib
 import logging
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +144,62 @@ def _shim_rng() -> None:
     torch.cuda.manual_seed = lambda seed: None  # the CPU generator is seeded by the caller
 
 
+class _CudaAsCpu(TorchFunctionMode):
+    """Inside megatron-core's optimizer on CPU: ``device="cuda"`` means the CPU, ``.cuda()`` is a
+    no-op and ``Tensor.type()`` names CPU tensors as their CUDA type (``torch.cuda.FloatTensor``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and not args[0].is_cuda:
+            return "torch.cuda." + func(*args).split(".", 1)[1]
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **kwargs)
+
+
+def _shim_cuda_as_cpu() -> None:
+    # megatron-core's optimizer: MixedPrecisionOptimizer / FP32Optimizer make found_inf and scale
+    # tensors on device="cuda", clip_grads makes its norm buffers there, and the distributed and
+    # fp16 optimizers accept parameters only when param.type() is a torch.cuda type
+    # (megatron-core 0.16.1). Registering the shim enables cuda_as_cpu(); nothing is patched.
+    pass
+
+
+def _shim_distopt_adam_step() -> None:
+    # Without transformer-engine or apex (always so on CPU) megatron-core's optimizer is torch's
+    # Adam, whose per-parameter state holds a "step". DistributedOptimizer.load_state_dict puts one
+    # shared step tensor there and then copies every state key from the loaded tensors, which have
+    # no "step": KeyError 'step' (megatron-core 0.16.1). Copy only the loaded keys; Optimizer.
+    # load_state_dict then gives every parameter its own step tensor.
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = getattr(DistributedOptimizer, "_set_main_param_and_optimizer_states", None)
+    if original is None:  # another megatron-core layout: tests/dist/test_shims.py says if still needed
+        log.warning("distopt_adam_step: DistributedOptimizer._set_main_param_and_optimizer_states is gone")
+        return
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None)
+        try:
+            original(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+
+def cuda_as_cpu():
+    """Context for every call into megatron-core's optimizer: :class:`_CudaAsCpu` once the
+    ``cuda_as_cpu`` shim is applied (CPU), else a no-op (CUDA)."""
+    return _CudaAsCpu() if "cuda_as_cpu" in _APPLIED else contextlib.nullcontext()
+
+
 SHIMS = {
     "current_device": _shim_current_device,
     "streams": _shim_streams,
@@ -148,6 +208,8 @@ SHIMS = {
     "alltoall_splits": _shim_alltoall_splits,
     "causal_mask": _shim_causal_mask,
     "rng": _shim_rng,
+    "cuda_as_cpu": _shim_cuda_as_cpu,
+    "distopt_adam_step": _shim_distopt_adam_step,
 }
 
 

@@ -313,7 +313,7 @@ def train_on(run: Run, batch: RLBatch, timer: StepTimer | None = None) -> dict[s
         ]
         per_micro = [
             _micro_step(run, batch, rows, loss_fn, (num_sequences, num_tokens), entropy, flips)
-            for rows in micro
+            for rows in run.optimizer.micro_batches(micro)  # DDP reduces after the last backward
         ]
         loss_metrics.append(combine_metrics(per_micro))
         stats = run.optimizer.step()

@@ -97,7 +97,7 @@ class Run:
         lr = self.recipe.train.sft_lr
         if stage == "sft" and lr is not None:
             cfg = replace(cfg, lr=lr, min_lr=min(cfg.min_lr, lr))
-        self.optimizer = Optimizer(self.policy.parameters(), cfg, self.info)
+        self.optimizer = Optimizer(self.policy.model, cfg, self.info)
 
     def save(self) -> None:
         """Checkpoint policy, optimizer, RNG and run state."""

@@ -22,9 +22,17 @@ def main() -> None:
 
     par = ParallelConfig(expert_parallel=2, data_parallel=2) if op == "ep2" else ParallelConfig()
     info = init_parallel(par, seed=0)
-    cfg = ModelConfig(vocab_size=32, hidden_size=32, num_layers=1, num_attention_heads=2,
-                      num_query_groups=1, head_dim=16, moe_ffn_hidden_size=32, num_experts=4,
-                      recompute=op == "recompute")
+    cfg = ModelConfig(
+        vocab_size=32,
+        hidden_size=32,
+        num_layers=1,
+        num_attention_heads=2,
+        num_query_groups=1,
+        head_dim=16,
+        moe_ffn_hidden_size=32,
+        num_experts=4,
+        recompute=op == "recompute",
+    )
     policy = build_policy(cfg, par, info)
     tok = torch.randint(0, 32, (2, 9))
     if op == "stock_forward":  # megatron-core's own local modules (DotProductAttention, SequentialMLP)
@@ -36,6 +44,16 @@ def main() -> None:
         out.logp_BT.sum().backward()
     if op == "checkpoint":
         save_checkpoint(tempfile.mkdtemp(), 0, policy.model)
+    if op == "optimizer":  # megatron-core's distributed optimizer: step, save, resume
+        from moe_rl.config import OptimConfig
+        from moe_rl.megatron.checkpoint import load_checkpoint
+        from moe_rl.megatron.optim import Optimizer
+
+        opt = Optimizer(policy.model, OptimConfig(distributed=True), info)
+        out.logp_BT.sum().backward()
+        assert opt.step()["skipped"] == 0
+        path = save_checkpoint(tempfile.mkdtemp(), 1, policy.model, opt)
+        load_checkpoint(path, policy.model, Optimizer(policy.model, OptimConfig(distributed=True), info))
     if info.rank == 0:
         print("OK")
 

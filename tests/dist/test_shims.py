@@ -9,15 +9,20 @@ import pytest
 import torch
 
 PROBE = str(Path(__file__).with_name("shim_probe.py"))
-pytestmark = [pytest.mark.dist, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims apply only without CUDA")]
+pytestmark = [
+    pytest.mark.dist,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims apply only without CUDA"),
+]
 
 
 def probe(skip, op, nproc=1):
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    return subprocess.run([*launch, PROBE, skip, op], capture_output=True, text=True,
-                          timeout=180, env=env)
+    launch = (
+        [sys.executable]
+        if nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    )
+    return subprocess.run([*launch, PROBE, skip, op], capture_output=True, text=True, timeout=180, env=env)
 
 
 def test_all_shims_are_enough():
@@ -25,17 +30,26 @@ def test_all_shims_are_enough():
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
     res = probe("none", "recompute")
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+    res = probe("none", "optimizer")
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
 
 
-@pytest.mark.parametrize("shim, op, error", [
-    ("current_device", "forward", "Torch not compiled with CUDA enabled"),
-    ("streams", "forward", "torch.cuda.Stream requires CUDA support"),
-    ("te_general_gemm", "forward", "te_general_gemm"),
-    # only megatron's DotProductAttention builds the mask; our SDPAttention passes is_causal
-    ("causal_mask", "stock_forward", "Torch not compiled with CUDA enabled"),
-    ("rng", "recompute", "Torch not compiled with CUDA enabled"),
-    ("synchronize", "checkpoint", "Torch not compiled with CUDA enabled"),
-])
+@pytest.mark.parametrize(
+    "shim, op, error",
+    [
+        ("current_device", "forward", "Torch not compiled with CUDA enabled"),
+        ("streams", "forward", "torch.cuda.Stream requires CUDA support"),
+        ("te_general_gemm", "forward", "te_general_gemm"),
+        # only megatron's DotProductAttention builds the mask; our SDPAttention passes is_causal
+        ("causal_mask", "stock_forward", "Torch not compiled with CUDA enabled"),
+        ("rng", "recompute", "Torch not compiled with CUDA enabled"),
+        ("synchronize", "checkpoint", "Torch not compiled with CUDA enabled"),
+        # megatron-core's optimizer makes tensors on "cuda" and checks param.type() for torch.cuda types
+        ("cuda_as_cpu", "optimizer", "Torch not compiled with CUDA enabled"),
+        # torch's Adam keeps a per-parameter "step" the distributed optimizer's loader does not expect
+        ("distopt_adam_step", "optimizer", "KeyError: 'step'"),
+    ],
+)
 def test_each_shim_is_needed(shim, op, error):
     res = probe(shim, op)
     assert res.returncode != 0, f"{shim} was not needed for {op}"

@@ -2,9 +2,10 @@
 
 It builds the tiny policy at the given layout (optionally loading a checkpoint saved at
 another layout), computes per-token log-probs on fixed tokens, a loss on this rank's
-data-parallel shard with global denominators, synced gradients, one AdamW step and the
-log-probs after it, and saves everything with the global offset of every shard so the
-test can compare layouts element by element.
+data-parallel shard with global denominators, the gradients megatron-core's DDP reduces, one
+Adam step and the log-probs after it, and saves everything with the global offset of every
+shard so the test can compare layouts element by element. With ``--steps N`` it instead trains
+N steps (optionally resuming a checkpoint with its optimizer state) and saves the parameters.
 """
 
 import argparse
@@ -13,8 +14,9 @@ import os
 import torch
 
 
-def sharded_grads(model) -> dict:
-    """key -> (global_offset, local grad) for every parameter, via its ShardedTensor."""
+def sharded_grads(model, of=lambda p: p.main_grad) -> dict:
+    """key -> (global_offset, local grad) for every parameter, via its ShardedTensor (``of``: what
+    to take from the parameter; DDP's reduced gradient by default)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     by_ptr = {p.data_ptr(): p for p in model.parameters()}
@@ -23,12 +25,39 @@ def sharded_grads(model) -> dict:
         if not isinstance(st, ShardedTensor) or st.data.data_ptr() not in by_ptr:
             continue
         p = by_ptr[st.data.data_ptr()]
-        if p.grad is None:
-            continue
-        offset = tuple(st.global_offset[st.prepend_axis_num:])
+        offset = tuple(st.global_offset[st.prepend_axis_num :])
         expert = tuple(st.global_offset[: st.prepend_axis_num])
-        out[st.key + str(expert)] = (offset, p.grad.detach().clone())
+        out[st.key + str(expert)] = (offset, of(p).detach().clone())
     return out
+
+
+def train_steps(policy, info, args) -> dict:
+    """``args.steps`` Adam steps on fixed batches (this rank's DP share, global denominators),
+    resuming ``args.load`` with its optimizer state when given; the parameters by global offset."""
+    from moe_rl.config import OptimConfig
+    from moe_rl.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from moe_rl.megatron.optim import Optimizer
+
+    cfg = OptimConfig(lr=1e-4, weight_decay=0.1, grad_clip=0.5, distributed=args.distributed)
+    opt = Optimizer(policy.model, cfg, info)
+    start = load_checkpoint(args.load, policy.model, opt)["step"] if args.load else 0
+    stats = []
+    for step in range(start, start + args.steps):
+        g = torch.Generator().manual_seed(100 + step)
+        tokens = torch.randint(0, policy.cfg.vocab_size, (8, 33), generator=g)
+        mask = (torch.rand(8, 33, generator=g) < 0.8).float()
+        rows = tokens.shape[0] // info.dp_size
+        sl = slice(info.dp_rank * rows, (info.dp_rank + 1) * rows)
+        loss = -(policy.logprobs(tokens[sl]).logp_BT * mask[sl]).sum() / mask.sum()
+        loss.backward()
+        stats.append(opt.step())
+    if args.save_after:
+        save_checkpoint(args.save_after, start + args.steps, policy.model, opt)
+    return {
+        "params": sharded_grads(policy.model, of=lambda p: p),
+        "stats": stats,
+        "distributed": opt.distributed,
+    }
 
 
 def routing_checks(policy, tokens) -> dict:
@@ -52,7 +81,9 @@ def routing_checks(policy, tokens) -> dict:
     with torch.no_grad(), RoutingSession(policy, RouterAction.REPLAY, routes_BSLK=recorded) as rs2:
         replayed = policy.logprobs(tokens).logp_BT
     natural = rs2.natural_BSLK(b, s)
-    flips = flip_rate(natural.reshape(b * s, *natural.shape[2:]), recorded.reshape(b * s, *recorded.shape[2:]))
+    flips = flip_rate(
+        natural.reshape(b * s, *natural.shape[2:]), recorded.reshape(b * s, *recorded.shape[2:])
+    )
     with torch.no_grad():
         for r, w in zip(policy.routers, saved):
             r.weight.copy_(w)
@@ -86,27 +117,42 @@ def main() -> None:
     ap.add_argument("--save-init", default=None)
     ap.add_argument("--save-after", default=None)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=0)
+    ap.add_argument("--distributed", default="off", choices=["auto", "on", "off"])
     args = ap.parse_args()
+    args.distributed = {"auto": "auto", "on": True, "off": False}[args.distributed]
 
-    from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
-    from moe_rl.megatron.checkpoint import load_checkpoint, save_checkpoint
-    from moe_rl.megatron.optim import Optimizer, grad_norm, sync_grads
+    from moe_rl.config import ModelConfig, ParallelConfig
     from moe_rl.megatron.parallel import destroy_parallel, init_parallel
     from moe_rl.megatron.policy import build_policy
 
     par = ParallelConfig(tensor_parallel=args.tp, expert_parallel=args.ep, data_parallel=args.dp)
-    mcfg = ModelConfig(moe_token_dispatcher=args.dispatcher, recompute=args.recompute,
-                       logprob_impl=args.logprob_impl)
+    mcfg = ModelConfig(
+        moe_token_dispatcher=args.dispatcher, recompute=args.recompute, logprob_impl=args.logprob_impl
+    )
     info = init_parallel(par, seed=3)
     policy = build_policy(mcfg, par, info)
-    opt = Optimizer(policy.parameters(), OptimConfig(lr=1e-4, grad_clip=0.0), info)
+    out = train_steps(policy, info, args) if args.steps else one_step(policy, info, args)
+    os.makedirs(args.out, exist_ok=True)
+    torch.save(out, os.path.join(args.out, f"rank{info.rank}.pt"))
+    destroy_parallel()
+
+
+def one_step(policy, info, args) -> dict:
+    """Log-probs, routing, rollouts, loss, reduced gradients and one step (module doc)."""
+    from moe_rl.config import OptimConfig
+    from moe_rl.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from moe_rl.megatron.optim import Optimizer
+
+    # the distributed optimizer keeps only this rank's shard of the reduced gradient
+    opt = Optimizer(policy.model, OptimConfig(lr=1e-4, grad_clip=0.0, distributed=args.distributed), info)
     if args.load:
         load_checkpoint(args.load, policy.model)
     if args.save_init:
         save_checkpoint(args.save_init, 0, policy.model, opt)
 
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, mcfg.vocab_size, (8, 33), generator=g)
+    tokens = torch.randint(0, policy.cfg.vocab_size, (8, 33), generator=g)
     routing = routing_checks(policy, tokens)
     gen = generations(policy) if args.tp == 1 else {}
     mask = (torch.rand(8, 33, generator=g) < 0.8).float()
@@ -118,21 +164,24 @@ def main() -> None:
     lp = policy.logprobs(tokens[sl], with_entropy=True)
     loss = -((lp.logp_BT + 0.1 * lp.entropy_BT) * mask[sl]).sum() / mask.sum()
     loss.backward()
-    params = [p for p in policy.parameters()]
-    sync_grads(params, info)
-    norm = grad_norm(params, info)
+    opt.finish_grad_sync()
     grads = sharded_grads(policy.model)
-    opt.opt.step()
+    norm = torch.tensor(opt.step()["grad_norm"])
     with torch.no_grad():
         after = policy.logprobs(tokens).logp_BT
     if args.save_after:
-        opt.step_count = 1
         save_checkpoint(args.save_after, 1, policy.model, opt)
-    os.makedirs(args.out, exist_ok=True)
-    torch.save({**routing, "gen": gen, "logp": out.logp_BT, "entropy": out.entropy_BT, "loss": loss.detach(),
-                "grad_norm": norm, "grads": grads, "after": after, "tokens": tokens},
-               os.path.join(args.out, f"rank{info.rank}.pt"))
-    destroy_parallel()
+    return {
+        **routing,
+        "gen": gen,
+        "logp": out.logp_BT,
+        "entropy": out.entropy_BT,
+        "loss": loss.detach(),
+        "grad_norm": norm,
+        "grads": grads,
+        "after": after,
+        "tokens": tokens,
+    }
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ def test_bf16_policy_steps_on_cuda(parallel_info):
 
     cfg = ModelConfig(dtype="bfloat16")
     policy = build_policy(cfg, ParallelConfig(), parallel_info)
-    opt = Optimizer(policy.parameters(), OptimConfig(lr=1e-3), parallel_info)
+    opt = Optimizer(policy.model, OptimConfig(lr=1e-3), parallel_info)
     tok = torch.randint(0, cfg.vocab_size, (8, 129), device="cuda")
     losses = []
     for _ in range(3):

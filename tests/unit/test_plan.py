@@ -117,14 +117,17 @@ def test_per_step_bytes():
 
 
 def test_refuses_a_layout_that_cannot_fit():
-    # Qwen3-30B-A3B at TP=2 EP=8 on 16 GPUs: 4.4B parameters per GPU, 18 bytes each in bf16
+    # Qwen3-30B-A3B at TP=2 EP=8 on 16 GPUs without the distributed optimizer: 4.4B parameters
+    # per GPU, 18 bytes each in bf16 (with it the experts' state halves over expert-DP 2: fits)
+    unsharded = ["parallel.expert_parallel=8", "optim.distributed=false"]
+    assert plan(load_recipe(GSPO_30B, ["parallel.expert_parallel=8"]))["fits"]
     with pytest.raises(PlanError) as e:
-        plan(load_recipe(GSPO_30B, ["parallel.expert_parallel=8"]))
+        plan(load_recipe(GSPO_30B, unsharded))
     msg = str(e.value)
     assert "optimizer" in msg and "largest term" in msg
     assert "raise parallel.expert_parallel to 16" in msg and "tensor_parallel" in msg
     assert isinstance(e.value, ConfigError)
-    pl = plan(load_recipe(GSPO_30B, ["parallel.expert_parallel=8"]), allow_unfit=True)
+    pl = plan(load_recipe(GSPO_30B, unsharded), allow_unfit=True)
     assert not pl["fits"] and pl["memory"]["total"] > 0.9 * 80 * 2**30
     assert "DOES NOT FIT" in format_plan(pl)
 
@@ -153,6 +156,41 @@ def test_main_prints_the_plan_and_exits_nonzero_when_it_cannot_fit(capsys):
     assert main([str(GSPO_30B)]) == 0
     out = capsys.readouterr().out
     assert "EP 16" in out and "expert-DP 1" in out and "30.53B total" in out and "fits" in out
-    assert main([str(GSPO_30B), "parallel.expert_parallel=8"]) == 1
+    assert main([str(GSPO_30B), "parallel.expert_parallel=8", "optim.distributed=false"]) == 1
     assert "raise parallel.expert_parallel" in capsys.readouterr().err
     assert main([str(GSPO_30B), "parallel.expert_parallel=7"]) == 2
+
+
+def test_distributed_optimizer_shards_dense_state_over_dp_and_experts_over_expert_dp():
+    # TP=2 EP=4 DP=4: dense state over DP 4, experts' over expert-DP 2 (12 bytes each in bf16)
+    over = {
+        "model": QWEN3_30B_A3B,
+        "parallel": {"tensor_parallel": 2, "expert_parallel": 4, "data_parallel": 4},
+    }
+    pl = plan(recipe_from_dict(over), allow_unfit=True)
+    shard, mem = pl["memory"]["params_per_gpu"], pl["memory"]
+    dense = shard["total"] - shard["experts"]
+    assert mem["optimizer_sharding"] == {"distributed": True, "dense_over": 4, "experts_over": 2}
+    assert mem["terms"]["optimizer"] == int(dense * 8 / 4 + shard["experts"] * 8 / 2)  # fp32 model
+    plain = plan(recipe_from_dict({**over, "optim": {"distributed": False}}), allow_unfit=True)["memory"]
+    assert plain["terms"]["optimizer"] == 8 * shard["total"]  # every rank keeps all of its state
+    assert plain["terms"]["gradients"] == mem["terms"]["gradients"] == 4 * shard["total"]  # never sharded
+    bf16 = recipe_from_dict(
+        {
+            "model": {**QWEN3_30B_A3B, "dtype": "bfloat16"},
+            "parallel": over["parallel"],
+            "optim": {"grad_reduce_in_fp32": False},
+        }
+    )
+    terms = plan(bf16, allow_unfit=True)["memory"]["terms"]
+    assert terms["optimizer"] == int(dense * 12 / 4 + shard["experts"] * 12 / 2)  # + fp32 main weights
+    assert terms["gradients"] == 2 * shard["total"]  # bf16 grad buffer
+
+
+def test_qwen3_30b_a3b_on_one_node_needs_micro_batches():
+    # 8 x 80 GB: EP=8 leaves 3.6B expert parameters per GPU whose state expert-DP 1 cannot shard
+    one_node = ["parallel.tensor_parallel=2", "parallel.expert_parallel=8", "parallel.data_parallel=4"]
+    assert not plan(load_recipe(GSPO_30B, one_node), allow_unfit=True)["fits"]
+    pl = plan(load_recipe(GSPO_30B, [*one_node, "train.micro_batch_size=1"]))  # read from the recipe
+    assert pl["fits"] and pl["memory"]["sequences_per_forward"] == 1
+    assert pl["memory"]["optimizer_sharding"]["experts_over"] == 1
