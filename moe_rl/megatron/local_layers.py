@@ -73,11 +73,12 @@ class SDPAttention(DotProductAttention):
         attention_bias=None,
         packed_seq_params=None,
     ):
-        """[sq, b, np, hn] queries, [sk, b, ng, hn] keys/values -> [sq, b, np * hn]."""
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError(
-                "SDPAttention: packed sequences and attention bias need the transformer-engine spec"
-            )
+        """[sq, b, np, hn] queries, [sk, b, ng, hn] keys/values -> [sq, b, np * hn]; packed
+        (``thd``): [t, np, hn] and [t, ng, hn] -> [t, np * hn], causal within each segment."""
+        if attention_bias is not None:
+            raise NotImplementedError("SDPAttention: attention bias needs the transformer-engine spec")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         sq, b, heads, hn = query.shape
         sk, groups = key.shape[0], key.shape[2]
         mask, causal = None, False
@@ -94,6 +95,29 @@ class SDPAttention(DotProductAttention):
             q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale, enable_gqa=groups != heads
         )
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+
+    def _packed(self, query, key, value, params):
+        """Causal SDPA of every segment of a ``thd`` pack on its own (no position attends across
+        a boundary, none is computed twice): the exact block-diagonal causal attention."""
+        if params.qkv_format != "thd" or self.attn_mask_type != AttnMaskType.causal:
+            raise NotImplementedError("SDPAttention: packed sequences need qkv_format='thd', causal")
+        t, heads, hn = query.shape
+        gqa = key.shape[1] != heads
+        bounds = params.cu_seqlens_q.tolist()
+        q_HTD, k_GTD, v_GTD = (x.transpose(0, 1) for x in (query, key, value))
+        outs = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q_HTD[:, lo:hi],
+                    k_GTD[:, lo:hi],
+                    v_GTD[:, lo:hi],
+                    is_causal=hi - lo > 1,
+                    scale=self.softmax_scale,
+                    enable_gqa=gqa,
+                )
+            )
+        return torch.cat(outs, dim=1).transpose(0, 1).reshape(t, heads * hn)
 
 
 class GroupedExperts(SequentialMLP):
