@@ -104,20 +104,20 @@ class SDPAttention(DotProductAttention):
         t, heads, hn = query.shape
         gqa = key.shape[1] != heads
         bounds = params.cu_seqlens_q.tolist()
-        q_HTD, k_GTD, v_GTD = (x.transpose(0, 1) for x in (query, key, value))
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, heads, t, hn]
         outs = []
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             outs.append(
                 F.scaled_dot_product_attention(
-                    q_HTD[:, lo:hi],
-                    k_GTD[:, lo:hi],
-                    v_GTD[:, lo:hi],
+                    q[:, :, lo:hi],
+                    k[:, :, lo:hi],
+                    v[:, :, lo:hi],
                     is_causal=hi - lo > 1,
                     scale=self.softmax_scale,
                     enable_gqa=gqa,
                 )
             )
-        return torch.cat(outs, dim=1).transpose(0, 1).reshape(t, heads * hn)
+        return torch.cat(outs, dim=2)[0].transpose(0, 1).reshape(t, heads * hn)
 
 
 class GroupedExperts(SequentialMLP):

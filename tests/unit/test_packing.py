@@ -132,3 +132,36 @@ def test_outside_the_pack_is_zero_and_routes_distinct(policy):
     assert (out.logp_BT[outside] == 0).all() and (out.entropy_BT[outside] == 0).all()
     nat = rs.natural_BSLK(6, 16)
     assert (nat[~valid(lens_B)] == torch.arange(2)).all()
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_routes_only_forward_gives_the_full_forwards_routes(policy, packed):
+    tok, lens_B = batch(seed=7)
+    pack = policy.pack(tok, lens_B) if packed else None
+    with torch.no_grad(), RoutingSession(policy, RouterAction.NATURAL, pack=pack) as full:
+        policy.logits(tok[:, :-1], pack=pack)
+    with (
+        torch.no_grad(),
+        RoutingSession(policy, RouterAction.NATURAL, pack=pack, stop_after_routes=True) as rs,
+    ):
+        assert policy.logits(tok[:, :-1], pack=pack) is None, "the forward must end at the last router"
+    assert torch.equal(rs.natural_BSLK(6, 16), full.natural_BSLK(6, 16))
+    with pytest.raises(ValueError, match="natural"):
+        RoutingSession(policy, RouterAction.RECORD, stop_after_routes=True)
+
+
+def test_hidden_state_logprob_path_packed(parallel_info, tiny_model_cfg):
+    from dataclasses import replace
+
+    from moe_rl.megatron.policy import build_policy
+
+    tok, lens_B = batch(seed=9)
+    pol = build_policy(replace(tiny_model_cfg, logprob_impl="torch"), ParallelConfig(), parallel_info)
+    pack = pol.pack(tok, lens_B)
+    mask = torch.zeros(tok.shape, dtype=torch.bool)
+    mask[:, 1:] = valid(lens_B)
+    with torch.no_grad():
+        ref = pol.logprobs(tok, with_entropy=True)
+        got = pol.logprobs(tok, with_entropy=True, pack=pack)
+    torch.testing.assert_close(got.logp_BT[mask], ref.logp_BT[mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.entropy_BT[mask], ref.entropy_BT[mask], atol=1e-5, rtol=1e-5)
