@@ -8,7 +8,9 @@ Row ``b`` of length ``n_b`` (its input positions, ``t < total_len - 1``) contrib
 positions ``0 .. n_b - 1`` at pack offsets ``cu_seqlens[i] .. cu_seqlens[i + 1]``; position ids
 restart at 0 for every row (RoPE is applied per segment by megatron-core's ``thd`` path) and
 attention is causal within a segment only. The pack is handed to megatron-core as a
-``PackedSeqParams(qkv_format="thd")``: on GPU transformer-engine's attention consumes it; on CPU
+``PackedSeqParams(qkv_format="thd")``: on GPU transformer-engine's attention consumes it
+(megatron-core turns the causal mask into ``padding_causal`` for ``thd``; written to that contract,
+not run here: the development machines have no GPU); on CPU
 :class:`moe_rl.megatron.local_layers.SDPAttention` runs causal SDPA per segment.
 
 Everything the model returns per packed position (log-probs, entropy, router rows) is mapped
@@ -64,14 +66,16 @@ class PackedRows:
         out = x_N.new_zeros(self.b, width, *x_N.shape[1:])
         return out.index_put((self.row_N.to(x_N.device), self.pos_N.to(x_N.device) + shift), x_N)
 
-    def packed_seq_params(self):
-        """megatron-core's ``PackedSeqParams`` (``thd``) of this pack."""
+    def packed_seq_params(self, device: torch.device | str | None = None):
+        """megatron-core's ``PackedSeqParams`` (``thd``) of this pack, boundaries on ``device``
+        (transformer-engine's fused attention reads them on the GPU)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
+        cu = self.cu_seqlens.to(device) if device is not None else self.cu_seqlens
         return PackedSeqParams(
             qkv_format="thd",
-            cu_seqlens_q=self.cu_seqlens,
-            cu_seqlens_kv=self.cu_seqlens,
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
             max_seqlen_q=self.max_seqlen,
             max_seqlen_kv=self.max_seqlen,
         )

@@ -148,7 +148,7 @@ class Policy:
             input_ids=pack.inputs_P.to(dev)[None],
             position_ids=pos_P[None],
             attention_mask=None,
-            packed_seq_params=pack.packed_seq_params(),
+            packed_seq_params=pack.packed_seq_params(dev),
         )
         return out[0, : pack.n]
 
