@@ -15,7 +15,7 @@ not run here: the development machines have no GPU); on CPU
 
 Everything the model returns per packed position (log-probs, entropy, router rows) is mapped
 back to the ``[B, T]`` / ``[B, S, L, K]`` layout by :meth:`PackedRows.scatter_BS`, so losses,
-flip metrics and routing replay never see the packing (docs/design.md, "packed sequences").
+flip metrics and routing replay never see the packing (docs/design.md, "One RL step").
 Positions the pack does not cover are 0 there (masked by ``valid_BS`` and the loss mask).
 """
 
