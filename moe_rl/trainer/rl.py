@@ -311,8 +311,8 @@ def packed(run: Run, tokens_BT: torch.Tensor, lens_B: torch.Tensor) -> PackedRow
 
 
 def chunks(n: int, size: int) -> list[slice]:
-    """Row slices of at most ``size`` (all rows when size is 0)."""
-    size = size or n
+    """Row slices of at most ``size`` (all rows when size is 0; none of no rows)."""
+    size = size or max(n, 1)
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 

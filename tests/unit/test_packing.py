@@ -49,6 +49,10 @@ def test_token_budget_chunks_keep_order_and_budget():
     assert [(p.start, p.stop) for p in parts] == [(3, 4), (4, 7), (7, 8), (8, 9)]
     assert [(p.start, p.stop) for p in token_budget_chunks(lens_B, 1000)] == [(0, 6)]
     assert len(token_budget_chunks(lens_B, 1)) == 6  # a row longer than the budget goes alone
+    assert token_budget_chunks(lens_B[:0], 20) == []  # no probe rows: no micro-batch
+    from moe_rl.trainer.rl import chunks
+
+    assert chunks(0, 0) == [] and chunks(5, 0) == [slice(0, 5)] and chunks(5, 2)[-1] == slice(4, 5)
 
 
 def _forward(policy, tok, lens_B, routing, packed, routes=None):
