@@ -59,6 +59,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `benchmarks` and `moe_rl`
     sys.path.insert(0, str(ROOT))
 from benchmarks.throughput_report import (  # noqa: E402
     PHASES,
+    headline,
     matmul_peak_flops,
     plot,
     scaling,
@@ -296,6 +297,8 @@ def bench_step(run: Run, step: int, mem: PeakMemory) -> dict:
     rec["tokens"] = total(batch.mask_BT.sum())
     # every input position of every sequence (prompt + response - 1): the forward work of one pass
     rec["positions"] = total(batch.valid_BS.sum())
+    # what a padded [B, T - 1] forward computes; packing (train.packing) computes only `positions`
+    rec["padded_positions"] = total(torch.tensor(float(batch.valid_BS.numel())))
     rec["sequences"] = total(torch.tensor(float(batch.tokens_BT.shape[0])))
     return rec
 
@@ -396,8 +399,9 @@ def summarize(steps: list[dict]) -> dict:
     """Median seconds, tokens/s (wall and CPU) and peak memory per phase over the timed steps."""
     med = statistics.median
     out = {"steps": len(steps), "tokens": med([s["tokens"] for s in steps]), "phases": {}}
-    for k in ("positions", "sequences"):
+    for k in ("positions", "sequences", "padded_positions"):
         out[k] = med([s[k] for s in steps])
+    out["padding_share"] = 1.0 - out["positions"] / out["padded_positions"]
     for p in PHASES:
         if p not in steps[0]:
             continue
@@ -629,6 +633,8 @@ def main(argv=None) -> dict:
                 export_dir=export,
             )
             d.update(config=dims, overheads=overheads(d["combos"]), wall_s=t0.seconds())
+            vocab = build_recipe(dims, p["train"]).model.vocab_size
+            d["floor"] = step_floor(d["combos"]["gspo/none"], dims, vocab, res["matmul_peak"], None)
             res["models"][name] = d
             print(f"[throughput] {name}: {d['wall_s']:.0f} s", flush=True)
         if "tiny" in res["models"]:
@@ -675,6 +681,7 @@ def main(argv=None) -> dict:
             "--no-trl" if args.no_trl else "no benchmarks/.venv-trl: bash benchmarks/trl_env.sh"
         )
     res["wall_s"], res["loadavg_1m_end"] = clock.seconds(), os.getloadavg()[0]
+    res["headline"] = headline(res)
     path.write_text(json.dumps(res, indent=1) + "\n")
     plot(res, path.with_suffix(".png"))
     print(table(res))

@@ -94,6 +94,55 @@ def step_floor(combo: dict, dims: dict, vocab: int, peak: dict, peer_median: dic
     return out
 
 
+def headline(res: dict) -> dict:
+    """The figures issue 17 asks for, from one run (None where the run did not measure them).
+
+    moe_rl_over_trl_*: tokens per CPU second of the whole step (flip probes on, GSPO, routing
+    none) over TRL's, same model, weights, prompts, G and batch, 1 thread each. probe_frac: the
+    flip probes' share of the step's CPU seconds (small model, gspo/none; the max over every
+    combo and model beside it). replay_overhead: step CPU seconds with R2 / R3 over routing none,
+    minus 1 (small model; median over the algorithms; the larger of the two modes). floor_multiple_*: the step's CPU
+    seconds over its matmul floor. padding_share_removed: the share of a padded batch's input
+    positions that packing does not compute (gspo/none rollouts of each model).
+    """
+    models, trl = res.get("models", {}), res.get("trl", {})
+
+    def ratio(name):
+        vs = trl.get(name, {}).get("vs")
+        return vs["ratio_cpu"] if vs else None
+
+    def probe(c):
+        return c["phases"]["probe"]["cpu_s"] / c["phases"]["step"]["cpu_s"]
+
+    def replay(name, mode):
+        combos = models[name]["combos"]
+        r = [
+            combos[f"{a}/{mode}"]["phases"]["step"]["cpu_s"] / combos[f"{a}/none"]["phases"]["step"]["cpu_s"]
+            for a in ("grpo", "gspo", "gspo_token")
+            if f"{a}/{mode}" in combos and f"{a}/none" in combos
+        ]
+        return sorted(r)[len(r) // 2] - 1 if r else None
+
+    small = "small" if "small" in models else None
+    out = {
+        "moe_rl_over_trl_tiny": ratio("tiny"),
+        "moe_rl_over_trl_small": ratio("small"),
+        "probe_frac": probe(models[small]["combos"]["gspo/none"]) if small else None,
+        "probe_frac_max": max(
+            (probe(c) for m in models.values() for c in m["combos"].values()), default=None
+        ),
+        "replay_overhead_by_mode": {mode: replay(small, mode) for mode in ("r2", "r3")} if small else None,
+        "floor_multiple_tiny": models.get("tiny", {}).get("floor", {}).get("moe_rl_step_s_over_floor"),
+        "floor_multiple_small": models.get("small", {}).get("floor", {}).get("moe_rl_step_s_over_floor"),
+        "padding_share_removed": {n: m["combos"]["gspo/none"]["padding_share"] for n, m in models.items()},
+        "loadavg_1m": [res.get("loadavg_1m_start"), res.get("loadavg_1m_end")],
+        "measure": "CPU seconds at 1 thread (wall seconds swing with the machine's load)",
+    }
+    modes = [v for v in (out["replay_overhead_by_mode"] or {}).values() if v is not None]
+    out["replay_overhead"] = max(modes) if modes else None
+    return out
+
+
 def scaling(world: dict, ref: dict) -> dict:
     """Tokens/s of a world-2 layout over the world-1 run's, per combo and phase (wall and CPU).
 

@@ -464,6 +464,10 @@ class TrainConfig:
     "Optimizer steps per rollout batch (the off-policy knob; must divide the batch)."
     micro_batch_size: int = 0
     "Sequences per forward/backward on one rank (gradient accumulation within a minibatch); 0: the whole share."
+    packing: bool = True
+    "Pack each micro-batch's rows into one sequence (pi_old, training and probe forwards): no padding position is computed."
+    pack_tokens: int = 0
+    "With packing: most input tokens per micro-batch (rows stay in order; a longer row goes alone); 0: micro_batch_size rows."
     max_new_tokens: int = 64
     "Longest response."
     temperature: float = 1.0
@@ -495,7 +499,7 @@ class TrainConfig:
             "log_every",
         ):
             require(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("sft_steps", "rl_steps", "eval_every", "micro_batch_size"):
+        for name in ("sft_steps", "rl_steps", "eval_every", "micro_batch_size", "pack_tokens"):
             require(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
         require(
             self.group_size >= 2 or "rl" not in self.stages,
@@ -513,6 +517,10 @@ class TrainConfig:
             "train.flip_probe_sequences must be >= 0 and train.flip_probe_every >= 1",
         )
         require(self.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {self.max_bad_steps}")
+        require(
+            self.packing or self.pack_tokens == 0,
+            "train.pack_tokens is a packing budget: set train.packing=true or train.pack_tokens=0",
+        )
 
 
 SentinelAction = Literal["off", "log", "stop", "rollback"]

@@ -12,10 +12,11 @@ optimizer see the same model) and change only ``forward``:
 - :class:`SDPAttention`: ``torch.nn.functional.scaled_dot_product_attention`` with
   ``enable_gqa`` (no repeated keys) and the parent's masking rule (causal when
   ``sq > 1``, none for a one-token decode step against a KV cache);
-- :class:`GroupedExperts`: the local experts' weights stacked into ``[E, ...]`` and
-  run by ``torch._grouped_mm`` over the dispatcher's expert-sorted tokens on CPU (per-expert
-  ``F.linear`` elsewhere); probabilities applied after the GLU and
-  before ``linear_fc2``, in the same dtypes as megatron's MLP.
+- :class:`GroupedExperts`: the dispatcher's expert-sorted tokens through each local expert in one
+  ``F.linear`` per projection on the expert's own weights (no per-forward stacked copy: on CPU
+  the copy cost more than the matmuls); :meth:`GroupedExperts.grouped` runs the same math by
+  ``torch._grouped_mm`` on a stacked snapshot (the lean decoder's); probabilities applied after
+  the GLU and before ``linear_fc2``, in the same dtypes as megatron's MLP.
 
 ``tests/unit/test_local_layers.py`` checks both against the stock modules (values and
 gradients of every parameter) on the same weights.
@@ -73,11 +74,12 @@ class SDPAttention(DotProductAttention):
         attention_bias=None,
         packed_seq_params=None,
     ):
-        """[sq, b, np, hn] queries, [sk, b, ng, hn] keys/values -> [sq, b, np * hn]."""
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError(
-                "SDPAttention: packed sequences and attention bias need the transformer-engine spec"
-            )
+        """[sq, b, np, hn] queries, [sk, b, ng, hn] keys/values -> [sq, b, np * hn]; packed
+        (``thd``): [t, np, hn] and [t, ng, hn] -> [t, np * hn], causal within each segment."""
+        if attention_bias is not None:
+            raise NotImplementedError("SDPAttention: attention bias needs the transformer-engine spec")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         sq, b, heads, hn = query.shape
         sk, groups = key.shape[0], key.shape[2]
         mask, causal = None, False
@@ -94,6 +96,29 @@ class SDPAttention(DotProductAttention):
             q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale, enable_gqa=groups != heads
         )
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+
+    def _packed(self, query, key, value, params):
+        """Causal SDPA of every segment of a ``thd`` pack on its own (no position attends across
+        a boundary, none is computed twice): the exact block-diagonal causal attention."""
+        if params.qkv_format != "thd" or self.attn_mask_type != AttnMaskType.causal:
+            raise NotImplementedError("SDPAttention: packed sequences need qkv_format='thd', causal")
+        t, heads, hn = query.shape
+        gqa = key.shape[1] != heads
+        bounds = params.cu_seqlens_q.tolist()
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, heads, t, hn]
+        outs = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, lo:hi],
+                    k[:, :, lo:hi],
+                    v[:, :, lo:hi],
+                    is_causal=hi - lo > 1,
+                    scale=self.softmax_scale,
+                    enable_gqa=gqa,
+                )
+            )
+        return torch.cat(outs, dim=2)[0].transpose(0, 1).reshape(t, heads * hn)
 
 
 class GroupedExperts(SequentialMLP):
@@ -116,10 +141,14 @@ class GroupedExperts(SequentialMLP):
         self._offset = getattr(config, "glu_linear_offset", 0.0)
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        """Tokens sorted by local expert ([N, H], counts [E], probs [N]) -> ([N, H], None)."""
-        return self.grouped(
-            permuted_local_hidden_states, tokens_per_expert, permuted_probs, *self.stacked_weights()
-        ), None
+        """Tokens sorted by local expert ([N, H], counts [E], probs [N]) -> ([N, H], None).
+
+        One matmul per expert and projection on the experts' own weights: no stacked copy of
+        them (a copy per forward costs more than the matmuls of a small batch on CPU) and
+        gradients land in each expert's parameters directly; same values as :meth:`grouped`."""
+        w1 = [e.linear_fc1.weight for e in self.local_experts]
+        w2 = [e.linear_fc2.weight for e in self.local_experts]
+        return self.per_expert(permuted_local_hidden_states, tokens_per_expert, permuted_probs, w1, w2), None
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``linear_fc1`` weights ``[E, 2F, H]`` and ``linear_fc2`` weights ``[E, H, F]`` (copies
@@ -129,12 +158,18 @@ class GroupedExperts(SequentialMLP):
         return w1, w2
 
     def grouped(self, x, tokens_per_expert, probs, w1, w2) -> torch.Tensor:
-        """The experts' SwiGLU MLPs over expert-sorted tokens ``x`` with stacked weights."""
+        """The experts' SwiGLU MLPs over expert-sorted tokens ``x`` with stacked weights (one
+        grouped matmul per projection on CPU; :meth:`per_expert` elsewhere)."""
         if x.shape[0] > 0 and grouped_mm_ok(x):
             offs = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
             h = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)
             h = (self._glu(h) * probs.unsqueeze(-1)).to(x.dtype)
             return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+        return self.per_expert(x, tokens_per_expert, probs, w1, w2)
+
+    def per_expert(self, x, tokens_per_expert, probs, w1, w2) -> torch.Tensor:
+        """The experts' SwiGLU MLPs, one ``F.linear`` per expert; ``w1[e]``, ``w2[e]``: expert e's
+        weights (stacked tensors or lists)."""
         parts = []
         counts = tokens_per_expert.tolist()
         for e, (xe, pe) in enumerate(zip(torch.split(x, counts), torch.split(probs, counts))):

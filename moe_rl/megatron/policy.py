@@ -1,7 +1,7 @@
 """The MoE policy: a megatron-core GPTModel with a log-prob forward.
 
 Shape legend: B = sequences, T = padded tokens per sequence, V = local vocab shard,
-L = MoE layers, K = experts per token.
+L = MoE layers, K = experts per token, N = packed input positions (moe_rl.megatron.packing).
 
 Alignment (same as moe_rl.rollout.types): ``logp_BT[b, t]`` is
 log pi(tokens[b, t] | tokens[b, <t]) for t >= 1 and 0 at t = 0. The model's input is
@@ -18,6 +18,7 @@ import torch
 from moe_rl.config import ModelConfig, ParallelConfig
 from moe_rl.kernels.logprob_reference import logprobs_entropy
 from moe_rl.megatron.model import build_gpt, moe_routers
+from moe_rl.megatron.packing import PackedRows, pack_rows
 from moe_rl.megatron.parallel import ParallelInfo
 
 log = logging.getLogger(__name__)
@@ -122,20 +123,42 @@ class Policy:
             inputs_BS = torch.nn.functional.pad(inputs_BS, (0, pad), value=0)
         return inputs_BS, s
 
-    def logits(self, inputs_BS: torch.Tensor) -> torch.Tensor:
-        """Local-vocab-shard logits ``[B, S, V]`` of every input position (causal, no mask)."""
+    def pack(self, tokens_BT: torch.Tensor, lens_B: torch.Tensor) -> PackedRows:
+        """``tokens_BT``'s rows packed for this policy (the first ``lens_B[b]`` input positions of
+        each row; the pack padded to a multiple of the TP size for sequence parallelism)."""
+        return pack_rows(tokens_BT, lens_B, multiple=self.info.tp_size)
+
+    def logits(self, inputs_BS: torch.Tensor, *, pack: PackedRows | None = None) -> torch.Tensor:
+        """Local-vocab-shard logits ``[B, S, V]`` of every input position (causal, no mask); with
+        ``pack`` (of these rows), logits ``[N, V]`` of the packed positions only."""
+        if pack is not None:
+            return self._packed_forward(pack)
         inputs_BS = inputs_BS.to(self.info.device)
         padded, s = self._pad_to_tp(inputs_BS)
         pos = torch.arange(padded.shape[1], device=padded.device).unsqueeze(0).expand_as(padded)
         out = self.model(input_ids=padded, position_ids=pos, attention_mask=None)
         return out[:, :s]
 
-    def hidden(self, inputs_BS: torch.Tensor) -> torch.Tensor:
-        """Final hidden states ``[B, S, H]`` (the output layer's input; no [B, S, V] logits)."""
+    def _packed_forward(self, pack: PackedRows) -> torch.Tensor:
+        """The model over one packed sequence (``thd``: position ids restart per row); ``[N, *]``."""
+        dev = self.info.device
+        pos_P = torch.zeros(pack.p, dtype=torch.int64, device=dev)
+        pos_P[: pack.n] = pack.pos_N.to(dev)
+        out = self.model(
+            input_ids=pack.inputs_P.to(dev)[None],
+            position_ids=pos_P[None],
+            attention_mask=None,
+            packed_seq_params=pack.packed_seq_params(dev),
+        )
+        return out[0, : pack.n]
+
+    def hidden(self, inputs_BS: torch.Tensor, *, pack: PackedRows | None = None) -> torch.Tensor:
+        """Final hidden states ``[B, S, H]`` (the output layer's input; no [B, S, V] logits);
+        with ``pack``, ``[N, H]`` of the packed positions."""
         real = self.model.output_layer
         self.model.output_layer = _OutputLayerInput(real)
         try:
-            return self.logits(inputs_BS)
+            return self.logits(inputs_BS, pack=pack)
         finally:
             self.model.output_layer = real
 
@@ -155,7 +178,12 @@ class Policy:
         return path
 
     def logprobs(
-        self, tokens_BT: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = False
+        self,
+        tokens_BT: torch.Tensor,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        pack: PackedRows | None = None,
     ) -> LogProbOutput:
         """Per-token log-probs (and entropy) of ``tokens_BT`` under the current weights.
 
@@ -163,10 +191,13 @@ class Policy:
         every TP rank. Gradients flow when called with grad enabled. ``model.logprob_impl``
         picks full logits or the vocab-chunked path from hidden states (Triton kernel or
         its torch reference), which never materialises ``[B, T, V]``.
+
+        With ``pack`` (``self.pack(tokens_BT, lens)``) only the packed positions are computed;
+        the outputs keep the ``[B, T]`` layout, 0 where the pack does not reach.
         """
         tokens_BT = tokens_BT.to(self.info.device)
         b, t = tokens_BT.shape
-        target = tokens_BT[:, 1:].reshape(-1)
+        target = tokens_BT[:, 1:].reshape(-1) if pack is None else pack.gather_BS(tokens_BT[:, 1:])
         kw = dict(
             temperature=temperature,
             group=self.info.tp_group,
@@ -175,15 +206,18 @@ class Policy:
         )
         path = self._logprob_path()
         if path == "logits":
-            logits = self.logits(tokens_BT[:, :-1])
+            logits = self.logits(tokens_BT[:, :-1], pack=pack)
             logp, ent = logprobs_entropy(logits.reshape(-1, logits.shape[-1]), target, **kw)
         else:
             from moe_rl.kernels import logprobs_from_hidden
 
-            h = self.hidden(tokens_BT[:, :-1])
+            h = self.hidden(tokens_BT[:, :-1], pack=pack)
             logp, ent = logprobs_from_hidden(
                 h.reshape(-1, h.shape[-1]), self.output_weight(), target, impl=path, **kw
             )
+        if pack is not None:
+            ent_BT = pack.scatter_BS(ent, shift=1, width=t) if with_entropy else None
+            return LogProbOutput(logp_BT=pack.scatter_BS(logp, shift=1, width=t), entropy_BT=ent_BT)
         zero = torch.zeros(b, 1, device=logp.device, dtype=logp.dtype)
         logp_BT = torch.cat([zero, logp.view(b, t - 1)], dim=1)
         ent_BT = torch.cat([zero, ent.view(b, t - 1)], dim=1) if with_entropy else None

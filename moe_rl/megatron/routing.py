@@ -2,7 +2,14 @@
 
 Shape legend: B = sequences, S = model input positions, L = MoE layers, K = top-k,
 E = experts, R = router rows (megatron order: sequence-major, row = s * B + b; under
-TP with sequence parallelism a rank holds S / TP consecutive positions).
+TP with sequence parallelism a rank holds S / TP consecutive positions), N = packed positions.
+
+Packed sequences (:mod:`moe_rl.megatron.packing`): a session given the forward's ``pack`` maps
+routes to and from the pack's rows (row = packed position; B = 1 inside megatron), so replayed
+routes, recorded routes and natural captures stay in the ``[B, S, L, K]`` layout of the padded
+batch, aligned token for token whatever the packing or micro-batch split was when they were
+recorded. Positions the pack does not reach come back as expert 0..K-1 (never looked at:
+``valid_BS`` masks them).
 
 megatron-core's ``RouterReplay`` (0.16.1, 0.19.x) gives each TopKRouter an instance
 whose action decides whether top-k is computed, recorded or replayed. A
@@ -25,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from moe_rl.dist import all_gather_cat
+from moe_rl.megatron.packing import PackedRows
 from moe_rl.routing import RouterAction
 
 
@@ -42,8 +50,18 @@ def sanitize_routes(routes_NK: torch.Tensor, topk: int) -> torch.Tensor:
     return routes_NK
 
 
+class _RoutesCaptured(Exception):
+    """Raised by the last router of a ``stop_after_routes`` session; the session swallows it."""
+
+
 class RoutingSession:
-    """One forward (and its backward) of ``policy`` under a router action."""
+    """One forward (and its backward) of ``policy`` under a router action.
+
+    ``stop_after_routes`` (natural capture, no gradients) ends the forward as soon as the last
+    router has chosen: the routes are exactly those of a full forward (everything up to the last
+    router is computed the same way), and the last layer's experts and the output layer are
+    skipped. The session swallows the exception that ends it; the forward returns nothing.
+    """
 
     def __init__(
         self,
@@ -53,14 +71,20 @@ class RoutingSession:
         routes_BSLK: torch.Tensor | None = None,
         gates_BSLK: torch.Tensor | None = None,
         capture: bool = True,
+        pack: PackedRows | None = None,
+        stop_after_routes: bool = False,
     ):
         if action is RouterAction.REPLAY and routes_BSLK is None:
             raise ValueError("RouterAction.REPLAY needs routes_BSLK (the experts to replay)")
+        if stop_after_routes and (action is not RouterAction.NATURAL or not capture):
+            raise ValueError("stop_after_routes is for natural-routing captures (RouterAction.NATURAL)")
         self.policy = policy
         self.action = action
         self.routes_BSLK = routes_BSLK
         self.gates_BSLK = gates_BSLK
         self.capture = capture
+        self.pack = pack
+        self.stop_after_routes = stop_after_routes
         self.topk = policy.cfg.moe_router_topk
         self._natural: list[list[torch.Tensor]] = []
         self._chosen_gates: list[list[torch.Tensor]] = []
@@ -72,6 +96,11 @@ class RoutingSession:
     def _local_rows(self, x_BSLK: torch.Tensor, layer: int) -> torch.Tensor:
         """This rank's router rows of layer ``layer`` from a [B, S, L, K] tensor."""
         info = self.policy.info
+        if self.pack is not None:  # one packed sequence: B = 1, S = the pack's P positions
+            x_NK = self.pack.gather_BS(x_BSLK[:, :, layer])
+            fill = torch.arange(self.topk, dtype=x_NK.dtype).expand(self.pack.p - self.pack.n, self.topk)
+            x_BSLK = torch.cat([x_NK, fill.to(x_NK)])[None, :, None]
+            layer = 0
         b, s = x_BSLK.shape[:2]
         pad = (-s) % info.tp_size
         x = x_BSLK[:, :, layer]
@@ -86,6 +115,16 @@ class RoutingSession:
         info = self.policy.info
         out = []
         for r in per_layer_RK:
+            if self.pack is not None:
+                r_NK = all_gather_cat(r, info.tp_group, dim=0)[: self.pack.n]
+                if (b, s) != (self.pack.b, self.pack.s):
+                    raise ValueError(f"the pack holds a [{self.pack.b}, {self.pack.s}] batch, not [{b}, {s}]")
+                fill = torch.arange(self.topk, device=r.device).expand(b, s, self.topk).to(r.dtype)
+                if r.is_floating_point():  # gates: 0 where nothing was routed
+                    fill = torch.zeros_like(fill)
+                idx = (self.pack.row_N.to(r.device), self.pack.pos_N.to(r.device))
+                out.append(fill.clone().index_put(idx, r_NK))
+                continue
             r_SBK = r.view(-1, b, r.shape[-1])
             r_SBK = all_gather_cat(r_SBK, info.tp_group, dim=0)  # sequence-parallel shards
             out.append(r_SBK[:s].transpose(0, 1))
@@ -110,6 +149,7 @@ class RoutingSession:
 
     def _wrap(self, i: int, router) -> None:
         gating = router.gating
+        last = i == len(self.policy.routers) - 1
         natural = []
         self._natural.append(natural)
         gates = []
@@ -121,6 +161,8 @@ class RoutingSession:
             if self._capturing and self.capture:
                 # softmax is monotonic: top-k of the logits is the router's own choice
                 natural.append(logits.detach().view(-1, logits.shape[-1]).topk(topk, dim=-1).indices)
+                if last and self.stop_after_routes:
+                    raise _RoutesCaptured
             return logits
 
         router.gating = capturing_gating
@@ -155,7 +197,7 @@ class RoutingSession:
                 router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
         loss.backward()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> bool:
         self._capturing = False
         for kind, obj in self._hooks:
             if kind == "gating":
@@ -167,6 +209,7 @@ class RoutingSession:
             router.router_replay.clear_router_replay_action()
             if self.action is not RouterAction.RECORD:
                 router.router_replay.clear_indices()
+        return exc_type is _RoutesCaptured  # the early end of a routes-only forward
 
     # -- results ---------------------------------------------------------------------------
     def natural_BSLK(self, b: int, s: int) -> torch.Tensor:

@@ -3,6 +3,11 @@
 Shape legend: B = sequences of this data-parallel rank, T = padded tokens, S = T - 1 model
 input positions, L = MoE layers, K = top-k. Rows of one prompt's group are adjacent.
 
+Packing (``train.packing``, on by default): every forward here (pi_old, training, flip probes)
+runs on its micro-batch's rows packed into one sequence (:mod:`moe_rl.megatron.packing`), so no
+padding position is computed; log-probs, entropy and routes come back in the ``[B, T]`` /
+``[B, S, L, K]`` layout, and the losses, flip metrics and replay see no difference.
+
 The three algorithms differ only in ``algo.name`` and ``algo.routing``; everything else,
 including prompt order and sampling seeds, is shared, so A/B runs change one field.
 
@@ -28,6 +33,7 @@ from moe_rl.losses.corrections import (
     correction_weights_for,
     mismatch_metrics,
 )
+from moe_rl.megatron.packing import PackedRows, token_budget_chunks
 from moe_rl.megatron.routing import RoutingSession
 from moe_rl.rollout.types import Rollouts, SamplingParams
 from moe_rl.routing import RouterAction
@@ -58,6 +64,12 @@ class RLBatch:
     replay_BSLK: torch.Tensor | None  # routes replayed in training (R2, R3)
     old_routes_BSLK: torch.Tensor | None  # pi_old's natural routes, for drift
     is_weights: torch.Tensor | None = None  # train-inference correction, [B, T] or [B] (detached)
+    probe_before_BSLK: torch.Tensor | None = None  # the probe rows' natural routes under pi_old
+
+    @property
+    def lens_B(self) -> torch.Tensor:
+        """Input positions of every row (``total_len - 1``): what a packed forward computes."""
+        return self.valid_BS.sum(1).to(torch.int64)
 
 
 @dataclass
@@ -172,8 +184,14 @@ def old_policy(run: Run, rollouts: Rollouts, adv_B: torch.Tensor) -> tuple[RLBat
     rollout_routes_BSLK = engine_routes(run, rollouts)
     rollout_logp_BT = rollouts.logprobs_BT.to(run.info.device)
     old_logp_BT, is_weights, metrics = rollout_logp_BT, None, {}
+    lens_B = valid_BS.sum(1).to(torch.int64)
+    probe_before_BSLK = None
     if algo.old_logprobs == "recompute" or algo.routing == "r2":
-        recomputed_BT, old_routes_BSLK, recorded_BSLK = old_policy_pass(run, tokens_BT, rollout_routes_BSLK)
+        recomputed_BT, old_routes_BSLK, recorded_BSLK = old_policy_pass(
+            run, tokens_BT, rollout_routes_BSLK, lens_B
+        )
+        if algo.routing != "r3":  # natural routing: the probe's "before" forward, already done
+            probe_before_BSLK = old_routes_BSLK[: probe_rows(run, tokens_BT.shape[0])]
         replay_BSLK = recorded_BSLK if algo.routing == "r2" else rollout_routes_BSLK
         if algo.old_logprobs == "recompute":
             old_logp_BT = recomputed_BT
@@ -187,6 +205,7 @@ def old_policy(run: Run, rollouts: Rollouts, adv_B: torch.Tensor) -> tuple[RLBat
     batch = RLBatch(
         tokens_BT, mask_BT, valid_BS, adv_B, old_logp_BT, replay_BSLK, old_routes_BSLK, is_weights
     )
+    batch.probe_before_BSLK = probe_before_BSLK
     return batch, metrics
 
 
@@ -233,38 +252,67 @@ def _mismatch(
 
 
 def old_policy_pass(
-    run: Run, tokens_BT: torch.Tensor, rollout_routes_BSLK: torch.Tensor | None
+    run: Run, tokens_BT: torch.Tensor, rollout_routes_BSLK: torch.Tensor | None, lens_B: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """pi_old's ``logp_BT``, its natural ``routes_BSLK`` and (R2) the recorded routes, micro-batch
-    by micro-batch (R3 replays the rollout's routes)."""
-    algo, s = run.recipe.algo, tokens_BT.shape[1] - 1
+    by micro-batch (R3 replays the rollout's routes). ``lens_B``: the rows' input lengths.
+
+    The flip-probe rows (the first ``train.flip_probe_sequences``) form micro-batches of their
+    own, split as :func:`natural_routes` splits them: under natural routing (none, R2) their
+    natural routes here are the probe's "before" routes, computed by the same operations."""
+    algo, (b, s) = run.recipe.algo, (tokens_BT.shape[0], tokens_BT.shape[1] - 1)
     action = {"r2": RouterAction.RECORD, "r3": RouterAction.REPLAY}.get(algo.routing, RouterAction.NATURAL)
+    n_probe = probe_rows(run, b)
     logps, naturals, recorded = [], [], []
-    for rows in chunks(tokens_BT.shape[0], run.recipe.train.micro_batch_size):
+    for rows in micro_batches(run, lens_B, 0, n_probe) + micro_batches(run, lens_B, n_probe, b):
         routes = rollout_routes_BSLK[rows] if action is RouterAction.REPLAY else None
-        with torch.no_grad(), RoutingSession(run.policy, action, routes_BSLK=routes) as session:
-            out = run.policy.logprobs(tokens_BT[rows], temperature=run.recipe.train.temperature)
+        pack = packed(run, tokens_BT[rows], lens_B[rows])
+        with torch.no_grad(), RoutingSession(run.policy, action, routes_BSLK=routes, pack=pack) as session:
+            out = run.policy.logprobs(tokens_BT[rows], temperature=run.recipe.train.temperature, pack=pack)
         logps.append(out.logp_BT)
-        b = rows.stop - rows.start
-        naturals.append(session.natural_BSLK(b, s))
+        naturals.append(session.natural_BSLK(rows.stop - rows.start, s))
         if action is RouterAction.RECORD:
-            recorded.append(session.recorded_BSLK(b, s))
+            recorded.append(session.recorded_BSLK(rows.stop - rows.start, s))
     return torch.cat(logps), torch.cat(naturals), torch.cat(recorded) if recorded else None
 
 
-def natural_routes(run: Run, tokens_BT: torch.Tensor) -> torch.Tensor:
-    """The policy's own top-k experts ``[B, S, L, K]`` for ``tokens_BT`` (no gradients)."""
+def natural_routes(run: Run, tokens_BT: torch.Tensor, lens_B: torch.Tensor | None = None) -> torch.Tensor:
+    """The policy's own top-k experts ``[B, S, L, K]`` for ``tokens_BT`` (no gradients), forwards
+    ended at the last router; with ``lens_B`` (and ``train.packing``) only those positions."""
+    b, s = tokens_BT.shape[0], tokens_BT.shape[1] - 1
+    lens_B = torch.full((b,), s, dtype=torch.int64) if lens_B is None else lens_B
     out = []
-    for rows in chunks(tokens_BT.shape[0], run.recipe.train.micro_batch_size):
-        with torch.no_grad(), RoutingSession(run.policy, RouterAction.NATURAL) as session:
-            run.policy.logits(tokens_BT[rows, :-1])
-        out.append(session.natural_BSLK(rows.stop - rows.start, tokens_BT.shape[1] - 1))
+    for rows in micro_batches(run, lens_B, 0, b):
+        pack = packed(run, tokens_BT[rows], lens_B[rows])
+        session = RoutingSession(run.policy, RouterAction.NATURAL, pack=pack, stop_after_routes=True)
+        with torch.no_grad(), session:
+            run.policy.logits(tokens_BT[rows, :-1], pack=pack)
+        out.append(session.natural_BSLK(rows.stop - rows.start, s))
     return torch.cat(out)
 
 
+def probe_rows(run: Run, b: int) -> int:
+    """Rows of the flip probe: the first ``train.flip_probe_sequences`` of the batch."""
+    return min(run.recipe.train.flip_probe_sequences, b)
+
+
+def micro_batches(run: Run, lens_B: torch.Tensor, start: int, stop: int) -> list[slice]:
+    """Row slices of ``[start, stop)``, one per forward: ``train.micro_batch_size`` rows, or with
+    packing and ``train.pack_tokens``, at most that many input tokens (``lens_B``) each."""
+    cfg = run.recipe.train
+    if cfg.packing and cfg.pack_tokens:
+        return token_budget_chunks(lens_B[start:stop], cfg.pack_tokens, start)
+    return [slice(start + c.start, start + c.stop) for c in chunks(stop - start, cfg.micro_batch_size)]
+
+
+def packed(run: Run, tokens_BT: torch.Tensor, lens_B: torch.Tensor) -> PackedRows | None:
+    """These rows packed for the policy (``train.packing``), or None: the padded forward."""
+    return run.policy.pack(tokens_BT, lens_B) if run.recipe.train.packing else None
+
+
 def chunks(n: int, size: int) -> list[slice]:
-    """Row slices of at most ``size`` (all rows when size is 0)."""
-    size = size or n
+    """Row slices of at most ``size`` (all rows when size is 0; none of no rows)."""
+    size = size or max(n, 1)
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
@@ -301,16 +349,15 @@ def train_on(run: Run, batch: RLBatch, timer: StepTimer | None = None) -> dict[s
     per_minibatch = b // cfg.minibatches
     minibatches = [slice(i * per_minibatch, (i + 1) * per_minibatch) for i in range(cfg.minibatches)]
     counts = _global_counts(run, [batch.mask_BT[mb] for mb in minibatches])
-    probe_BT = batch.tokens_BT[: min(cfg.flip_probe_sequences, b)]
-    before = None
-    if probe_BT.shape[0]:
+    n_probe = probe_rows(run, b)
+    probe_BT, probe_lens_B = batch.tokens_BT[:n_probe], batch.lens_B[:n_probe]
+    before = batch.probe_before_BSLK
+    if n_probe and before is None:
         with timer.record("probe"):
-            before = natural_routes(run, probe_BT)
+            before = natural_routes(run, probe_BT, probe_lens_B)
     loss_metrics, grad_norms, entropy, flips, skipped = [], [], [], {}, 0
     for mb, (num_sequences, num_tokens) in zip(minibatches, counts):
-        micro = [
-            slice(mb.start + c.start, mb.start + c.stop) for c in chunks(per_minibatch, cfg.micro_batch_size)
-        ]
+        micro = micro_batches(run, batch.lens_B, mb.start, mb.stop)
         per_micro = [
             _micro_step(run, batch, rows, loss_fn, (num_sequences, num_tokens), entropy, flips)
             for rows in run.optimizer.micro_batches(micro)  # DDP reduces after the last backward
@@ -321,7 +368,7 @@ def train_on(run: Run, batch: RLBatch, timer: StepTimer | None = None) -> dict[s
         grad_norms.append(stats["grad_norm"])  # already global: the optimizer reduces the gradients
         if before is not None and run.optimizer.step_count % cfg.flip_probe_every == 0:
             with timer.record("probe"):
-                after = natural_routes(run, probe_BT)
+                after = natural_routes(run, probe_BT, probe_lens_B)
             probe_valid_BS = batch.valid_BS[: probe_BT.shape[0]]
             flips.setdefault("flip/step", []).append(route_flips(before, after, probe_valid_BS))
             before = after
@@ -350,8 +397,11 @@ def _micro_step(
     replay_BSLK = batch.replay_BSLK[rows] if algo.routing != "none" else None
     action = RouterAction.REPLAY if replay_BSLK is not None else RouterAction.NATURAL
     mask_BT = batch.mask_BT[rows].to(run.info.device)
-    with RoutingSession(run.policy, action, routes_BSLK=replay_BSLK) as session:
-        out = run.policy.logprobs(batch.tokens_BT[rows], temperature=cfg.temperature, with_entropy=True)
+    pack = packed(run, batch.tokens_BT[rows], batch.lens_B[rows])
+    with RoutingSession(run.policy, action, routes_BSLK=replay_BSLK, pack=pack) as session:
+        out = run.policy.logprobs(
+            batch.tokens_BT[rows], temperature=cfg.temperature, with_entropy=True, pack=pack
+        )
         loss, metrics = loss_fn(
             out.logp_BT,
             batch.old_logp_BT[rows],

@@ -35,6 +35,13 @@ def test_smoke_preset_measures_every_phase(tmp_path):
     res = _run(tmp_path / "smoke.json", "--no-trl")
     assert res["preset"] == "smoke" and res["threads"] == 1 and res["trl_skipped"] == "--no-trl"
     assert set(res["models"]) == {"tiny", "small"}
+    head = res["headline"]
+    for k in ("probe_frac", "replay_overhead", "floor_multiple_small"):
+        assert isinstance(head[k], float) and math.isfinite(head[k]), k
+    assert 0 < head["probe_frac"] < 1 and head["floor_multiple_small"] > 1
+    assert head["moe_rl_over_trl_tiny"] is None and head["moe_rl_over_trl_small"] is None  # --no-trl
+    for model, share in head["padding_share_removed"].items():
+        assert 0 <= share < 1, model
     for model, d in res["models"].items():
         assert set(d["combos"]) == {
             f"{a}/{g}" for a in ("grpo", "gspo", "gspo_token") for g in ("none", "r2", "r3")

@@ -141,7 +141,8 @@ def test_unsupported_options_are_refused(parallel_info, tiny_model_cfg):
 
 
 def test_per_expert_loop_equals_grouped_mm(parallel_info, tiny_model_cfg, monkeypatch):
-    """The fallback (CUDA, or a torch without CPU grouped_mm) computes the same experts."""
+    """The module's per-expert forward (and the fallback of ``grouped`` without CPU grouped_mm)
+    computes what ``torch._grouped_mm`` computes on the stacked weights (the lean decoder's path)."""
     from moe_rl.megatron import local_layers
     from moe_rl.megatron.local_layers import GroupedExperts
 
@@ -150,10 +151,12 @@ def test_per_expert_loop_equals_grouped_mm(parallel_info, tiny_model_cfg, monkey
     x = torch.randn(9, tiny_model_cfg.hidden_size, requires_grad=True)
     cnt, probs = torch.tensor([2, 0, 4, 3]), torch.rand(9)
     assert local_layers.grouped_mm_ok(x)
-    a, _ = experts(x, cnt, probs)
+    a = experts.grouped(x, cnt, probs, *experts.stacked_weights())
     ga = torch.autograd.grad(a.square().sum(), x)[0]
-    monkeypatch.setattr(local_layers, "grouped_mm_ok", lambda x: False)
     b, _ = experts(x, cnt, probs)
     gb = torch.autograd.grad(b.square().sum(), x)[0]
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(ga, gb, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(local_layers, "grouped_mm_ok", lambda x: False)
+    c = experts.grouped(x, cnt, probs, *experts.stacked_weights())
+    torch.testing.assert_close(a, c, atol=1e-6, rtol=1e-5)
