@@ -119,7 +119,7 @@ def measure(run, dtype: str, router: str, length: int, prompts: int, group: int)
     mask_BT = rollouts.response_mask_BT
     s = rollouts.tokens_BT.shape[1] - 1
     valid_BS = (torch.arange(s)[None, :] < (rollouts.total_lens_B[:, None] - 1)).float()
-    old_logp_BT, natural_BSLK, _ = old_policy_pass(run, rollouts.tokens_BT, None)
+    old_logp_BT, natural_BSLK, _ = old_policy_pass(run, rollouts.tokens_BT, None, valid_BS.sum(1).long())
     tokens = float(mask_BT.sum())
     out = {
         k: float(v)

@@ -31,20 +31,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from benchmarks.common import result_path
+from benchmarks.common import TINY_MODEL, result_path
 
-TINY = dict(
-    vocab_size=104,
-    hidden_size=128,
-    num_layers=4,
-    num_attention_heads=4,
-    num_query_groups=2,
-    head_dim=32,
-    moe_ffn_hidden_size=128,
-    num_experts=8,
-    moe_router_topk=2,
-    max_seq_len=256,
-)
+TINY = {**TINY_MODEL, "max_seq_len": 256}  # the tiny CPU policy, room for 128 new tokens
 
 
 def _generate_served(client, prompts, new_tokens) -> dict:

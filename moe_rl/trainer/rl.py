@@ -351,7 +351,7 @@ def train_on(run: Run, batch: RLBatch, timer: StepTimer | None = None) -> dict[s
     counts = _global_counts(run, [batch.mask_BT[mb] for mb in minibatches])
     n_probe = probe_rows(run, b)
     probe_BT, probe_lens_B = batch.tokens_BT[:n_probe], batch.lens_B[:n_probe]
-    before = batch.probe_before_BSLK
+    before = batch.probe_before_BSLK if n_probe else None  # no probe rows: no flip/step
     if n_probe and before is None:
         with timer.record("probe"):
             before = natural_routes(run, probe_BT, probe_lens_B)

@@ -94,7 +94,7 @@ def main() -> None:
         if getattr(p, "moe_expert", False):  # expert-TP 1: TP ranks hold partial sums; every DP
             dist.all_reduce(p.grad, info.expert_dp_group)  # rank's (identical) tokens reached it
             p.grad /= info.dp_size
-    res["grads"] = sharded_grads(policy.model)
+    res["grads"] = sharded_grads(policy.model, of=lambda p: p.grad)  # no DDP here: plain .grad
     os.makedirs(args.out, exist_ok=True)
     torch.save(res, os.path.join(args.out, f"rank{info.rank}.pt"))
     destroy_parallel()
