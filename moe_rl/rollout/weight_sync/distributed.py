@@ -28,7 +28,7 @@ from moe_rl.dist import free_port
 from moe_rl.rollout.sglang_client import SGLangClient
 from moe_rl.rollout.types import HFStateSource
 from moe_rl.rollout.weight_sync.address import bound_to, trainer_address
-from moe_rl.rollout.weight_sync.session import PushReport, WeightSyncError, run_update_session
+from moe_rl.rollout.weight_sync.session import PushReport, WeightSyncError, push_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -246,38 +246,13 @@ class DistributedWeightSync:
     def push(self, source: HFStateSource, version: str) -> PushReport:
         """Broadcast every tensor of ``source``; the server then serves ``version``."""
         self.connect()
-        stats = {"tensors": 0, "buckets": 0, "bytes": 0}
-
-        def apply() -> None:
-            for bucket, last in _buckets(source.hf_tensors(), self.bucket_bytes):
-                self._send_bucket(bucket, version if last else None, flush=last)
-                stats["buckets"] += 1
-                stats["tensors"] += len(bucket)
-                stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
-
-        t0 = time.perf_counter()
-        paused_s, session = run_update_session(
-            self.clients, version, apply, applied_any=lambda: stats["buckets"] > 0
-        )
-        report = PushReport(
-            method="distributed",
-            version=version,
-            num_tensors=stats["tensors"],
-            num_buckets=stats["buckets"],
-            bytes=stats["bytes"],
-            seconds=time.perf_counter() - t0,
-            paused_s=paused_s,
-            session=session,
-        )
-        logger.info(
-            "pushed %s: %d tensors, %.1f MB in %.2f s (%d buckets)",
+        return push_buckets(
+            "distributed",
+            self.clients,
             version,
-            report.num_tensors,
-            report.bytes / 1e6,
-            report.seconds,
-            report.num_buckets,
+            _buckets(source.hf_tensors(), self.bucket_bytes),
+            lambda bucket, last: self._send_bucket(bucket, version if last else None, flush=last),
         )
-        return report
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: str | None, flush: bool) -> None:
         """Announce the bucket to every engine, broadcast each tensor once, wait for every engine."""

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+import torch
 
 from moe_rl.rollout.sglang_client import SGLangClient, SGLangError
 
@@ -35,7 +37,7 @@ class PushReport:
     """What one push moved and how long it took."""
 
     method: str
-    "distributed | disk"
+    "distributed | disk | tensor"
     version: str
     "weight_version the server now serves."
     num_tensors: int
@@ -56,6 +58,48 @@ class PushReport:
     @property
     def gb_per_s(self) -> float:
         return self.bytes / 1e9 / max(self.seconds, 1e-9)
+
+
+def push_buckets(
+    method: str,
+    clients: list[SGLangClient],
+    version: str,
+    buckets: Iterable[tuple[list[tuple[str, torch.Tensor]], bool]],
+    send: Callable[[list[tuple[str, torch.Tensor]], bool], None],
+) -> PushReport:
+    """Send every ``(bucket, is_last)`` with ``send`` inside the update session
+    (:func:`run_update_session`) and report what moved; the buckets are read lazily, in it."""
+    stats = {"tensors": 0, "buckets": 0, "bytes": 0}
+
+    def apply() -> None:
+        for bucket, last in buckets:
+            send(bucket, last)
+            stats["buckets"] += 1
+            stats["tensors"] += len(bucket)
+            stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
+
+    t0 = time.perf_counter()
+    paused_s, session = run_update_session(clients, version, apply, applied_any=lambda: stats["buckets"] > 0)
+    report = PushReport(
+        method=method,
+        version=version,
+        num_tensors=stats["tensors"],
+        num_buckets=stats["buckets"],
+        bytes=stats["bytes"],
+        seconds=time.perf_counter() - t0,
+        paused_s=paused_s,
+        session=session,
+    )
+    logger.info(
+        "pushed %s by %s: %d tensors, %.1f MB in %.2f s (%d buckets)",
+        version,
+        method,
+        report.num_tensors,
+        report.bytes / 1e6,
+        report.seconds,
+        report.num_buckets,
+    )
+    return report
 
 
 def _as_list(clients: SGLangClient | list[SGLangClient]) -> list[SGLangClient]:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import base64
 import io
-import logging
-import time
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -25,9 +23,7 @@ import torch
 from moe_rl.rollout.sglang_client import SGLangClient
 from moe_rl.rollout.types import HFStateSource
 from moe_rl.rollout.weight_sync.distributed import dtype_name, parse_dtype
-from moe_rl.rollout.weight_sync.session import PushReport, WeightSyncError, run_update_session
-
-logger = logging.getLogger(__name__)
+from moe_rl.rollout.weight_sync.session import PushReport, WeightSyncError, push_buckets
 
 
 def flatten_bucket(named: list[tuple[str, torch.Tensor]]) -> dict:
@@ -133,45 +129,21 @@ class TensorWeightSync:
 
     def push(self, source: HFStateSource, version: str) -> PushReport:
         """Send every bucket to every engine inside the session; they then serve ``version``."""
-        stats = {"tensors": 0, "buckets": 0, "bytes": 0}
 
-        def apply() -> None:
-            for bucket, last in dtype_buckets(source.hf_tensors(), self.bucket_bytes):
-                payload = self._serialize(flatten_bucket(bucket))
-                for c, tp in zip(self.clients, self.tp_sizes):
-                    c.update_weights_from_tensor(
-                        [payload] * tp,
-                        load_format="flattened_bucket",
-                        flush_cache=last,
-                        weight_version=version if last else None,
-                        timeout_s=self.timeout_s,
-                    )
-                stats["buckets"] += 1
-                stats["tensors"] += len(bucket)
-                stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
+        def send(bucket: list[tuple[str, torch.Tensor]], last: bool) -> None:
+            payload = self._serialize(flatten_bucket(bucket))
+            for c, tp in zip(self.clients, self.tp_sizes):
+                c.update_weights_from_tensor(
+                    [payload] * tp,
+                    load_format="flattened_bucket",
+                    flush_cache=last,
+                    weight_version=version if last else None,
+                    timeout_s=self.timeout_s,
+                )
 
-        t0 = time.perf_counter()
-        paused_s, session = run_update_session(
-            self.clients, version, apply, applied_any=lambda: stats["buckets"] > 0
+        return push_buckets(
+            "tensor", self.clients, version, dtype_buckets(source.hf_tensors(), self.bucket_bytes), send
         )
-        report = PushReport(
-            method="tensor",
-            version=version,
-            num_tensors=stats["tensors"],
-            num_buckets=stats["buckets"],
-            bytes=stats["bytes"],
-            seconds=time.perf_counter() - t0,
-            paused_s=paused_s,
-            session=session,
-        )
-        logger.info(
-            "pushed %s by tensor (%s): %d tensors in %.2f s",
-            version,
-            self.serializer,
-            stats["tensors"],
-            report.seconds,
-        )
-        return report
 
     def close(self) -> None:
         """Nothing to release."""
