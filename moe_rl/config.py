@@ -31,6 +31,7 @@ from moe_rl.configlib import (
 from moe_rl.configlib import to_dict as to_dict
 from moe_rl.losses import LOSSES
 from moe_rl.losses.corrections import DEFAULT_BOUNDS, TOKEN_LEVEL
+from moe_rl.rollout.config import SGLangConfig
 from moe_rl.tasks.config import TaskConfig
 
 
@@ -333,72 +334,6 @@ class AlgoConfig:
             dlow if self.correction_low is None else self.correction_low,
             dhigh if self.correction_high is None else self.correction_high,
         )
-
-
-@dataclass(frozen=True, kw_only=True)
-class SGLangConfig:
-    """The SGLang engines of rollout.engine=sglang: which to attach to, or how to launch them."""
-
-    url: str | None = None
-    "Attach to one running SGLang server at this URL (None with engine=sglang: launch the engines)."
-    engines: int | list[str] = 1
-    "How many engines to launch, or the URLs of running ones; 2+ sit behind sglang-router."
-    router_url: str | None = None
-    "Attach to a running sglang-router in front of the engines (None with 2+ engines: launch one)."
-    router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = "cache_aware"
-    "sglang-router --policy of a launched router (cache_aware keeps a prompt's samples on one engine)."
-    model_path: str | None = None
-    "HF checkpoint directory the launched SGLang server starts from (the policy's export)."
-    tp: int = 1
-    "Tensor-parallel size of each launched SGLang engine."
-    ep: int = 1
-    "Expert-parallel size of each launched SGLang engine."
-    port: int = 30000
-    "Port of the first launched engine (next engines: free ports; 0: a free port for each)."
-    host: str = "127.0.0.1"
-    "Host launched engines bind to (keep 127.0.0.1 unless the trainer is on another node)."
-    gpus: list[int] | None = None
-    "GPUs the rollout engines use: engine i gets gpus[i*tp:(i+1)*tp] as its CUDA_VISIBLE_DEVICES."
-    colocate: bool = False
-    "Engines share the trainer's GPUs: --enable-memory-saver, memory released during training, tensor pushes."
-    mem_fraction: float = 0.8
-    "SGLang --mem-fraction-static."
-    module: str = "sglang.launch_server"
-    "Server module the launcher runs (moe_rl.serve.embedded: our SGLang-protocol server, CPU)."
-    startup_timeout_s: float = 900.0
-    "How long a launched server may take to answer /health_generate."
-    trainer_address: str | None = None
-    "Address engines reach the trainer's weight-update rendezvous at (None: $MOE_RL_TRAINER_ADDR, the route, Slurm)."
-    api_key: str | None = None
-    "SGLang --api-key: sent as Authorization: Bearer (and passed to launched engines and router)."
-    admin_api_key: str | None = None
-    "SGLang --admin-api-key: needed for weight updates, pause, abort and memory calls when set."
-    step_deadline_s: float | None = None
-    "Seconds a rollout step may take; then stragglers are aborted and kept as partial (None: no deadline)."
-    max_concurrency: int = 256
-    "Requests in flight at once from one trainer rank."
-
-    def __post_init__(self) -> None:
-        require(self.tp >= 1 and self.ep >= 1, "rollout.sglang.tp and rollout.sglang.ep must be >= 1")
-        require(0 < self.mem_fraction < 1, "rollout.sglang.mem_fraction must be in (0, 1)")
-        require(
-            isinstance(self.engines, list) or self.engines >= 1,
-            "rollout.sglang.engines must be >= 1 or a list of engine URLs",
-        )
-        require(
-            not (self.url and isinstance(self.engines, list)),
-            "set rollout.sglang.url (one engine) or rollout.sglang.engines: [urls], not both",
-        )
-        require(
-            self.step_deadline_s is None or self.step_deadline_s > 0,
-            "rollout.sglang.step_deadline_s must be > 0",
-        )
-        require(self.max_concurrency >= 1, "rollout.sglang.max_concurrency must be >= 1")
-
-    @property
-    def num_engines(self) -> int:
-        """Engines the rollouts use (attached or launched)."""
-        return len(self.engines) if isinstance(self.engines, list) else 1 if self.url else self.engines
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,7 @@ from moe_rl.rollout.sglang_engine import SGLangEngine
 from moe_rl.rollout.types import HFStateSource, Rollouts, SamplingParams
 
 if TYPE_CHECKING:
-    from moe_rl.config import SGLangConfig
+    from moe_rl.rollout.config import SGLangConfig
     from moe_rl.trainer.run import Run
 
 log = logging.getLogger(__name__)
