@@ -183,15 +183,30 @@ def common_overrides(base: dict, cell: dict, variant: dict | None = None) -> lis
 
 
 def plan_doc() -> dict:
-    """The pre-registered plan as plain data (what ``--write-plan`` writes)."""
+    """The pre-registered plan as plain data (what ``--write-plan`` writes); its ``headline`` is the
+    plan's size (no figure is measured before the runs)."""
+    plan_cells = cells()
+    bypass = [c for c in plan_cells if "bypass" in c]
+    screen_runs = (len(plan_cells) * len(SCREEN_ARMS) - len(bypass) * len(NEEDS_RECOMPUTE)) * len(
+        SEEDS["screen"]
+    )
     return {
         "bench": "phase",
+        "headline": {
+            "cells": len(plan_cells),
+            "arms": list(SCREEN_ARMS),
+            "screen_runs": screen_runs,
+            "screen_seeds": len(SEEDS["screen"]),
+            "confirm_seeds": len(SEEDS["confirm"]),
+            "repro_seeds": len(SEEDS["repro"]),
+            "stable_base_is_placeholder": True,
+        },
         "recipe": str(DEMO.relative_to(ROOT)),
         "stable_base": STABLE_BASE,
         "stable_base_is_placeholder": True,
         "stable_rule": STABLE_RULE,
         "levers": LEVERS,
-        "cells": cells(),
+        "cells": plan_cells,
         "arms": {a: flatten(ARMS[a]) for a in SCREEN_ARMS},
         "skipped_in_bypass_cells": {"arms": list(NEEDS_RECOMPUTE), "doc": SKIP_DOC},
         "seeds": SEEDS,
