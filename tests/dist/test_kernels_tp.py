@@ -27,6 +27,8 @@ CASES = {"f32-T0.7": (torch.float32, 0.7), "bf16-T1": (torch.bfloat16, 1.0)}
 def worker(out: Path) -> None:
     import torch.distributed as dist
 
+    from moe_rl import dist as moe_dist
+
     from moe_rl.kernels.fused_logprob import fused_logprobs
     from moe_rl.kernels.hidden_logprob_reference import hidden_logprobs_entropy
 
@@ -34,8 +36,8 @@ def worker(out: Path) -> None:
     group, rank = None, 0
     if world > 1:
         dist.init_process_group("gloo")
-        rank = dist.get_rank()
-        group = dist.new_group(ranks=list(range(world)))
+        rank = moe_dist.rank()
+        group = moe_dist.new_group(range(world))
     shard = V // world
     rows = slice(rank * shard, (rank + 1) * shard)
     results = {}
