@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_rl.config import ConfigError
+    from moe_rl.errors import UserError
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plan"]:  # its own parser: moe-rl plan RECIPE [overrides] [--num-gpus N ...]
@@ -169,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     try:
         return args.fn(args)
-    except ConfigError as e:
-        print(f"moe-rl: configuration error: {e}", file=sys.stderr)
+    except UserError as e:
+        if args.verbose:
+            logging.getLogger("moe_rl").exception("the error, with its traceback (-v)")
+        print(f"moe-rl: {e.kind}: {e}", file=sys.stderr)
         return 2
 
 

@@ -19,9 +19,13 @@ from typing import Any, Literal
 
 import yaml
 
+from moe_rl.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A recipe or override is wrong; the message names the field and the fix."""
+
+    kind = "configuration error"
 
 
 def require(cond: bool, msg: str) -> None:
