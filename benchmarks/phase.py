@@ -25,6 +25,7 @@ import argparse
 import json
 import logging
 import math
+import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -61,22 +62,55 @@ STABLE_BASE = {
         "sft_steps": 600,
         "sft_batch_size": 32,
         "rl_steps": 100,
-        "prompts_per_step": 8,
+        "prompts_per_step": 4,
         "group_size": 8,
         "minibatches": 1,
         "max_new_tokens": 300,
-        "eval_every": 10,
+        "eval_every": 20,
         "eval_prompts": 64,
         "flip_probe_sequences": 8,
         "log_every": 10,
     },
 }
-"""The stable base (overrides on recipes/demo/base.yaml): a PLACEHOLDER the coordinator replaces
-with measured values before the screen. Responses: 24 to 30 one-digit operands, every step
-written out: 157 to 291 characters (mean 210) of scratchpad, one token per character."""
+"""The stable base (overrides on recipes/demo/base.yaml). Responses: 24 to 30 one-digit operands,
+every step written out: 157 to 291 characters (mean 210) of scratchpad, one token per character.
+It is a *candidate* until the base cell's GRPO and GSPO runs pass :data:`STABLE_RULE`; the screen
+runs them first and stops there when they fail (:data:`BASE_PROTOCOL`)."""
+
+BASE_PROTOCOL = (
+    "The screen runs the base cell's GRPO and GSPO runs (seeds of the screen) before any other "
+    "run. If they fail STABLE_RULE, nothing else runs: the base is revised, this plan is "
+    "re-committed with the revision and its reason, and the failed runs are kept aside as evidence."
+)
 
 SCREEN_ARMS = ("GRPO", "GRPO+R2", "GRPO+R3", "GRPO+TIS", "GSPO")
 "Arms of the screen and the confirmation (definitions in moe_rl.trainer.arms.ARMS)."
+DECIDING_ARMS = ("GRPO", "GSPO")
+DECIDING_DOC = (
+    "BEST_CELL_RULE reads only GRPO and GSPO: the screen runs them in every cell and seed first, "
+    "then the other arms (which describe the cells but choose nothing); the confirmation starts "
+    "when every deciding run of the screen finished."
+)
+SCREEN_ORDER = (
+    "base",
+    "precision-bf16-bypass",
+    "minibatches-8",
+    "granularity-64x8",
+    "precision-fp16-bypass",
+    "minibatches-4",
+    "precision-bf16-recompute",
+    "precision-fp32-bypass",
+    "depth-12",
+    "minibatches-2",
+    "precision-fp16-recompute",
+    "length-short",
+    "depth-8",
+)
+"""The order the screen runs its cells in (every cell of the plan once): the base, then the
+levers the literature ties to the collapse most directly (uncorrected bf16 mismatch, many
+minibatches per rollout batch, fine-grained experts), then the rest. A partial screen is thus
+the most informative prefix; the best cell is chosen only over cells whose deciding runs all
+finished."""
 
 NEEDS_RECOMPUTE = ("GRPO+TIS",)
 SKIP_DOC = (
@@ -199,12 +233,17 @@ def plan_doc() -> dict:
             "screen_seeds": len(SEEDS["screen"]),
             "confirm_seeds": len(SEEDS["confirm"]),
             "repro_seeds": len(SEEDS["repro"]),
-            "stable_base_is_placeholder": True,
+            "stable_base_is_placeholder": False,
         },
         "recipe": str(DEMO.relative_to(ROOT)),
         "stable_base": STABLE_BASE,
-        "stable_base_is_placeholder": True,
+        "stable_base_is_placeholder": False,
+        "stable_base_status": "candidate until the base gate passes",
         "stable_rule": STABLE_RULE,
+        "base_protocol": BASE_PROTOCOL,
+        "screen_order": list(SCREEN_ORDER),
+        "deciding_arms": list(DECIDING_ARMS),
+        "deciding_arms_doc": DECIDING_DOC,
         "levers": LEVERS,
         "cells": plan_cells,
         "arms": {a: flatten(ARMS[a]) for a in SCREEN_ARMS},
@@ -285,12 +324,19 @@ class Stage:
     variant: dict | None = None
 
     def items(self) -> list[tuple[str, str, int, Path]]:
-        """``(cell, arm, seed, out_dir)`` of every run, seeds outermost (early seeds of all cells first)."""
+        """``(cell, arm, seed, out_dir)`` of every run: the :data:`DECIDING_ARMS` of every cell and
+        seed first, then the other arms; within each, seeds outermost (early seeds of all cells
+        first), then cells in their order."""
+        tiers = [
+            tuple(a for a in self.arms if a in DECIDING_ARMS),
+            tuple(a for a in self.arms if a not in DECIDING_ARMS),
+        ]
         return [
             (c, a, s, self.root / c / f"{a}-s{s}")
+            for arms in tiers
             for s in self.seeds
             for c, cell in self.cells.items()
-            for a in self.arms
+            for a in arms
             if a not in cell["skip_arms"]
         ]
 
@@ -300,22 +346,32 @@ class Stage:
 
 
 def execute(st: Stage, *, jobs: int, cache: Path, launch: str | None) -> list[dict]:
-    """Every run of ``st`` not finished yet (SFT starts first, one per signature), ``jobs`` at a time."""
+    """Every run of ``st`` not finished yet (SFT starts first, one per signature), ``jobs`` at a
+    time. The screen runs the base gate of :data:`BASE_PROTOCOL` first and stops if it fails."""
+    if st.name == "screen" and "base" in st.cells and len(st.cells) > 1:
+        gate = Stage(st.name, st.base, {"base": st.cells["base"]}, DECIDING_ARMS, st.seeds, st.root, st.steps)
+        execute(gate, jobs=jobs, cache=cache, launch=launch)
+        verdict = stable_base(cell_tables(analyse(*finished(gate))))
+        if not (verdict and verdict["stable"]):
+            raise SystemExit(f"the base is not stable ({verdict}): {BASE_PROTOCOL}")
     items = st.items()
-    todo = {c for c, _, _, out in items if not (out / collapse.STATUS_FILE).exists()}
-    starts = {}
-    for c in st.cells:
-        if c in todo:  # warm_start caches by SFT signature: cells of one model and task share a start
-            common = common_overrides(st.base, st.cells[c], st.variant)
-            starts[c], _ = warm_start(DEMO, common, cache=cache, launch=launch)
+    starts: dict[str, Path] = {}
+    sft_lock = threading.Lock()  # one SFT start at a time (they run in this process), trained lazily
+
+    def start_of(c: str) -> Path:
+        with sft_lock:  # warm_start caches by SFT signature: cells of one model and task share a start
+            if c not in starts:
+                common = common_overrides(st.base, st.cells[c], st.variant)
+                starts[c], _ = warm_start(DEMO, common, cache=cache, launch=launch)
+            return starts[c]
+
     run_launch = collapse.local_launch(launch, jobs)
 
     def one(item):
         c, a, s, out = item
+        start = None if (out / collapse.STATUS_FILE).exists() else start_of(c)  # a finished run is skipped
         ov = st.overrides(c, a, s)
-        return collapse.resumable_run(
-            f"{c} {a} seed {s}", DEMO, ov, out, start=starts.get(c), launch=run_launch
-        )
+        return collapse.resumable_run(f"{c} {a} seed {s}", DEMO, ov, out, start=start, launch=run_launch)
 
     return collapse.in_pool(one, items, jobs)
 
@@ -433,17 +489,21 @@ def _arm_counts(t: dict) -> dict:
 
 # -- stages --------------------------------------------------------------------------------------
 def screen_stage(runs_dir: Path, selected: dict | None = None) -> Stage:
-    return Stage("screen", STABLE_BASE, selected or cells(), SCREEN_ARMS, SEEDS["screen"], runs_dir)
+    """The screen over ``selected`` cells (default all), in :data:`SCREEN_ORDER`."""
+    pool = selected or cells()
+    ordered = {c: pool[c] for c in SCREEN_ORDER if c in pool}
+    return Stage("screen", STABLE_BASE, ordered, SCREEN_ARMS, SEEDS["screen"], runs_dir)
 
 
 def chosen_cell(runs_dir: Path) -> str:
     """The best-separating cell of the finished screen (:data:`BEST_CELL_RULE`)."""
-    st = screen_stage(runs_dir)
+    full = screen_stage(runs_dir)
+    st = Stage(full.name, full.base, full.cells, DECIDING_ARMS, full.seeds, full.root)
     items, statuses = finished(st)
     if len(items) < len(st.items()):
         raise SystemExit(
-            f"the screen has {len(items)} of {len(st.items())} runs finished under {runs_dir}: "
-            "finish it (--stage screen) or name the cell (--cells NAME)"
+            f"the screen has {len(items)} of {len(st.items())} deciding runs ({', '.join(DECIDING_ARMS)}) "
+            f"finished under {runs_dir}: finish them (--stage screen) or name the cell (--cells NAME)"
         )
     tables = cell_tables(analyse(items, statuses))
     return best_cell({c: t["arms"] for c, t in tables.items()}, list(st.cells))["cell"]

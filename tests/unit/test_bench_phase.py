@@ -214,7 +214,9 @@ def test_smoke_stage_end_to_end_with_resume(tmp_path, parallel_info):
 
 def test_confirm_and_repro_stages(tmp_path):
     argv = ["--runs-dir", str(tmp_path)]
-    with pytest.raises(SystemExit, match="0 of 124 runs finished"):  # confirm needs the screen, or a cell
+    with pytest.raises(
+        SystemExit, match="0 of 52 deciding runs"
+    ):  # 13 cells x GRPO, GSPO x 2 seeds  # confirm needs the screen, or a cell
         phase.make_stage(phase.parse(["--stage", "confirm", *argv]))
     st = phase.make_stage(phase.parse(["--stage", "confirm", "--cells", "minibatches-4", *argv]))
     assert list(st.cells) == ["minibatches-4"] and st.arms == phase.SCREEN_ARMS and len(st.items()) == 25
@@ -229,3 +231,38 @@ def test_confirm_and_repro_stages(tmp_path):
     assert (
         len(phase.screen_stage(tmp_path).items()) == 124
     )  # 13 cells x 5 arms x 2 seeds, TIS not in 3 bypass cells
+
+
+def test_screen_order_covers_every_cell_once_and_deciding_arms_run_first(tmp_path):
+    assert sorted(phase.SCREEN_ORDER) == sorted(phase.cells()) and phase.SCREEN_ORDER[0] == "base"
+    items = phase.screen_stage(tmp_path).items()
+    arms = [a for _, a, _, _ in items]
+    n = 13 * 2 * 2
+    assert set(arms[:n]) == set(phase.DECIDING_ARMS) and not set(arms[n:]) & set(phase.DECIDING_ARMS)
+    first = [(c, a, s) for c, a, s, _ in items[:4]]
+    assert first == [
+        ("base", "GRPO", 0),
+        ("base", "GSPO", 0),
+        ("precision-bf16-bypass", "GRPO", 0),
+        ("precision-bf16-bypass", "GSPO", 0),
+    ]
+
+
+def test_the_screen_stops_after_the_base_gate_when_the_base_is_not_stable(tmp_path, monkeypatch):
+    ran = []
+
+    def fake_run(label, base, ov, out, *, start=None, launch=None):  # a run that never learns
+        ran.append(label)
+        return {"finished": True}
+
+    monkeypatch.setattr(phase, "warm_start", lambda *a, **k: (tmp_path / "sft", {}))
+    monkeypatch.setattr(phase.collapse, "resumable_run", fake_run)
+    monkeypatch.setattr(phase, "finished", lambda st: ([it for it in st.items()], [{}] * len(st.items())))
+    monkeypatch.setattr(phase, "analyse", lambda items, st: items)
+    never_learned = {"runs": 2, "collapsed": 0, "learned": 0}
+    monkeypatch.setattr(
+        phase, "cell_tables", lambda items: {"base": {"arms": {"GRPO": never_learned, "GSPO": never_learned}}}
+    )
+    with pytest.raises(SystemExit, match="base is not stable"):
+        phase.execute(phase.screen_stage(tmp_path), jobs=1, cache=tmp_path, launch=None)
+    assert sorted(ran) == sorted(f"base {a} seed {s}" for a in ("GRPO", "GSPO") for s in (0, 1))
