@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from moe_rl.configlib import require
+from moe_rl.configlib import check_choices, require, require_positive
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +56,12 @@ class SGLangConfig:
     "Requests in flight at once from one trainer rank."
 
     def __post_init__(self) -> None:
+        check_choices(self, "rollout.sglang")
+        require_positive(self, "rollout.sglang", "startup_timeout_s", "step_deadline_s")
+        require(
+            0 <= self.port <= 65535, f"rollout.sglang.port={self.port} must be in 0..65535 (0: a free port)"
+        )
+        require(bool(self.host), "rollout.sglang.host is empty: use 127.0.0.1 or the node's address")
         require(self.tp >= 1 and self.ep >= 1, "rollout.sglang.tp and rollout.sglang.ep must be >= 1")
         require(0 < self.mem_fraction < 1, "rollout.sglang.mem_fraction must be in (0, 1)")
         require(
@@ -65,10 +71,6 @@ class SGLangConfig:
         require(
             not (self.url and isinstance(self.engines, list)),
             "set rollout.sglang.url (one engine) or rollout.sglang.engines: [urls], not both",
-        )
-        require(
-            self.step_deadline_s is None or self.step_deadline_s > 0,
-            "rollout.sglang.step_deadline_s must be > 0",
         )
         require(self.max_concurrency >= 1, "rollout.sglang.max_concurrency must be >= 1")
 
