@@ -225,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        where = f"writing {e.filename}" if e.filename else "writing the run's files"
+        where = f" writing {e.filename}" if e.filename else ""
         return _one_line(
-            "disk full", f"no space left on the device {where}: free space or pick another folder", verbose
+            "disk full", f"no space left on the device{where}: free space or pick another folder", verbose
         )
 
 

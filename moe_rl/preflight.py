@@ -3,7 +3,8 @@
 :func:`moe_rl.config.load_recipe` checks every field on its own and across sections. What
 needs the tokenizer and the task's data is checked here: the vocabulary holds the tokenizer,
 the longest prompt plus ``train.max_new_tokens`` fits ``model.max_seq_len``, and evaluation
-has held-out prompts for every data-parallel rank. Each failure is a
+has held-out prompts for every data-parallel rank, and an attached SGLang server returns routed
+experts when ``algo.routing=r3`` replays them (its ``server_info`` says). Each failure is a
 :class:`moe_rl.config.ConfigError` naming the fields and the fix.
 """
 
@@ -75,6 +76,32 @@ def check_heldout(recipe: Recipe, task: Task) -> None:
         log.warning("evaluation uses %d of %d held-out prompts (a multiple of data_parallel)", n - n % dp, n)
 
 
+def check_routes_served(recipe: Recipe) -> None:
+    """R3 against attached SGLang servers: each must have been started with routed experts on.
+
+    Launched engines get ``--enable-return-routed-experts`` from the launcher; a server that does
+    not answer is left to engine setup (it may still be starting)."""
+    cfg = recipe.rollout.sglang
+    if recipe.rollout.engine != "sglang" or recipe.algo.routing != "r3":
+        return
+    urls = [cfg.url] if cfg.url else list(cfg.engines) if isinstance(cfg.engines, list) else []
+    from moe_rl.rollout.sglang_client import SGLangClient, SGLangError
+
+    for url in urls:
+        try:
+            info = SGLangClient(
+                url, api_key=cfg.admin_api_key or cfg.api_key, timeout_s=10, retries=0
+            ).server_info()
+        except (SGLangError, OSError) as e:
+            log.warning("could not ask %s whether it returns routed experts (%s); engine setup will", url, e)
+            continue
+        require(
+            info.get("enable_return_routed_experts") is not False,
+            f"algo.routing=r3 replays the rollout engine's routes, but the SGLang server at {url} was started "
+            "without --enable-return-routed-experts: restart it with that flag, or use algo.routing=r2",
+        )
+
+
 def preflight(recipe: Recipe) -> tuple[Tokenizer, Task]:
     """The tokenizer and task of ``recipe``, after every check that needs them (see the module)."""
     from moe_rl.tasks import build_task, load_tokenizer
@@ -84,4 +111,5 @@ def preflight(recipe: Recipe) -> tuple[Tokenizer, Task]:
     task = build_task(recipe.task)
     check_lengths(recipe, task, tok)
     check_heldout(recipe, task)
+    check_routes_served(recipe)
     return tok, task
