@@ -187,6 +187,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_port(argv: list[str]) -> None:
+    """``moe-rl serve``'s ``--port`` is a port number (else the bind fails deep in uvicorn)."""
+    from moe_rl.errors import UserError
+
+    for i, a in enumerate(argv):
+        value = a.partition("=")[2] if a.startswith("--port=") else None
+        if a == "--port" and i + 1 < len(argv):
+            value = argv[i + 1]
+        if value is not None and not (value.isdigit() and int(value) <= 65535):
+            raise UserError(f"--port {value}: give a port number in 0..65535 (0: a free port)")
+
+
 def _dispatch(argv: list[str], verbose: bool) -> int:
     if argv[:1] == ["plan"]:  # its own parser: moe-rl plan RECIPE [overrides] [--num-gpus N ...]
         from moe_rl.plan import command as plan_command
@@ -194,6 +206,7 @@ def _dispatch(argv: list[str], verbose: bool) -> int:
         return plan_command(argv[1:])
     if argv[:1] == ["serve"]:  # SGLang's launch_server flags: moe-rl serve --model-path P [--port N]
         _setup_logging(verbose)
+        _check_port(argv[1:])
         from moe_rl.serve.embedded import main as serve_main
 
         return serve_main(argv[1:])

@@ -65,9 +65,11 @@ class SGLangConfig:
         require(self.tp >= 1 and self.ep >= 1, "rollout.sglang.tp and rollout.sglang.ep must be >= 1")
         require(0 < self.mem_fraction < 1, "rollout.sglang.mem_fraction must be in (0, 1)")
         require(
-            isinstance(self.engines, list) or self.engines >= 1,
-            "rollout.sglang.engines must be >= 1 or a list of engine URLs",
+            bool(self.engines) if isinstance(self.engines, list) else self.engines >= 1,
+            f"rollout.sglang.engines={self.engines}: give a count >= 1 or a non-empty list of engine URLs",
         )
+        for name in ("url", "router_url", "model_path"):
+            require(getattr(self, name) != "", f"rollout.sglang.{name} is empty: give one or null")
         require(
             not (self.url and isinstance(self.engines, list)),
             "set rollout.sglang.url (one engine) or rollout.sglang.engines: [urls], not both",

@@ -137,6 +137,14 @@ def test_serve_recipe_with_yaml_error(cli, tmp_path):
 
 
 @cli_case
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_serve_bad_port(cli, tmp_path, port):
+    cli("serve", "--model-path", RECIPE, f"--port={port}").one_line(
+        rf"--port {port}: give a port number in 0\.\.65535"
+    )
+
+
+@cli_case
 def test_bench_unknown_name(cli):
     cli("bench", "no_such_bench").one_line(r"no benchmark 'no_such_bench'; available: .*throughput")
 

@@ -45,6 +45,11 @@ FIELD_CASES = {
     "empty_out_dir": ("train:\n  out_dir: ''\n", r"train\.out_dir is empty .*current folder"),
     "negative_weight_decay": ("optim:\n  weight_decay: -0.1\n", r"optim\.weight_decay=-0\.1 must be >= 0"),
     "zero_adam_eps": ("optim:\n  adam_eps: 0\n", r"optim\.adam_eps=0\.0 must be > 0"),
+    "no_engines": (
+        "rollout:\n  engine: sglang\n  sglang:\n    engines: []\n",
+        r"rollout\.sglang\.engines=\[\]: give a count >= 1 or a non-empty list",
+    ),
+    "empty_url": ("rollout:\n  sglang:\n    url: ''\n", r"rollout\.sglang\.url is empty: give one or null"),
     "empty_checkpoint_dir": (
         "checkpoint:\n  dir: ''\n",
         r"checkpoint\.dir is empty: give a directory or null",
