@@ -223,6 +223,19 @@ def _one_line(kind: str, message: str, verbose: bool) -> int:
     return 2
 
 
+def _torch_write_failure(e: RuntimeError) -> str | None:
+    """PyTorch's file writer reports a failed write (a full disk) as ``unexpected pos A vs B`` or
+    ``file write failed``, without the path: the one line for it, else None (a bug)."""
+    text = str(e)
+    if "inline_container" not in text or not ("unexpected pos" in text or "file write failed" in text):
+        return None
+    detail = text.rsplit("]", 1)[-1].strip(" .")
+    return (
+        f"writing a torch file (a checkpoint) failed ({detail}): the disk is full or refused the write; "
+        "free space or pick another folder"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a command; a :class:`moe_rl.errors.UserError` (or a full disk) becomes one line on
     stderr and exit code 2 (``-v``: with its traceback); any other exception is a bug and keeps it."""
@@ -242,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
         return _one_line(
             "disk full", f"no space left on the device{where}: free space or pick another folder", verbose
         )
+    except RuntimeError as e:
+        message = _torch_write_failure(e)
+        if message is None:
+            raise
+        return _one_line("disk full", message, verbose)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,19 @@ def test_full_disk_is_one_line(cli, tmp_path, run_dir, monkeypatch):
 
 
 @cli_case
+def test_full_disk_under_torch_save(cli, tmp_path, monkeypatch):
+    """torch.save onto a full device says only "unexpected pos A vs B": still one disk-full line."""
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full")
+    import torch
+
+    import moe_rl.cli
+
+    monkeypatch.setattr(moe_rl.cli, "cmd_check", lambda args: torch.save(torch.zeros(10_000), "/dev/full"))
+    cli("check", RECIPE).one_line(r"disk full: writing a torch file \(a checkpoint\) failed \(unexpected pos")
+
+
+@cli_case
 def test_full_disk_names_the_file(cli, tmp_path, monkeypatch):
     """An ENOSPC that carries its file name (as open() and mkdir() raise it) names it."""
     import moe_rl.cli
@@ -180,15 +193,16 @@ def test_subprocess_exit_code_and_line(tmp_path):
     assert_kept(before, tmp_path)
 
 
-def test_a_bug_keeps_its_traceback(monkeypatch):
+@pytest.mark.parametrize("error", [KeyError("internal"), RuntimeError("internal: shapes differ")])
+def test_a_bug_keeps_its_traceback(monkeypatch, error):
     """Not a user error: main lets it through (the interpreter prints the traceback)."""
     import moe_rl.cli
 
     def bug(args):
-        raise KeyError("internal")
+        raise error
 
     monkeypatch.setattr(moe_rl.cli, "cmd_check", bug)
-    with pytest.raises(KeyError, match="internal"):
+    with pytest.raises(type(error), match="internal"):
         moe_rl.cli.main(["check", str(RECIPE)])
 
 
