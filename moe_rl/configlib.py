@@ -214,7 +214,7 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, A
         k, v = o.split("=", 1)
         require(bool(k.strip()), f"override {o!r} has an empty key")
         try:
-            value = yaml.load(v, Loader=_UniqueKeyLoader) if v != "" else None
+            value = _load_yaml(v, f"override {o!r}, line") if v != "" else None
         except yaml.YAMLError as e:
             problem = getattr(e, "problem", None) or "not a YAML value"
             raise ConfigError(
@@ -238,6 +238,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden key by key
+                continue
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             if key in seen:
@@ -247,6 +249,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 )
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str, name: str) -> Any:
+    """``text`` parsed by :class:`_UniqueKeyLoader`; marks (line:column) carry ``name``."""
+    loader = _UniqueKeyLoader(text)
+    loader.name = name
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def _yaml_where(e: yaml.YAMLError, path: Path) -> str:
@@ -273,15 +285,11 @@ def load_yaml_file(path: str | Path, what: str = "recipe") -> Any:
         ) from e
     except OSError as e:
         raise ConfigError(f"{what} {path} cannot be read: {e.strerror or e}") from e
-    loader = _UniqueKeyLoader(text)
-    loader.name = str(path)  # marks (line:column) name the file
     try:
-        return loader.get_single_data()
+        return _load_yaml(text, str(path))
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"{_yaml_where(e, path)}: YAML syntax error: {problem}") from e
-    finally:
-        loader.dispose()
 
 
 def read_yaml_with_includes(path: str | Path, _seen: tuple = ()) -> dict:

@@ -210,6 +210,7 @@ OVERRIDE_CASES = {
     "zero_top_p": ("train.top_p=0", r"train\.top_p=0\.0 must be in \(0, 1\]"),
     "blank_out_dir": ("train.out_dir=' '", r"train\.out_dir is empty"),
     "section_as_value": ("optim=3", r"optim must be a mapping of fields"),
+    "repeated_key": ("optim={lr: 1, lr: 2}", r"override 'optim=\{lr: 1, lr: 2\}', line:1: key 'lr' repeated"),
     "text_for_number": ("optim.lr=fast", r"optim\.lr must be a number, got 'fast'"),
 }
 

@@ -272,3 +272,13 @@ def test_repeated_keys_refused_in_includes_too(tmp_path):
     (tmp_path / "top.yaml").write_text("include: base.yaml\ntrain:\n  seed: 1\n")
     with pytest.raises(ConfigError, match=r"base\.yaml:3: key 'lr' repeated \(first at line 2\)"):
         load_recipe(tmp_path / "top.yaml")
+
+
+def test_yaml_merge_keys_may_be_overridden(tmp_path):
+    """``<<: *anchor`` then a key of the anchor is YAML's override, not a repeated key."""
+    (tmp_path / "r.yaml").write_text(
+        "optim: &o\n  lr: 1.0e-3\n  warmup_steps: 2\nsft_optim_note: {<<: *o, lr: 2.0e-3}\n"
+    )
+    from moe_rl.configlib import load_yaml_file
+
+    assert load_yaml_file(tmp_path / "r.yaml")["sft_optim_note"] == {"lr": 2.0e-3, "warmup_steps": 2}
