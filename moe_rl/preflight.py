@@ -42,6 +42,9 @@ def check_lengths(recipe: Recipe, task: Task, tok: Tokenizer) -> None:
     """RL prompts plus ``train.max_new_tokens`` fit ``model.max_seq_len`` (else rollouts fail mid-run)."""
     if "rl" not in recipe.train.stages:
         return
+    if not hasattr(task, "longest_prompts"):  # a task registered from outside, without the bound
+        log.info("task %s gives no prompt bound: prompt lengths are checked at generation", recipe.task.name)
+        return
     longest, new, cap = (
         longest_prompt_tokens(task, tok),
         recipe.train.max_new_tokens,

@@ -142,6 +142,16 @@ def test_prompt_and_response_longer_than_the_model(cli, tmp_path):
 
 
 @recipe_case
+def test_fewer_eval_prompts_than_data_parallel_ranks(cli, tmp_path):
+    recipe = _write(
+        tmp_path, "train:\n  stages: [sft, rl]\n  eval_prompts: 1\nparallel:\n  data_parallel: 2\n"
+    )
+    cli("check", recipe).one_line(
+        r"1 held-out prompts for evaluation, fewer than parallel\.data_parallel=2 .*raise train\.eval_prompts"
+    )
+
+
+@recipe_case
 def test_tokenizer_folder_without_tokenizer_json(cli, tmp_path):
     (tmp_path / "tok").mkdir()
     recipe = _write(tmp_path, f"model:\n  tokenizer: {tmp_path / 'tok'}\n")
