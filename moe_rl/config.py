@@ -436,8 +436,8 @@ class TrainConfig:
         self._check_stages_and_paths()
         require_positive(self, "train", "sft_batch_size", "prompts_per_step", "group_size", "minibatches")
         require_positive(self, "train", "max_new_tokens", "eval_prompts", "log_every")
-        for name in ("sft_steps", "rl_steps", "eval_every", "micro_batch_size", "pack_tokens"):
-            require_positive(self, "train", name, strict=False)
+        require_positive(self, "train", "sft_steps", "rl_steps", "eval_every", strict=False)
+        require_positive(self, "train", "micro_batch_size", "pack_tokens", strict=False)
         require(
             self.group_size >= 2 or "rl" not in self.stages,
             "train.group_size must be >= 2 for RL: group advantages need several responses",
@@ -464,7 +464,7 @@ class TrainConfig:
     def _check_stages_and_paths(self) -> None:
         require(bool(self.stages), "train.stages is empty: list the stages to run, e.g. [sft, rl]")
         require(
-            self.stages in (("sft",), ("rl",), ("sft", "rl")),
+            tuple(self.stages) in (("sft",), ("rl",), ("sft", "rl")),
             f"train.stages={list(self.stages)}: use [sft, rl], [sft] or [rl] (each once, sft first)",
         )
         require(
