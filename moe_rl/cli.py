@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import sys
 import time
+import traceback
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse with the house error line: usage, then ``moe-rl: usage error: ...``; exit code 2."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(2, f"moe-rl: usage error: {self.prog}: {message}\n")
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -22,9 +32,11 @@ def _setup_logging(verbose: bool) -> None:
 
 def cmd_train(args) -> int:
     from moe_rl.config import load_recipe
+    from moe_rl.preflight import preflight
     from moe_rl.trainer.run import run
 
     recipe = load_recipe(args.recipe, args.overrides)
+    preflight(recipe)  # data, lengths, held-out split: refused before any process group starts
     t0 = time.perf_counter()
     results = run(recipe, resume=args.resume)
     logging.getLogger("moe_rl").info(
@@ -38,26 +50,48 @@ def cmd_train(args) -> int:
 
 
 def cmd_check(args) -> int:
-    """Load and validate a recipe without starting anything; print it resolved."""
+    """Load and validate a recipe (and its task's data) without starting anything; print it resolved."""
+    from pathlib import Path
+
     import yaml
 
     from moe_rl.config import load_recipe, to_dict
+    from moe_rl.preflight import preflight
 
     recipe = load_recipe(args.recipe, args.overrides)
+    tokenizer = recipe.model.tokenizer
+    if tokenizer == "char" or Path(tokenizer).is_dir():
+        preflight(recipe)
+    else:  # a cluster recipe checked on another machine: its fields are checked, its data cannot be
+        logging.getLogger("moe_rl").warning(
+            "model.tokenizer=%s is not here: the task's data, prompt lengths and held-out split are "
+            "checked by moe-rl train, not now",
+            tokenizer,
+        )
     print(yaml.safe_dump(to_dict(recipe), sort_keys=False))
     return 0
 
 
 def cmd_demo(args) -> int:
+    from pathlib import Path
+
+    from moe_rl.errors import PathError
     from moe_rl.trainer.demo import run_demo
+
+    if not Path(args.recipe_dir).is_dir():
+        raise PathError(f"--recipe-dir {args.recipe_dir} is not a folder: give the folder holding base.yaml")
 
     print(run_demo(args.recipe_dir, args.overrides))
     return 0
 
 
 def cmd_report(args) -> int:
+    from moe_rl.errors import UserError
     from moe_rl.trainer.report import report
 
+    bad = [r for r in args.runs if r.startswith("=") or r.endswith("=")]
+    if bad:
+        raise UserError(f"run {bad[0]!r}: write NAME=DIR or DIR")
     runs = dict(r.split("=", 1) if "=" in r else (r.rstrip("/").split("/")[-1], r) for r in args.runs)
     table, _ = report(runs, args.out)
     print(table)
@@ -95,6 +129,8 @@ def cmd_bench(args) -> int:
     import importlib
     from pathlib import Path
 
+    from moe_rl.errors import UserError
+
     root = Path(__file__).resolve().parents[1]
     helpers = {"common", "arms", "trl_peer"}  # modules the benchmarks share, not benchmarks
     if args.name in helpers or not (root / "benchmarks" / f"{args.name}.py").exists():
@@ -103,8 +139,7 @@ def cmd_bench(args) -> int:
             for p in (root / "benchmarks").glob("*.py")
             if not p.stem.startswith("_") and p.stem not in helpers
         )
-        print(f"moe-rl bench: no benchmark {args.name!r}; available: {', '.join(names)}", file=sys.stderr)
-        return 2
+        raise UserError(f"no benchmark {args.name!r}; available: {', '.join(names)}")
     sys.path.insert(0, str(root))
     mod = importlib.import_module(f"benchmarks.{args.name}")
     mod.main(args.args)
@@ -112,7 +147,7 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moe-rl", description=__doc__)
+    p = ArgParser(prog="moe-rl", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="run a recipe's stages (sft, rl)")
@@ -152,28 +187,79 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def _check_port(argv: list[str]) -> None:
+    """``moe-rl serve``'s ``--port`` is a port number (else the bind fails deep in uvicorn)."""
     from moe_rl.errors import UserError
 
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["plan"]:  # its own parser: moe-rl plan RECIPE [overrides] [--num-gpus N ...]
-        from moe_rl.plan import main as plan_main
+    for i, a in enumerate(argv):
+        value = a.partition("=")[2] if a.startswith("--port=") else None
+        if a == "--port" and i + 1 < len(argv):
+            value = argv[i + 1]
+        if value is not None and not (value.isdigit() and int(value) <= 65535):
+            raise UserError(f"--port {value}: give a port number in 0..65535 (0: a free port)")
 
-        return plan_main(argv[1:])
+
+def _dispatch(argv: list[str], verbose: bool) -> int:
+    if argv[:1] == ["plan"]:  # its own parser: moe-rl plan RECIPE [overrides] [--num-gpus N ...]
+        from moe_rl.plan import command as plan_command
+
+        return plan_command(argv[1:])
     if argv[:1] == ["serve"]:  # SGLang's launch_server flags: moe-rl serve --model-path P [--port N]
-        _setup_logging(False)
+        _setup_logging(verbose)
+        _check_port(argv[1:])
         from moe_rl.serve.embedded import main as serve_main
 
         return serve_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(["-v", *argv] if verbose else argv)
     _setup_logging(args.verbose)
+    return args.fn(args)
+
+
+def _one_line(kind: str, message: str, verbose: bool) -> int:
+    """The user's one line on stderr (after the traceback with -v); exit code 2."""
+    if verbose:
+        traceback.print_exc()
+    print(f"moe-rl: {kind}: {message}", file=sys.stderr)
+    return 2
+
+
+def _torch_write_failure(e: RuntimeError) -> str | None:
+    """PyTorch's file writer reports a failed write (a full disk) as ``unexpected pos A vs B`` or
+    ``file write failed``, without the path: the one line for it, else None (a bug)."""
+    text = str(e)
+    if "inline_container" not in text or not ("unexpected pos" in text or "file write failed" in text):
+        return None
+    detail = text.rsplit("]", 1)[-1].strip(" .")
+    return (
+        f"writing a torch file (a checkpoint) failed ({detail}): the disk is full or refused the write; "
+        "free space or pick another folder"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a command; a :class:`moe_rl.errors.UserError` (or a full disk) becomes one line on
+    stderr and exit code 2 (``-v``: with its traceback); any other exception is a bug and keeps it."""
+    from moe_rl.errors import UserError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = argv[:1] in (["-v"], ["--verbose"])
+    argv = argv[1:] if verbose else argv
     try:
-        return args.fn(args)
+        return _dispatch(argv, verbose)
     except UserError as e:
-        if args.verbose:
-            logging.getLogger("moe_rl").exception("the error, with its traceback (-v)")
-        print(f"moe-rl: {e.kind}: {e}", file=sys.stderr)
-        return 2
+        return _one_line(e.kind, str(e), verbose)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" writing {e.filename}" if e.filename else ""
+        return _one_line(
+            "disk full", f"no space left on the device{where}: free space or pick another folder", verbose
+        )
+    except RuntimeError as e:
+        message = _torch_write_failure(e)
+        if message is None:
+            raise
+        return _one_line("disk full", message, verbose)
 
 
 if __name__ == "__main__":

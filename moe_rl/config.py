@@ -19,15 +19,16 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from moe_rl.configlib import ConfigError as ConfigError  # re-exported with to_dict: callers import them here
+from moe_rl.configlib import build_dataclass as build_dataclass
 from moe_rl.configlib import (
-    build_dataclass,
     check_choices,
-    parse_overrides,
-    read_yaml_with_includes,
+    dataclass_from_dict,
     require,
+    require_in,
+    require_positive,
     require_registered,
-    set_path,
 )
+from moe_rl.configlib import read_yaml_with_includes as read_recipe_data
 from moe_rl.configlib import to_dict as to_dict
 from moe_rl.losses import LOSSES
 from moe_rl.losses.corrections import DEFAULT_BOUNDS, TOKEN_LEVEL
@@ -94,19 +95,13 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_choices(self, "model")
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_layers",
-            "num_attention_heads",
-            "num_query_groups",
-            "head_dim",
-            "moe_ffn_hidden_size",
-            "num_experts",
-            "moe_router_topk",
-            "max_seq_len",
-        ):
-            require(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
+        require_positive(self, "model", "vocab_size", "hidden_size", "num_layers", "num_attention_heads")
+        require_positive(self, "model", "num_query_groups", "head_dim", "moe_ffn_hidden_size", "num_experts")
+        require_positive(self, "model", "moe_router_topk", "max_seq_len")
+        require_positive(self, "model", "rope_theta", "norm_eps", "init_std")
+        require_positive(self, "model", "moe_aux_loss_coeff", "moe_z_loss_coeff", strict=False)
+        require(bool(self.tokenizer), "model.tokenizer is empty: use char or a tokenizer directory")
+        require(self.hf_path != "", "model.hf_path is empty: give a checkpoint directory or null")
         require(
             self.moe_router_topk <= self.num_experts,
             f"model.moe_router_topk={self.moe_router_topk} exceeds model.num_experts="
@@ -150,6 +145,7 @@ class ParallelConfig:
         check_choices(self, "parallel")
         for name in ("tensor_parallel", "expert_parallel", "pipeline_parallel", "data_parallel"):
             require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        require_positive(self, "parallel", "timeout_s")
         require(
             self.pipeline_parallel == 1,
             f"parallel.pipeline_parallel={self.pipeline_parallel}: pipeline parallelism is not "
@@ -206,6 +202,10 @@ class OptimConfig:
     def __post_init__(self) -> None:
         check_choices(self, "optim")
         require(self.lr > 0, f"optim.lr must be positive, got {self.lr}")
+        require_positive(self, "optim", "adam_eps")
+        require_positive(self, "optim", "weight_decay", strict=False)
+        for name in ("beta1", "beta2"):
+            require_in(self, "optim", name, 0, 1, "[0, 1)")
         require(0 <= self.min_lr <= self.lr, f"optim.min_lr={self.min_lr} must be in [0, optim.lr]")
         require(self.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {self.grad_clip}")
         require(
@@ -233,6 +233,8 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         require(self.every >= 0, f"checkpoint.every must be >= 0, got {self.every}")
+        for name in ("dir", "load"):
+            require(getattr(self, name) != "", f"checkpoint.{name} is empty: give a directory or null")
         require(self.keep >= 1, f"checkpoint.keep must be >= 1, got {self.keep}")
 
 
@@ -283,6 +285,11 @@ class AlgoConfig:
         check_choices(self, "algo")
         require_registered(self.name, LOSSES, "algo.name")
         require(self.beta >= 0, f"algo.beta must be >= 0, got {self.beta}")
+        require(
+            self.adv_eps > 0 if self.adv_std_normalize else self.adv_eps >= 0,
+            f"algo.adv_eps={self.adv_eps} must be > 0: A = (r - mean) / (std + eps) needs a positive eps "
+            "(a negative one flips the advantage signs, 0 divides by 0 in a group of equal rewards)",
+        )
         if self.eps_low is not None:
             require(0 <= self.eps_low < 1, f"algo.eps_low={self.eps_low} must be in [0, 1)")
         if self.eps_high is not None:
@@ -366,7 +373,9 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         check_choices(self, "rollout")
-        require(self.timeout_s > 0 and self.retries >= 0, "rollout.timeout_s > 0 and rollout.retries >= 0")
+        require_positive(self, "rollout", "timeout_s")
+        require(self.retries >= 0, f"rollout.retries={self.retries} must be >= 0")
+        require(self.weight_sync_dir != "", "rollout.weight_sync_dir is empty: give a directory or null")
         require(
             self.weight_sync != "tensor" or self.sglang.colocate,
             "rollout.weight_sync=tensor hands SGLang CUDA-IPC handles: it needs rollout.sglang.colocate=true",
@@ -424,18 +433,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_choices(self, "train")
-        for name in (
-            "sft_batch_size",
-            "prompts_per_step",
-            "group_size",
-            "minibatches",
-            "max_new_tokens",
-            "eval_prompts",
-            "log_every",
-        ):
-            require(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("sft_steps", "rl_steps", "eval_every", "micro_batch_size", "pack_tokens"):
-            require(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
+        self._check_stages_and_paths()
+        require_positive(self, "train", "sft_batch_size", "prompts_per_step", "group_size", "minibatches")
+        require_positive(self, "train", "max_new_tokens", "eval_prompts", "log_every")
+        require_positive(self, "train", "sft_steps", "rl_steps", "eval_every", strict=False)
+        require_positive(self, "train", "micro_batch_size", "pack_tokens", strict=False)
         require(
             self.group_size >= 2 or "rl" not in self.stages,
             "train.group_size must be >= 2 for RL: group advantages need several responses",
@@ -447,6 +449,8 @@ class TrainConfig:
             f"prompts_per_step x group_size = {batch}: pick a divisor of {batch}",
         )
         require(self.temperature > 0, f"train.temperature must be > 0, got {self.temperature}")
+        require_in(self, "train", "top_p", 0, 1, "(0, 1]")
+        require_positive(self, "train", "sft_lr")
         require(
             self.flip_probe_sequences >= 0 and self.flip_probe_every >= 1,
             "train.flip_probe_sequences must be >= 0 and train.flip_probe_every >= 1",
@@ -455,6 +459,18 @@ class TrainConfig:
         require(
             self.packing or self.pack_tokens == 0,
             "train.pack_tokens is a packing budget: set train.packing=true or train.pack_tokens=0",
+        )
+
+    def _check_stages_and_paths(self) -> None:
+        require(bool(self.stages), "train.stages is empty: list the stages to run, e.g. [sft, rl]")
+        require(
+            tuple(self.stages) in (("sft",), ("rl",), ("sft", "rl")),
+            f"train.stages={list(self.stages)}: use [sft, rl], [sft] or [rl] (each once, sft first)",
+        )
+        require(
+            bool(self.out_dir.strip()),
+            "train.out_dir is empty (the run would write into the current folder): name a run folder, "
+            "e.g. runs/my_run",
         )
 
 
@@ -496,6 +512,8 @@ class SentinelConfig:
         require(0 < self.reward_drop_frac < 1, "sentinel.reward_drop_frac must be in (0, 1)")
         require(self.reward_window >= 1, "sentinel.reward_window must be >= 1")
         require(0 < self.rollback_lr_factor <= 1, "sentinel.rollback_lr_factor must be in (0, 1]")
+        require_positive(self, "sentinel", "max_abs_seq_log_ratio", "max_grad_norm")
+        require_positive(self, "sentinel", "reward_min_best", "min_entropy", "max_rollbacks", strict=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -561,21 +579,12 @@ class Recipe:
 
 
 # ---------------------------------------------------------------------------------------
-# Loading: YAML mapping (with includes) + overrides -> Recipe.
+# Loading: YAML mapping (with includes) + overrides -> Recipe (moe_rl.configlib refuses what is wrong).
 
 
 def recipe_from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Build a :class:`Recipe` from a parsed YAML mapping plus overrides."""
-    data = dict(data or {})
-    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
-    for k, v in parse_overrides(overrides):
-        set_path(data, k, v)
-    return build_dataclass(Recipe, data)
-
-
-def read_recipe_data(path: str | Path) -> dict:
-    """A recipe file as a mapping, with ``include: other.yaml`` (relative path) deep-merged under it."""
-    return read_yaml_with_includes(path)
+    return dataclass_from_dict(Recipe, data, overrides)
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:

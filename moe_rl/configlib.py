@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
 from pathlib import Path
@@ -58,10 +59,50 @@ def _choice_fields(cls: type) -> tuple[tuple[str, Any], ...]:
     return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls) if _is_choice(hints[f.name]))
 
 
+def _is_float(tp: Any) -> bool:
+    return tp is float or float in typing.get_args(tp)
+
+
+@functools.cache
+def _float_fields(cls: type) -> tuple[str, ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple(f.name for f in dataclasses.fields(cls) if _is_float(hints[f.name]))
+
+
+def require_finite(value: Any, where: str) -> None:
+    """Refuse an infinite or NaN number (``.inf``, ``nan``): no field of a recipe means one."""
+    require(
+        not isinstance(value, float) or math.isfinite(value),
+        f"{where}={value} is not a finite number: give a finite value",
+    )
+
+
 def check_choices(obj: Any, section: str) -> None:
-    """Check every ``Literal`` field of dataclass ``obj``; errors name ``section.field``."""
+    """Check every ``Literal`` field of dataclass ``obj`` and that every float field is finite;
+    errors name ``section.field``."""
     for name, tp in _choice_fields(type(obj)):
         _check_type(getattr(obj, name), tp, f"{section}.{name}")
+    for name in _float_fields(type(obj)):
+        require_finite(getattr(obj, name), f"{section}.{name}")
+
+
+def require_positive(obj: Any, section: str, *names: str, strict: bool = True) -> None:
+    """Each field ``names`` of ``obj`` (unless None) is > 0 (``strict``) or >= 0."""
+    for name in names:
+        v = getattr(obj, name)
+        if v is not None:
+            ok, bound = (v > 0, "> 0") if strict else (v >= 0, ">= 0")
+            require(ok, f"{section}.{name}={v} must be {bound}")
+
+
+def require_in(obj: Any, section: str, name: str, low: float, high: float, interval: str) -> None:
+    """Field ``name`` of ``obj`` lies in ``interval`` ("[0, 1)", "(0, 1]", ...) from ``low`` to ``high``."""
+    v = getattr(obj, name)
+    if v is None:
+        return
+    ok_low = v >= low if interval[0] == "[" else v > low
+    ok_high = v <= high if interval[-1] == "]" else v < high
+    require(ok_low and ok_high, f"{section}.{name}={v} must be in {interval}")
 
 
 def _check_union(value: Any, tp: Any, where: str) -> Any:
@@ -92,13 +133,14 @@ def _check_scalar(value: Any, tp: type, where: str) -> Any:
     if tp is float:
         if isinstance(value, str):  # PyYAML (YAML 1.1) reads 3e-4 as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         require(
             isinstance(value, (int, float)) and not isinstance(value, bool),
             f"{where} must be a number, got {value!r}",
         )
+        require_finite(float(value), where)
         return float(value)
     if tp is str:
         require(isinstance(value, str), f"{where} must be a string, got {value!r}")
@@ -171,7 +213,14 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, A
         require("=" in o, f"override {o!r} must look like section.field=value")
         k, v = o.split("=", 1)
         require(bool(k.strip()), f"override {o!r} has an empty key")
-        out.append((k.strip(), yaml.safe_load(v) if v != "" else None))
+        try:
+            value = _load_yaml(v, f"override {o!r}, line") if v != "" else None
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or "not a YAML value"
+            raise ConfigError(
+                f"override {o!r}: {problem}; quote the value if it is text, e.g. {k.strip()}='\"...\"'"
+            ) from e
+        out.append((k.strip(), value))
     return out
 
 
@@ -183,20 +232,90 @@ def deep_merge(base: dict, top: dict) -> dict:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, refusing a key repeated in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden key by key
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise ConfigError(
+                    f"{key_node.start_mark.name}:{line}: key {key!r} repeated (first at line {seen[key]}): "
+                    "keep one of them"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str, name: str) -> Any:
+    """``text`` parsed by :class:`_UniqueKeyLoader`; marks (line:column) carry ``name``."""
+    loader = _UniqueKeyLoader(text)
+    loader.name = name
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def _yaml_where(e: yaml.YAMLError, path: Path) -> str:
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    if mark is None:
+        return str(path)
+    return f"{path}:{mark.line + 1}:{mark.column + 1}"
+
+
+def load_yaml_file(path: str | Path, what: str = "recipe") -> Any:
+    """A YAML file's content; a missing file, a folder, non-UTF-8 bytes, a syntax error or a repeated
+    key raise ConfigError naming the file (and line:column)."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{what} {path} does not exist: check the path")
+    if path.is_dir():
+        raise ConfigError(f"{what} {path} is a folder: give the YAML file inside it")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}:{line}: {what} is not UTF-8 text (byte {e.start}): save it as UTF-8"
+        ) from e
+    except OSError as e:
+        raise ConfigError(f"{what} {path} cannot be read: {e.strerror or e}") from e
+    try:
+        return _load_yaml(text, str(path))
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{_yaml_where(e, path)}: YAML syntax error: {problem}") from e
+
+
 def read_yaml_with_includes(path: str | Path, _seen: tuple = ()) -> dict:
     """A YAML mapping, with ``include: other.yaml`` (relative path) deep-merged under it."""
     path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"recipe {path} does not exist")
     require(path.resolve() not in _seen, f"recipe include cycle through {path}")
-    with path.open() as f:
-        data = yaml.safe_load(f) or {}
-    require(isinstance(data, dict), f"recipe {path} must be a mapping of sections")
+    data = load_yaml_file(path)
+    require(
+        bool(data) or data == [],
+        f"recipe {path} is empty: write at least one section (e.g. train:, model:), or copy recipes/tiny.yaml",
+    )
+    require(isinstance(data, dict), f"recipe {path} must be a mapping of sections, got {type(data).__name__}")
     inc = data.pop("include", None)
     if inc is not None:
+        require(isinstance(inc, str) and bool(inc), f"{path}: include must be a file name, got {inc!r}")
         base = read_yaml_with_includes(path.parent / inc, (*_seen, path.resolve()))
         data = deep_merge(base, data)
     return data
+
+
+def dataclass_from_dict(cls: type, data: dict, overrides: list[str] | tuple[str, ...] = ()) -> Any:
+    """Build ``cls`` (e.g. the Recipe) from a parsed YAML mapping plus ``section.field=value`` overrides."""
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (data or {}).items()}
+    for k, v in parse_overrides(overrides):
+        set_path(data, k, v)
+    return build_dataclass(cls, data)
 
 
 def to_dict(obj: Any) -> Any:

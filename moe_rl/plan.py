@@ -45,7 +45,6 @@ Per step: routing-replay bytes = rollout tokens x L x K x itemsize
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -330,9 +329,12 @@ def format_plan(pl: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``moe-rl plan RECIPE [overrides] [--num-gpus N] [--gpu-mem-gib G] [--json]``; 1 if it cannot fit."""
-    ap = argparse.ArgumentParser(prog="moe-rl plan", description=__doc__.splitlines()[0])
+def command(argv: list[str] | None = None) -> int:
+    """``moe-rl plan RECIPE [overrides] [--num-gpus N] [--gpu-mem-gib G] [--json]``; 1 if it cannot
+    fit. A user error raises (``moe-rl``'s main turns it into one line)."""
+    from moe_rl.cli import ArgParser
+
+    ap = ArgParser(prog="moe-rl plan", description=__doc__.splitlines()[0])
     ap.add_argument("recipe")
     ap.add_argument("overrides", nargs="*", help="section.field=value")
     ap.add_argument(
@@ -349,22 +351,25 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from moe_rl.config import load_recipe
 
-    try:
-        pl = plan(
-            load_recipe(args.recipe, args.overrides),
-            num_gpus=args.num_gpus,
-            gpu_mem_gib=args.gpu_mem_gib,
-            micro_batch=args.micro_batch,
-            allow_unfit=True,
-        )
-    except ConfigError as e:
-        print(f"moe-rl plan: configuration error: {e}", file=sys.stderr)
-        return 2
+    pl = plan(
+        load_recipe(args.recipe, args.overrides),
+        num_gpus=args.num_gpus,
+        gpu_mem_gib=args.gpu_mem_gib,
+        micro_batch=args.micro_batch,
+        allow_unfit=True,
+    )
     print(json.dumps(pl, indent=1) if args.json else format_plan(pl))
     if not pl["fits"]:
         print(f"moe-rl plan: {pl['refusal']}", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """:func:`command`, with a user error as one ``moe-rl: <kind>: <message>`` line (exit code 2)."""
+    from moe_rl.cli import main as cli_main
+
+    return cli_main(["plan", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

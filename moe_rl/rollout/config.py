@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from moe_rl.configlib import require
+from moe_rl.configlib import check_choices, require, require_positive
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,19 +56,23 @@ class SGLangConfig:
     "Requests in flight at once from one trainer rank."
 
     def __post_init__(self) -> None:
+        check_choices(self, "rollout.sglang")
+        require_positive(self, "rollout.sglang", "startup_timeout_s", "step_deadline_s")
+        require(
+            0 <= self.port <= 65535, f"rollout.sglang.port={self.port} must be in 0..65535 (0: a free port)"
+        )
+        require(bool(self.host), "rollout.sglang.host is empty: use 127.0.0.1 or the node's address")
         require(self.tp >= 1 and self.ep >= 1, "rollout.sglang.tp and rollout.sglang.ep must be >= 1")
         require(0 < self.mem_fraction < 1, "rollout.sglang.mem_fraction must be in (0, 1)")
         require(
-            isinstance(self.engines, list) or self.engines >= 1,
-            "rollout.sglang.engines must be >= 1 or a list of engine URLs",
+            bool(self.engines) if isinstance(self.engines, list) else self.engines >= 1,
+            f"rollout.sglang.engines={self.engines}: give a count >= 1 or a non-empty list of engine URLs",
         )
+        for name in ("url", "router_url", "model_path"):
+            require(getattr(self, name) != "", f"rollout.sglang.{name} is empty: give one or null")
         require(
             not (self.url and isinstance(self.engines, list)),
             "set rollout.sglang.url (one engine) or rollout.sglang.engines: [urls], not both",
-        )
-        require(
-            self.step_deadline_s is None or self.step_deadline_s > 0,
-            "rollout.sglang.step_deadline_s must be > 0",
         )
         require(self.max_concurrency >= 1, "rollout.sglang.max_concurrency must be >= 1")
 

@@ -57,6 +57,11 @@ class ArithmeticTask(SyntheticTask):
             metadata={"operands": operands, "operators": operators},
         )
 
+    def longest_prompts(self) -> list[str]:
+        """The longest prompt texts this task asks: the most operands, each of the most digits."""
+        c = self.cfg.arithmetic
+        return [f"Q:{op.join([str(10**c.digits - 1)] * c.max_operands)}=" for op in c.operators]
+
     def reference_response(self, prompt: Prompt, seed: int = 0) -> str:
         """The scratchpad and answer (deterministic: ``seed`` is unused)."""
         steps = solve_steps(prompt.metadata["operands"], prompt.metadata["operators"])

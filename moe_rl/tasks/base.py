@@ -59,6 +59,10 @@ class Task(Protocol):
         """The first ``n`` held-out prompts (distinct; never returned by sample or demonstrations)."""
         ...
 
+    def longest_prompts(self) -> list[str]:
+        """Prompt texts at least as long as any the task asks (checked against model.max_seq_len)."""
+        ...
+
 
 # ---------------------------------------------------------------------------------------
 # Shared machinery.

@@ -173,6 +173,11 @@ class CountdownTask(SyntheticTask):
             "countdown: no target in 1..task.countdown.max_target after 1000 tries: raise max_target"
         )
 
+    def longest_prompts(self) -> list[str]:
+        """The longest prompt text this task asks: every number and the target at their largest."""
+        c = self.cfg.countdown
+        return [f"N:{','.join([str(c.max_number)] * c.num_numbers)} T:{c.max_target}\n"]
+
     def reference_response(self, prompt: Prompt, seed: int = 0) -> str:
         """Failed tries (0 .. max_failed_attempts, drawn from ``seed``), the solution, the answer."""
         c, meta = self.cfg.countdown, prompt.metadata

@@ -17,13 +17,29 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import math
+import numbers
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
 from moe_rl.configlib import ConfigError
+from moe_rl.errors import UserError
 from moe_rl.tasks.base import Prompt, is_heldout, make_rng
 from moe_rl.tasks.config import TaskConfig
+
+
+class JsonlDataError(ConfigError):
+    """A JSONL file or record that cannot be used; the message names the file and line."""
+
+    kind = "data error"
+
+
+class RewardError(UserError):
+    """The user reward function raised or returned something other than a finite number; the
+    message names the record (file and line) and what came back."""
+
+    kind = "reward error"
 
 
 def exact_match(response: str, answer: str, record: dict) -> float:
@@ -74,29 +90,40 @@ def _answer_text(value: object) -> str:
 def read_records(path: str | Path, cfg_fields: tuple[str, ...], what: str) -> list[tuple[int, dict]]:
     """(line number, object) for every non-blank line; every object must hold ``cfg_fields``."""
     p = Path(path)
+    if p.is_dir():
+        raise JsonlDataError(f"{what}={str(path)!r} is a folder: give the JSONL file inside it")
     if not p.is_file():
-        raise ConfigError(f"{what}={str(path)!r}: file does not exist")
+        raise JsonlDataError(f"{what}={str(path)!r}: file does not exist")
     out = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    with p.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
             try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{p}:{lineno}: not valid JSON ({e.msg})") from e
-            if not isinstance(rec, dict):
-                raise ConfigError(f"{p}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-            for name in cfg_fields:
-                if name not in rec:
-                    raise ConfigError(
-                        f"{p}:{lineno}: missing field {name!r} (keys: {', '.join(sorted(rec)) or 'none'}); "
-                        "fix the line or set task.jsonl.*_field to the right key"
-                    )
-            out.append((lineno, rec))
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise JsonlDataError(
+                    f"{p}:{lineno}: not UTF-8 text (byte {e.start} of the line): save the file as UTF-8"
+                ) from e
+            if line.strip():
+                out.append((lineno, _parse_record(p, lineno, line, cfg_fields)))
     if not out:
-        raise ConfigError(f"{what}={str(path)!r}: the file has no records")
+        raise JsonlDataError(f"{what}={str(path)!r}: the file has no records")
     return out
+
+
+def _parse_record(p: Path, lineno: int, line: str, cfg_fields: tuple[str, ...]) -> dict:
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise JsonlDataError(f"{p}:{lineno}: not valid JSON ({e.msg})") from e
+    if not isinstance(rec, dict):
+        raise JsonlDataError(f"{p}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+    for name in cfg_fields:
+        if name not in rec:
+            raise JsonlDataError(
+                f"{p}:{lineno}: missing field {name!r} (keys: {', '.join(sorted(rec)) or 'none'}); "
+                "fix the line or set task.jsonl.*_field to the right key"
+            )
+    return rec
 
 
 class JsonlTask:
@@ -129,8 +156,8 @@ class JsonlTask:
         c = self.cfg.jsonl
         text = rec[c.prompt_field]
         if not isinstance(text, str):
-            raise ConfigError(f"{path}:{lineno}: field {c.prompt_field!r} must be a string, got {text!r}")
-        meta = {"record": rec, "line": lineno}
+            raise JsonlDataError(f"{path}:{lineno}: field {c.prompt_field!r} must be a string, got {text!r}")
+        meta = {"record": rec, "line": lineno, "path": path}
         if c.response_field and c.response_field in rec:
             meta["response"] = rec[c.response_field]
         return Prompt(
@@ -158,8 +185,23 @@ class JsonlTask:
         return [self._at(rng_seed, "train", step * batch_size + i) for i in range(batch_size)]
 
     def reward(self, prompt: Prompt, response_text: str) -> float:
-        """The user function's value, as a float."""
-        return float(self.reward_fn(response_text, prompt.answer, prompt.metadata["record"]))
+        """The user function's value, as a float; a raise, a non-number or a non-finite value is a
+        :class:`RewardError` naming the record."""
+        meta = prompt.metadata
+        where = (
+            f"task.jsonl.reward_fn={self.cfg.jsonl.reward_fn} on the record at {meta['path']}:{meta['line']}"
+        )
+        try:
+            value = self.reward_fn(response_text, prompt.answer, meta["record"])
+        except Exception as e:
+            raise RewardError(
+                f"{where} raised {type(e).__name__}: {e} (response {response_text[:60]!r})"
+            ) from e
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise RewardError(
+                f"{where} returned {value!r} ({type(value).__name__}): it must return a finite number, e.g. 0.0 or 1.0"
+            )
+        return float(value)
 
     def demonstrations(self, n: int, seed: int) -> list[tuple[str, str]]:
         """``n`` (prompt, response) pairs from the response field, cycling through shuffled epochs."""
@@ -173,6 +215,10 @@ class JsonlTask:
             p = self._at(seed, "demo", k)
             out.append((p.text, str(p.metadata["response"])))
         return out
+
+    def longest_prompts(self) -> list[str]:
+        """Every prompt text of the file(s): the model must hold the longest."""
+        return [p.text for p in (*self._train, *self._heldout)]
 
     def heldout(self, n: int) -> list[Prompt]:
         """The first ``n`` held-out records in file order (fewer when the split is smaller)."""

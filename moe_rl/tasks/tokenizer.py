@@ -232,10 +232,15 @@ def load_tokenizer(path_or_name: str | Path) -> CharTokenizer | HFTokenizer:
     """``"char"``: the built-in :class:`CharTokenizer`; a local directory: :class:`HFTokenizer`."""
     if str(path_or_name) == "char":
         return CharTokenizer()
+    from moe_rl.configlib import ConfigError
+
     p = Path(path_or_name)
     if p.is_dir():
-        return HFTokenizer(p)
-    raise ValueError(
-        f"tokenizer {str(path_or_name)!r}: use 'char' (built in) or a local directory "
+        try:
+            return HFTokenizer(p)
+        except FileNotFoundError as e:
+            raise ConfigError(f"model.tokenizer={str(p)!r}: {e}") from e
+    raise ConfigError(
+        f"model.tokenizer={str(path_or_name)!r}: use 'char' (built in) or a local directory "
         "holding tokenizer.json (models are never downloaded)"
     )

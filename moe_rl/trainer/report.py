@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
-from moe_rl.trainer.metrics import read_metrics
+from moe_rl.errors import DataError, PathError
 
 ROLLOUT_FLIP = "flip/rollout_vs_trainer/rate"
 PANELS = [
@@ -33,8 +34,31 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
+def read_run_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of ``run_dir/metrics.jsonl``; a missing folder or file, or a bad line, is a user error
+    naming the path (and line)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise PathError(f"run folder {run_dir} does not exist: give a run's train.out_dir")
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise PathError(f"{run_dir} has no metrics.jsonl: give a run's train.out_dir (one that has trained)")
+    rows = []
+    for lineno, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DataError(f"{path}:{lineno}: not a JSON metrics row ({type(e).__name__})") from e
+        if not isinstance(row, dict) or "stage" not in row or "step" not in row:
+            raise DataError(f"{path}:{lineno}: a metrics row needs 'stage' and 'step'")
+        rows.append(row)
+    return rows
+
+
 def load_arm(run_dir: str | Path) -> dict:
-    rows = read_metrics(Path(run_dir) / "metrics.jsonl")
+    rows = read_run_metrics(run_dir)
     rl = [r for r in rows if r["stage"] == "rl"]
     ev = [r for r in rows if r["stage"] == "rl_eval" or "eval/accuracy" in r]
     return {"rl": rl, "eval": ev}
@@ -139,6 +163,8 @@ def plot(arms: dict[str, dict], out_png: str | Path) -> Path:
 
 def report(runs: dict[str, str | Path], out_png: str | Path) -> tuple[str, list[dict]]:
     """Plot and tabulate named run directories; return the table text and summary rows."""
+    if Path(out_png).is_dir():
+        raise PathError(f"--out {out_png} is a folder: give a file name, e.g. {Path(out_png) / 'report.png'}")
     arms = {name: load_arm(d) for name, d in runs.items()}
     plot(arms, out_png)
     rows = [summarize(n, a) for n, a in arms.items()]

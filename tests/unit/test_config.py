@@ -239,3 +239,46 @@ def test_correction_truncation_and_bounds():
             ConfigError, match=r"algo\.correction_low=.* and algo\.correction_high=.* 0 < low < high"
         ):
             AlgoConfig(name="grpo", rollout_correction="icepop", **kw)
+
+
+@pytest.mark.parametrize(
+    ("make", "pattern"),
+    [
+        (lambda: ModelConfig(rope_theta=float("inf")), r"model\.rope_theta=inf is not a finite number"),
+        (lambda: AlgoConfig(correction_low=float("nan")), r"algo\.correction_low=nan is not a finite number"),
+        (lambda: TrainConfig(sft_lr=float("-inf")), r"train\.sft_lr=-inf is not a finite number"),
+        (lambda: TrainConfig(top_p=0.0), r"train\.top_p=0\.0 must be in \(0, 1\]"),
+        (lambda: TrainConfig(stages=()), r"train\.stages is empty"),
+        (lambda: TrainConfig(stages=("rl", "sft")), r"each once, sft first"),
+        (lambda: TrainConfig(out_dir=""), r"train\.out_dir is empty"),
+        (lambda: AlgoConfig(adv_eps=0.0), r"algo\.adv_eps=0\.0 must be > 0"),
+        (lambda: SentinelConfig(min_entropy=-1.0), r"sentinel\.min_entropy=-1\.0 must be >= 0"),
+        (lambda: RolloutConfig(timeout_s=-1.0), r"rollout\.timeout_s=-1\.0 must be > 0"),
+    ],
+)
+def test_fields_checked_in_code_too(make, pattern):
+    """Sections built in code (benchmarks, tests) get the same checks as a loaded recipe."""
+    with pytest.raises(ConfigError, match=pattern):
+        make()
+
+
+def test_adv_eps_zero_allowed_without_std_normalisation():
+    assert AlgoConfig(adv_eps=0.0, adv_std_normalize=False).adv_eps == 0.0
+    assert TrainConfig(top_p=1.0, stages=("rl",)).top_p == 1.0
+
+
+def test_repeated_keys_refused_in_includes_too(tmp_path):
+    (tmp_path / "base.yaml").write_text("optim:\n  lr: 1.0e-3\n  lr: 2.0e-3\n")
+    (tmp_path / "top.yaml").write_text("include: base.yaml\ntrain:\n  seed: 1\n")
+    with pytest.raises(ConfigError, match=r"base\.yaml:3: key 'lr' repeated \(first at line 2\)"):
+        load_recipe(tmp_path / "top.yaml")
+
+
+def test_yaml_merge_keys_may_be_overridden(tmp_path):
+    """``<<: *anchor`` then a key of the anchor is YAML's override, not a repeated key."""
+    (tmp_path / "r.yaml").write_text(
+        "optim: &o\n  lr: 1.0e-3\n  warmup_steps: 2\nsft_optim_note: {<<: *o, lr: 2.0e-3}\n"
+    )
+    from moe_rl.configlib import load_yaml_file
+
+    assert load_yaml_file(tmp_path / "r.yaml")["sft_optim_note"] == {"lr": 2.0e-3, "warmup_steps": 2}

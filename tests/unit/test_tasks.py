@@ -167,3 +167,22 @@ def test_registry_and_yaml_shaped_config():
     assert cfg.countdown.num_numbers == 3 and type(build_task(cfg)).__name__ == "CountdownTask"
     with pytest.raises(ConfigError, match="task.countdown.bogus"):
         build_dataclass(TaskConfig, {"countdown": {"bogus": 1}}, "task")
+
+
+@pytest.mark.parametrize(
+    ("name", "kw"),
+    [
+        (
+            "arithmetic",
+            {"arithmetic": ArithmeticConfig(min_operands=2, max_operands=5, digits=3, operators="+*")},
+        ),
+        ("countdown", {"countdown": CountdownConfig(num_numbers=5, max_number=99, max_target=500)}),
+    ],
+)
+def test_longest_prompts_bound_every_prompt(name, kw):
+    """The preflight's prompt bound is reached (equal length exists) and never exceeded."""
+    task = _task(name, **kw)
+    bound = max(map(len, task.longest_prompts()))
+    lengths = [len(p.text) for p in task.sample(0, 500, 1) + task.heldout(20)]
+    assert max(lengths) <= bound
+    assert bound - max(lengths) <= 3  # tight: the longest drawn prompt is within a few characters

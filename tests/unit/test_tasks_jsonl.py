@@ -125,3 +125,48 @@ def test_errors_name_the_problem(data, tmp_path):
         build_task(_cfg(path, reward_fn=f"{tmp_path / 'nofile.py'}:f"))
     with pytest.raises(ConfigError, match="response_field"):
         build_task(_cfg(path)).demonstrations(1, 0)
+
+
+def test_non_utf8_line_is_named(data, tmp_path):
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(b'{"q": "a", "a": "b"}\n{"q": "caf\xe9", "a": "b"}\n')
+    with pytest.raises(ConfigError, match=r"latin1\.jsonl:2: not UTF-8 text") as e:
+        build_task(_cfg(str(bad)))
+    assert e.value.kind == "data error"
+
+
+@pytest.mark.parametrize(
+    ("body", "pattern"),
+    [
+        ("raise ValueError('bad answer')", r"raised ValueError: bad answer"),
+        ("return float('inf')", r"returned inf \(float\): it must return a finite number"),
+        ("return '1.0'", r"returned '1.0' \(str\)"),
+    ],
+)
+def test_reward_errors_name_the_record_and_value(data, tmp_path, body, pattern):
+    from moe_rl.tasks.jsonl import RewardError
+
+    _, path = data
+    (tmp_path / "bad_reward.py").write_text(f"def score(response, answer, record):\n    {body}\n")
+    task = build_task(_cfg(path, reward_fn=f"{tmp_path / 'bad_reward.py'}:score"))
+    prompt = task.sample(0, 1, 0)[0]
+    line = prompt.metadata["line"]
+    with pytest.raises(RewardError, match=rf"on the record at .*train\.jsonl:{line} {pattern}"):
+        task.reward(prompt, "city0")
+
+
+def test_reward_accepts_any_real_number(data, tmp_path):
+    _, path = data
+    (tmp_path / "ok_reward.py").write_text(
+        "def score(response, answer, record):\n    return response == answer\n"
+    )
+    task = build_task(_cfg(path, reward_fn=f"{tmp_path / 'ok_reward.py'}:score"))
+    prompt = task.sample(0, 1, 0)[0]
+    assert task.reward(prompt, prompt.answer) == 1.0 and task.reward(prompt, "no") == 0.0
+
+
+def test_longest_prompts_cover_the_file(data):
+    _, path = data
+    task = build_task(_cfg(path, prompt_template="Q: {prompt}\nA: "))
+    longest = max(map(len, task.longest_prompts()))
+    assert longest == max(len(p.text) for p in task.sample(0, 400, 0) + task.heldout(100))

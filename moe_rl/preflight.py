@@ -1,0 +1,118 @@
+"""Checks of a recipe against what it will meet, run before any process group or stage starts.
+
+:func:`moe_rl.config.load_recipe` checks every field on its own and across sections. What
+needs the tokenizer and the task's data is checked here: the vocabulary holds the tokenizer,
+the longest prompt plus ``train.max_new_tokens`` fits ``model.max_seq_len``, and evaluation
+has held-out prompts for every data-parallel rank, and an attached SGLang server returns routed
+experts when ``algo.routing=r3`` replays them (its ``server_info`` says). Each failure is a
+:class:`moe_rl.config.ConfigError` naming the fields and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from moe_rl.configlib import require
+
+if TYPE_CHECKING:
+    from moe_rl.config import Recipe
+    from moe_rl.tasks.base import Task
+    from moe_rl.tasks.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def check_vocab(recipe: Recipe, tok: Tokenizer) -> None:
+    """``model.vocab_size`` holds every id of the tokenizer."""
+    require(
+        recipe.model.vocab_size >= tok.vocab_size,
+        f"model.vocab_size={recipe.model.vocab_size} is smaller than the tokenizer's {tok.vocab_size} ids: "
+        f"set model.vocab_size={tok.vocab_size} (rounded up to a multiple of tensor_parallel)",
+    )
+
+
+def longest_prompt_tokens(task: Task, tok: Tokenizer) -> int:
+    """Tokens of the task's longest prompt as the trainer encodes it (``<bos>`` included)."""
+    bos = 1 if getattr(tok, "bos_id", None) is not None else 0
+    return bos + max((len(tok.encode(t)) for t in task.longest_prompts()), default=0)
+
+
+def check_lengths(recipe: Recipe, task: Task, tok: Tokenizer) -> None:
+    """RL prompts plus ``train.max_new_tokens`` fit ``model.max_seq_len`` (else rollouts fail mid-run)."""
+    if "rl" not in recipe.train.stages:
+        return
+    if not hasattr(task, "longest_prompts"):  # a task registered from outside, without the bound
+        log.info("task %s gives no prompt bound: prompt lengths are checked at generation", recipe.task.name)
+        return
+    longest, new, cap = (
+        longest_prompt_tokens(task, tok),
+        recipe.train.max_new_tokens,
+        recipe.model.max_seq_len,
+    )
+    require(
+        longest + new <= cap,
+        f"task {recipe.task.name}: the longest prompt ({longest} tokens) + train.max_new_tokens={new} exceeds "
+        f"model.max_seq_len={cap}: lower train.max_new_tokens to {max(cap - longest, 0)}, raise "
+        f"model.max_seq_len to {longest + new}, or shorten the prompts",
+    )
+
+
+def check_heldout(recipe: Recipe, task: Task) -> None:
+    """Evaluation (at the end of RL, and every ``train.eval_every``) has a prompt for every DP rank."""
+    if "rl" not in recipe.train.stages:
+        return
+    dp, asked = recipe.parallel.data_parallel, recipe.train.eval_prompts
+    n = len(task.heldout(asked))
+    if asked < dp:
+        fix = f"raise train.eval_prompts to at least {dp}"
+    elif recipe.task.name == "jsonl":
+        fix = "set task.jsonl.heldout_path to a held-out JSONL file, or raise task.heldout_fraction"
+    else:
+        fix = "raise task.heldout_fraction"
+    require(
+        n >= dp,
+        f"task {recipe.task.name}: {n} held-out prompts for evaluation, fewer than parallel.data_parallel={dp} "
+        f"(the accuracy would be NaN): {fix}",
+    )
+    if n % dp:
+        log.warning("evaluation uses %d of %d held-out prompts (a multiple of data_parallel)", n - n % dp, n)
+
+
+def check_routes_served(recipe: Recipe) -> None:
+    """R3 against attached SGLang servers: each must have been started with routed experts on.
+
+    Launched engines get ``--enable-return-routed-experts`` from the launcher; a server that does
+    not answer is left to engine setup (it may still be starting)."""
+    cfg = recipe.rollout.sglang
+    if recipe.rollout.engine != "sglang" or recipe.algo.routing != "r3":
+        return
+    urls = [cfg.url] if cfg.url else list(cfg.engines) if isinstance(cfg.engines, list) else []
+    from moe_rl.rollout.sglang_client import SGLangClient, SGLangError
+
+    for url in urls:
+        try:
+            info = SGLangClient(
+                url, api_key=cfg.admin_api_key or cfg.api_key, timeout_s=10, retries=0
+            ).server_info()
+        except (SGLangError, OSError) as e:
+            log.warning("could not ask %s whether it returns routed experts (%s); engine setup will", url, e)
+            continue
+        require(
+            info.get("enable_return_routed_experts") is not False,
+            f"algo.routing=r3 replays the rollout engine's routes, but the SGLang server at {url} was started "
+            "without --enable-return-routed-experts: restart it with that flag, or use algo.routing=r2",
+        )
+
+
+def preflight(recipe: Recipe) -> tuple[Tokenizer, Task]:
+    """The tokenizer and task of ``recipe``, after every check that needs them (see the module)."""
+    from moe_rl.tasks import build_task, load_tokenizer
+
+    tok = load_tokenizer(recipe.model.tokenizer)
+    check_vocab(recipe, tok)
+    task = build_task(recipe.task)
+    check_lengths(recipe, task, tok)
+    check_heldout(recipe, task)
+    check_routes_served(recipe)
+    return tok, task

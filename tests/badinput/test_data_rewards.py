@@ -1,0 +1,164 @@
+"""Bad JSONL data and bad reward functions: one line naming the file and line, or the record and the
+returned value.
+
+Data cases run ``moe-rl check`` in this process (the task's data is read by the preflight); the
+reward cases train one RL step of a tiny policy (seconds), since a reward runs only on rollouts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.badinput.conftest import assert_kept, snapshot
+
+data_case = pytest.mark.bad_input("data")
+reward_case = pytest.mark.bad_input("reward")
+
+TINY = {
+    "model": {
+        "hidden_size": 32,
+        "num_layers": 1,
+        "num_attention_heads": 2,
+        "num_query_groups": 1,
+        "head_dim": 16,
+        "moe_ffn_hidden_size": 32,
+        "num_experts": 4,
+        "max_seq_len": 48,
+    },
+    "train": {
+        "stages": ["rl"],
+        "rl_steps": 1,
+        "prompts_per_step": 2,
+        "group_size": 2,
+        "minibatches": 1,
+        "max_new_tokens": 4,
+        "eval_prompts": 2,
+        "flip_probe_sequences": 0,
+        "log_every": 100,
+    },
+}
+
+
+def _records(n: int, start: int = 0) -> str:
+    return "".join(
+        json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(start, start + n)
+    )
+
+
+def _recipe(tmp_path: Path, *, data: str | bytes | None = None, **jsonl) -> Path:
+    """A tiny jsonl recipe under ``tmp_path``: ``data.jsonl`` (train), ``held.jsonl`` (held-out)."""
+    path = tmp_path / "data.jsonl"
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(_records(12) if data is None else data)
+    (tmp_path / "held.jsonl").write_text(_records(4, start=100))
+    task = {"path": str(path), "heldout_path": str(tmp_path / "held.jsonl"), **jsonl}
+    recipe = {
+        **TINY,
+        "task": {"name": "jsonl", "jsonl": task},
+        "train": {**TINY["train"], "out_dir": str(tmp_path / "run")},
+    }
+    out = tmp_path / "r.yaml"
+    out.write_text(json.dumps(recipe))  # JSON is YAML
+    return out
+
+
+@data_case
+def test_non_utf8_line_named(cli, tmp_path):
+    data = _records(3).encode() + b'{"prompt": "caf\xe9", "answer": "1"}\n'
+    recipe = _recipe(tmp_path, data=data)
+    before = snapshot(tmp_path)
+    cli("check", recipe).one_line(r"data error: .*data\.jsonl:4: not UTF-8 text .*save the file as UTF-8")
+    assert_kept(before, tmp_path)
+
+
+@data_case
+def test_invalid_json_line_named(cli, tmp_path):
+    recipe = _recipe(tmp_path, data=_records(2) + "{prompt: 1}\n")
+    before = snapshot(tmp_path)
+    cli("check", recipe).one_line(r"data error: .*data\.jsonl:3: not valid JSON")
+    assert_kept(before, tmp_path)
+
+
+@data_case
+def test_missing_field_named(cli, tmp_path):
+    recipe = _recipe(tmp_path, data=_records(2) + '{"question": "x", "answer": "1"}\n')
+    cli("check", recipe).one_line(r"data\.jsonl:3: missing field 'prompt' \(keys: answer, question\)")
+
+
+@data_case
+def test_prompt_not_a_string(cli, tmp_path):
+    recipe = _recipe(tmp_path, data=_records(2) + '{"prompt": 7, "answer": "1"}\n')
+    cli("check", recipe).one_line(r"data\.jsonl:3: field 'prompt' must be a string, got 7")
+
+
+@data_case
+def test_empty_data_file(cli, tmp_path):
+    recipe = _recipe(tmp_path, data="\n\n")
+    cli("check", recipe).one_line(r"task\.jsonl\.path=.*data\.jsonl.*: the file has no records")
+
+
+@data_case
+def test_missing_data_file(cli, tmp_path):
+    recipe = _recipe(tmp_path)
+    (tmp_path / "data.jsonl").unlink()
+    cli("check", recipe).one_line(r"task\.jsonl\.path=.*data\.jsonl.*: file does not exist")
+
+
+@data_case
+def test_data_path_is_a_folder(cli, tmp_path):
+    recipe = _recipe(tmp_path)
+    (tmp_path / "data.jsonl").unlink()
+    (tmp_path / "data.jsonl").mkdir()
+    cli("check", recipe).one_line(r"task\.jsonl\.path=.*data\.jsonl.* is a folder")
+
+
+@data_case
+def test_no_heldout_records(cli, tmp_path):
+    """Without held_out records the end-of-RL accuracy would be 0/0: refused before training."""
+    recipe = _recipe(tmp_path, heldout_path=None)
+    r = cli("check", recipe, "task.heldout_fraction=0.000001")
+    r.one_line(r"task jsonl: 0 held-out prompts for evaluation.*NaN.*task\.jsonl\.heldout_path")
+
+
+@data_case
+def test_longest_jsonl_prompt_too_long(cli, tmp_path):
+    long = json.dumps({"prompt": "9" * 60, "answer": "1"}) + "\n"
+    recipe = _recipe(tmp_path, data=_records(5) + long)
+    cli("check", recipe).one_line(
+        r"task jsonl: the longest prompt \(61 tokens\) \+ train\.max_new_tokens=4 exceeds model\.max_seq_len=48"
+    )
+
+
+@data_case
+def test_train_refuses_bad_data_before_the_run_folder(cli, tmp_path):
+    recipe = _recipe(tmp_path, data=_records(2) + "not json\n")
+    cli("train", recipe).one_line(r"data\.jsonl:3: not valid JSON")
+    assert not (tmp_path / "run").exists()
+
+
+# Rewards: the user function runs on rollouts, so these train one RL step.
+REWARDS = {
+    "raises": ("    raise KeyError('score')\n", r"raised KeyError: 'score'"),
+    "nan": ("    return float('nan')\n", r"returned nan \(float\): it must return a finite number"),
+    "string": ("    return 'yes'\n", r"returned 'yes' \(str\): it must return a finite number"),
+    "none": ("    return None\n", r"returned None \(NoneType\)"),
+}
+
+
+@reward_case
+@pytest.mark.parametrize("name", sorted(REWARDS))
+def test_reward_error_names_the_record(cli, tmp_path, name):
+    body, pattern = REWARDS[name]
+    (tmp_path / "score.py").write_text(f"def score(response, answer, record):\n{body}")
+    recipe = _recipe(tmp_path, reward_fn=f"{tmp_path / 'score.py'}:score")
+    before = snapshot(tmp_path)
+    line = cli("train", recipe).one_line(
+        r"reward error: task\.jsonl\.reward_fn=.*score\.py:score on the record at .*\.jsonl:\d+ " + pattern
+    )
+    assert "Traceback" not in line
+    assert_kept(before, tmp_path)
