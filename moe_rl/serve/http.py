@@ -257,6 +257,32 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(args: argparse.Namespace) -> ServeLimits:
+    """The limits of ``args``, after checking them and that ``--host``/``--port`` can be listened on
+    (before the engine is built); ConfigError names the flag."""
+    import socket
+
+    from moe_rl.config import ConfigError
+
+    try:
+        limits = limits_from_args(args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: expected 0..65535 (SGLang's default is 30000)")
+    try:
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((args.host, args.port))
+    except OSError as e:
+        raise ConfigError(
+            f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e}); "
+            "pick a free port or an address of this machine"
+        ) from None
+    return limits
+
+
 def main(argv: list[str] | None = None, factory: Any = None) -> int:
     """CLI entry: parse SGLang-style args, build the engine with ``factory(args)``, serve."""
     args, unknown = build_arg_parser().parse_known_args(argv)
@@ -265,12 +291,7 @@ def main(argv: list[str] | None = None, factory: Any = None) -> int:
     )
     if unknown:
         logger.warning("ignoring SGLang options moe-rl serve does not use: %s", " ".join(unknown))
-    try:
-        limits = limits_from_args(args)
-    except ValueError as e:
-        from moe_rl.config import ConfigError
-
-        raise ConfigError(str(e)) from None
+    limits = check_args(args)
     if factory is None:
         if not args.engine_factory or ":" not in args.engine_factory:
             logger.error("moe-rl serve: --engine-factory module:callable is required")
