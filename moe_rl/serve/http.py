@@ -5,8 +5,9 @@ Every route is one ASGI handler that runs the app's blocking endpoint in a worke
 ``--api-key`` / ``--admin-api-key`` follow SGLang's ``srt/utils/auth.py``: /health*, /ready and
 /metrics are open; the admin endpoints (:data:`ADMIN_PATHS`) need the admin key when one is set,
 else the api key; the others need the api key when one is set. Denied: 401 {"error": "Unauthorized"}.
-Bodies (:mod:`.limits`): larger than the limit, 413 before they are read; not received within
-the read timeout, 408 (the connection is then closed); parsed in the worker thread, refusing
+Bodies (:mod:`.limits`): larger than the limit, 413 before they are read; stalled (no byte for
+the read timeout, e.g. a ``Content-Length`` larger than what is sent), 408 and the connection
+closed; parsed in the worker thread, refusing
 NaN and Infinity (400); answers encoded without NaN or Infinity (null instead, logged).
 Keep-alive connections close after 5 idle seconds (SGLang's SGLANG_TIMEOUT_KEEP_ALIVE).
 (No ``from __future__ import annotations`` here: FastAPI reads the handler's annotations.)
@@ -64,27 +65,32 @@ class BodyRefused(Exception):
 
 
 async def read_body(request: Any, route: str, limits: ServeLimits) -> bytes:
-    """The request body within ``limits`` (BodyRefused otherwise), read without holding a thread."""
+    """The request body within ``limits`` (BodyRefused otherwise), read without holding a thread.
+
+    The read timeout is one of inactivity: a body that keeps arriving is read however long it takes."""
     name = "max_weights_body_bytes" if route in WEIGHTS_BODY_PATHS else "max_body_bytes"
     limit, flag = getattr(limits, name), FLAGS[name]
     too_large = "request body of {} bytes exceeds the server's limit of {} bytes ({}): send less per request"
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise BodyRefused(413, too_large.format(int(declared), limit, flag))
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(limits.read_timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise BodyRefused(413, too_large.format(f"at least {size}", limit, flag))
-                chunks.append(chunk)
-    except TimeoutError:
-        raise BodyRefused(
-            408,
-            f"request body not received within {limits.read_timeout_s:g} s ({FLAGS['read_timeout_s']}): "
-            f"got {size} of {declared or 'unknown'} bytes; send a body as long as its Content-Length",
-        ) from None
+    chunks, size, stream = [], 0, request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), limits.read_timeout_s)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise BodyRefused(
+                408,
+                f"no request body bytes received for {limits.read_timeout_s:g} s "
+                f"({FLAGS['read_timeout_s']}): got {size} of {declared or 'unknown'} bytes; "
+                "send a body as long as its Content-Length",
+            ) from None
+        size += len(chunk)
+        if size > limit:
+            raise BodyRefused(413, too_large.format(f"at least {size}", limit, flag))
+        chunks.append(chunk)
     return b"".join(chunks)
 
 

@@ -8,7 +8,7 @@ ours and start with ``--moe-rl-``. A refused request names the limit and the fla
 
 - body larger than ``max_body_bytes`` (``max_weights_body_bytes`` for the serialized tensors of
   ``/update_weights_from_tensor``): 413, before the body is read;
-- body not received within ``read_timeout_s`` (a ``Content-Length`` larger than what is sent): 408;
+- no body byte received for ``read_timeout_s`` (a ``Content-Length`` larger than what is sent): 408;
 - more prompts than ``max_running_requests`` or more prompt + new tokens than ``max_total_tokens``
   in one ``/generate``: 400 (``{"error": {"message"}}``, SGLang's generate-error body);
 - an update session or a pause with no admin request for ``stall_timeout_s`` is aborted (the app).
@@ -44,7 +44,7 @@ class ServeLimits:
     max_weights_body_bytes: int = 2048 * MiB
     "Largest ``/update_weights_from_tensor`` body: a 512 MiB bucket is ~700 MiB as base64."
     read_timeout_s: float = 30.0
-    "Seconds to receive a whole body once its headers arrived (408 after)."
+    "Seconds a request body may stall (no byte received) before the request is refused (408)."
     max_running_requests: int = 256
     "Most prompts in one ``/generate`` and rows in one engine call."
     max_total_tokens: int = 262144
@@ -87,7 +87,7 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
 _HELP = {
     "max_body_bytes": "largest request body in bytes, 413 above",
     "max_weights_body_bytes": "largest /update_weights_from_tensor body in bytes, 413 above",
-    "read_timeout_s": "seconds to receive a request body, 408 after",
+    "read_timeout_s": "seconds a request body may stall (no byte received), 408 after",
     "max_running_requests": "most prompts in one /generate and rows in one engine call, 400 above",
     "max_total_tokens": "most prompt + max_new_tokens tokens in one /generate and engine call, 400 above",
     "stall_timeout_s": "seconds an update session or pause may go without an admin request before it is aborted",

@@ -117,6 +117,25 @@ def test_content_length_larger_than_the_body_times_out_and_blocks_nobody(server)
     assert_serves(server)
 
 
+def test_a_slow_body_that_keeps_coming_is_read(server):
+    """The read timeout is one of inactivity: a body sent over longer than it still counts."""
+    body = b'{"input_ids": [3], "sampling_params": {"max_new_tokens": 2}}'
+    sock = socket.create_connection((server.host, server.port), timeout=10)
+    head = f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    sock.sendall(head.encode())
+    t0 = time.monotonic()
+    for i in range(0, len(body), len(body) // 4 + 1):
+        time.sleep(0.4)
+        sock.sendall(body[i : i + len(body) // 4 + 1])
+    answer = b""
+    while chunk := sock.recv(4096):
+        answer += chunk
+    sock.close()
+    assert time.monotonic() - t0 > LIMITS.read_timeout_s
+    assert answer.startswith(b"HTTP/1.1 200") and b'"output_ids":[4,4]' in answer
+    assert_serves(server)
+
+
 def test_body_over_the_limit_is_413_before_it_is_read(server):
     big = {"input_ids": [[1] * 8] * 2, "rid": ["a", "b"], "pad": "x" * (70 << 10)}
     r = post(server, "/generate", big)
@@ -224,6 +243,7 @@ def test_a_rid_already_in_flight_is_refused(server):
         (b'{"input_ids": [1], "sampling_params": {"top_p": Infinity}}', "Infinity is not a JSON number"),
         (b'{"input_ids": [1], "sampling_params": {"temperature": 1e999}}', "1e999 overflows a double"),
     ],
+    ids=["nan", "infinity", "overflow"],
 )
 def test_non_finite_numbers_in_a_request_are_400(server, raw, said):
     r = httpx.post(server.url + "/generate", content=raw, timeout=10)
@@ -339,6 +359,7 @@ def test_health_generate_is_503_when_the_engine_stays_busy(server):
         (["--max-total-tokens", "0"], "--max-total-tokens 0"),
         (["--moe-rl-max-body-bytes", "-1"], "--moe-rl-max-body-bytes -1"),
     ],
+    ids=["read-timeout-nan", "max-total-tokens-0", "max-body-negative"],
 )
 def test_a_bad_limit_flag_is_a_config_error_before_the_engine_is_built(argv, flag):
     built = []
