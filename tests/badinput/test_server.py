@@ -252,6 +252,22 @@ def test_non_finite_numbers_in_a_request_are_400(server, raw, said):
     assert_serves(server)
 
 
+@pytest.mark.parametrize(
+    "raw, said",
+    [
+        (b"[" * 50_000, "recursion"),
+        (b'{"input_ids": [1, \xff]}', "utf-8"),
+        (b'{"input_ids": [1', "Expecting"),
+    ],
+    ids=["nested", "not-utf8", "truncated"],
+)
+def test_unparseable_bodies_are_400(server, raw, said):
+    r = httpx.post(server.url + "/generate", content=raw, timeout=10)
+    assert r.status_code == 400 and message(r).startswith("body: invalid JSON") and said in message(r)
+    assert server.app.engine.calls == 0
+    assert_serves(server)
+
+
 def test_responses_never_carry_nan(server):
     server.app.engine.w = torch.tensor([float("nan"), 0.0])  # an engine that computes NaN log-probs
     r = post(server, "/generate", {**ONE, "return_logprob": True})
