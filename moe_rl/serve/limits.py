@@ -79,9 +79,9 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("limits (a request over one is refused, naming the flag)")
     for name, flag in FLAGS.items():
         kind = int if isinstance(getattr(d, name), int) else float
-        g.add_argument(
-            flag, dest=name, type=kind, default=getattr(d, name), help=_HELP[name] + " (%(default)s)"
-        )
+        metavar = "BYTES" if name.endswith("_bytes") else ("SECONDS" if name.endswith("_s") else "N")
+        help_ = _HELP[name] + " (%(default)s)"
+        g.add_argument(flag, dest=name, type=kind, default=getattr(d, name), metavar=metavar, help=help_)
 
 
 _HELP = {
