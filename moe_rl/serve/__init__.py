@@ -9,6 +9,8 @@
 - :mod:`.http`: FastAPI + uvicorn around the app (as SGLang's own server), api keys, and the
   ``moe-rl serve`` command line (:func:`~moe_rl.serve.http.build_arg_parser`).
 - :mod:`.embedded`: the engine factory of ``moe-rl serve`` (HF checkpoint or recipe -> EmbeddedEngine).
+- :mod:`.limits`: body, batch and token limits, read timeout (their flags), and JSON without NaN;
+  :mod:`.stall`: health, and the abort of an update session or pause abandoned by its trainer.
 
 The same client, launcher and weight-sync code then run end to end on a CPU machine.
 Requests and responses follow SGLang 0.5.23 (sgl-project/sglang), checked against its wheel:
@@ -22,5 +24,7 @@ Ours, beyond SGLang: the begin/end weight-update session (0.5.23; misuse fails w
 messages, and distributed / tensor updates need it) is *atomic*: generation waits, updates are
 staged, and ``/end_weight_update`` applies everything or nothing (``{"abort": true}`` discards).
 ``server_info`` advertises this as ``weight_update_session``.
-Malformed requests get 400 with SGLang's ErrorResponse body naming the field.
+Malformed requests get 400 with SGLang's ErrorResponse body naming the field; requests over a
+limit get 413 (body) or 400 (prompts, tokens) naming the limit and its flag; non-finite weights
+are refused (400 naming the tensor) and the served ones kept.
 """

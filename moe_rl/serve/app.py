@@ -8,7 +8,11 @@ engine calls (:mod:`.batcher`). Behaviour follows current SGLang where a client 
 ``/ready`` answer 503 while paused; ``/pause_generation`` in mode ``abort`` (the default) aborts
 in-flight and queued requests, which return finish_reason ``abort``; ``/abort_request`` aborts by
 rid or all; ``abort_all_requests`` of the update endpoints is honoured. The weight-update and
-memory endpoints are in :mod:`.weights`. meta_info keys: ``srt/managers/tokenizer_manager.py``.
+memory endpoints are in :mod:`.weights`; health and the abort of an abandoned session or pause
+in :mod:`.stall`. meta_info keys: ``srt/managers/tokenizer_manager.py``.
+A ``/generate`` over the limits of :class:`~moe_rl.serve.limits.ServeLimits` (prompts, tokens,
+the model's context length, SGLang's message) is refused with 400 before it waits or runs; a
+``rid`` already in flight too (SGLang's "Duplicate request ID detected").
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import moe_rl
 from moe_rl.rollout.types import SamplingParams
 from moe_rl.routing.codec import decode_routes, encode_sglang_routes
 from moe_rl.serve.batcher import Batcher
+from moe_rl.serve.limits import FLAGS, ServeLimits, limit_message
 from moe_rl.serve.protocol import BadRequest, check_kind, error_response, get_field, to_sampling
+from moe_rl.serve.stall import STALL_PATHS, StallGuard
 from moe_rl.serve.weights import WeightEndpoints, error_body
 
 logger = logging.getLogger(__name__)
@@ -35,7 +41,7 @@ DEPRECATED_WEIGHT_VERSION = (
 "SGLang's 404 detail for the removed weight-version endpoints (http_server.py, 0.5.11 on)."
 
 
-class SGLangProtocolApp(WeightEndpoints):
+class SGLangProtocolApp(StallGuard, WeightEndpoints):
     """The endpoints; ``handle()`` maps (method, path, JSON body) to (status, body)."""
 
     def __init__(
@@ -49,8 +55,10 @@ class SGLangProtocolApp(WeightEndpoints):
         server_args: dict | None = None,
         group_timeout_s: float = 600.0,
         batch_window_s: float = 0.005,
+        limits: ServeLimits | None = None,
     ):
         self.engine, self.model_path = engine, model_path
+        self.limits = limits or ServeLimits()
         self.enable_routes, self.enable_memory_saver = enable_return_routed_experts, enable_memory_saver
         self.server_args = dict(server_args or {})
         self.group_timeout_s = group_timeout_s
@@ -65,7 +73,13 @@ class SGLangProtocolApp(WeightEndpoints):
         self.served = 0
         "/generate requests answered (``server_info()['internal_states'][0]``)."
         self._set_version(weight_version)
-        self.batcher = Batcher(self._run_locked, window_s=batch_window_s)
+        self._init_stall()
+        self.batcher = Batcher(
+            self._run_locked,
+            window_s=batch_window_s,
+            max_rows=self.limits.max_running_requests,
+            max_tokens=self.limits.max_total_tokens,
+        )
         self.routes: dict[str, tuple[tuple[str, ...], Any]] = {
             "/generate": (("POST", "PUT"), self.generate),
             "/health": (("GET",), self.health),
@@ -101,6 +115,9 @@ class SGLangProtocolApp(WeightEndpoints):
             return 405, {"detail": "Method Not Allowed"}
         if body is not None and not isinstance(body, dict) and path != "/generate":
             return 400, error_response("body: expected a JSON object")
+        admin = path in STALL_PATHS
+        if admin:
+            self._admin_begin()
         try:
             return route[1](body or {})
         except BadRequest as e:
@@ -108,13 +125,20 @@ class SGLangProtocolApp(WeightEndpoints):
         except Exception as e:  # noqa: BLE001 - reported to the client as a 500
             logger.exception("%s %s failed", method, path)
             return 500, error_body(f"{type(e).__name__}: {e}")
+        finally:
+            if admin:
+                self._admin_end()
 
     # ----------------------------------------------------------------- gating and aborts
     def _enter_generation(self, rids: list[str]) -> None:
+        """Register ``rids`` (BadRequest for one already in flight) and wait for an open gate."""
         with self.cond:
+            dup = [r for r in rids if r in self.inflight] or [r for i, r in enumerate(rids) if r in rids[:i]]
+            if dup:
+                raise BadRequest(f"Duplicate request ID detected: {dup[0]}")
             for rid in rids:
                 self.inflight[rid] = False
-            self.cond.wait_for(
+            self._wait_open(
                 lambda: (not self.paused and self.session is None) or all(self.inflight[r] for r in rids)
             )
             self.active += 1
@@ -145,6 +169,34 @@ class SGLangProtocolApp(WeightEndpoints):
 
     # ----------------------------------------------------------------- generation
     def generate(self, body: Any) -> tuple[int, Any]:
+        single, batch, parsed, want_lp, want_routes, rids = self._parse_generate(body)
+        refused = self._over_limits(batch, parsed)
+        if refused:
+            return 400, error_body(refused)
+        if self.released & {"weights", "kv_cache"}:
+            return 400, error_body(
+                f"memory {sorted(self.released)} is released: call /resume_memory_occupation"
+            )
+        self._enter_generation(rids)
+        outs, version = None, self.version
+        try:
+            with self.cond:
+                skip = all(self.inflight[r] for r in rids)
+            if not skip:
+                version, outs = self.batcher.submit(batch, parsed, want_routes)
+        except ValueError as e:
+            return 400, error_body(str(e))
+        finally:
+            aborted = self._leave_generation(rids)
+            self.served += 1
+        items = [
+            self._item(outs[i] if outs else None, rids[i], version, want_lp[i], aborted[i], parsed[i][0])
+            for i in range(len(batch))
+        ]
+        return 200, items[0] if single else items
+
+    def _parse_generate(self, body: Any) -> tuple:
+        """(single, prompts, [(params, seed)], [want logprobs], want routes, rids) of a /generate body."""
         if not isinstance(body, dict):
             raise BadRequest("body: expected a JSON object")
         if body.get("text") is not None or body.get("input_ids") is None:
@@ -168,30 +220,36 @@ class SGLangProtocolApp(WeightEndpoints):
             parsed = [to_sampling(sps, "body.sampling_params")] * len(batch)
         want_lp = body.get("return_logprob") or False
         want_lp = want_lp if isinstance(want_lp, list) else [bool(want_lp)] * len(batch)
+        if len(want_lp) != len(batch):
+            raise BadRequest(f"body.return_logprob: {len(want_lp)} entries for {len(batch)} prompts")
         want_routes = get_field(body, "return_routed_experts", "bool", False) and self.enable_routes
         rids = body.get("rid") or [uuid.uuid4().hex for _ in batch]
         rids = [rids] if isinstance(rids, str) else rids
-        if self.released & {"weights", "kv_cache"}:
-            return 400, error_body(
-                f"memory {sorted(self.released)} is released: call /resume_memory_occupation"
-            )
-        self._enter_generation(rids)
-        outs, version = None, self.version
-        try:
-            with self.cond:
-                skip = all(self.inflight[r] for r in rids)
-            if not skip:
-                version, outs = self.batcher.submit(batch, parsed, want_routes)
-        except ValueError as e:
-            return 400, error_body(str(e))
-        finally:
-            aborted = self._leave_generation(rids)
-            self.served += 1
-        items = [
-            self._item(outs[i] if outs else None, rids[i], version, want_lp[i], aborted[i], parsed[i][0])
-            for i in range(len(batch))
-        ]
-        return 200, items[0] if single else items
+        if not check_kind(rids, "list[str]") or len(rids) != len(batch):
+            raise BadRequest(f"body.rid: expected a string per prompt ({len(batch)}), got {str(rids)[:80]}")
+        return single, batch, parsed, want_lp, want_routes, rids
+
+    def _over_limits(
+        self, batch: list[list[int]], parsed: list[tuple[SamplingParams, int | None]]
+    ) -> str | None:
+        """Why the server refuses this batch (prompt count, tokens, context length), or None."""
+        lim = self.limits
+        if len(batch) > lim.max_running_requests:
+            return limit_message("number of prompts", len(batch), "max_running_requests", lim)
+        total = sum(len(p) + sp.max_new_tokens for p, (sp, _) in zip(batch, parsed))
+        if total > lim.max_total_tokens:
+            return limit_message("prompt + max_new_tokens tokens", total, "max_total_tokens", lim)
+        context = int(getattr(self.engine, "max_context_length", 0) or 0)
+        for i, (p, (sp, _)) in enumerate(zip(batch, parsed)):
+            if context and len(p) + sp.max_new_tokens > context:  # SGLang's tokenizer_manager message
+                return (
+                    f"Requested token count exceeds the model's maximum context length of {context} "
+                    f"tokens. You requested a total of {len(p) + sp.max_new_tokens} tokens: {len(p)} "
+                    f"tokens from the input messages and {sp.max_new_tokens} tokens for the completion "
+                    f"(prompt {i}). Please reduce the number of tokens in the input messages or the "
+                    "completion to fit within the limit."
+                )
+        return None
 
     def _run_locked(
         self, batch: list[list[int]], parsed: list[tuple[SamplingParams, int | None]], want_routes: bool
@@ -271,32 +329,6 @@ class SGLangProtocolApp(WeightEndpoints):
             meta["routed_experts"] = o["routes"]
         return {"output_ids": ids, "meta_info": meta}
 
-    def health(self, body: dict) -> tuple[int, Any]:
-        return 200, None
-
-    def ready(self, body: dict) -> tuple[int, Any]:
-        """SGLang's /ready: 503 while paused."""
-        return (503 if self.paused else 200), None
-
-    def health_generate(self, body: dict) -> tuple[int, Any]:
-        """Generate one token like SGLang's /health_generate: 503 while paused, updating or released
-        (SGLang's health request waits behind the pause and times out)."""
-        with self.cond:
-            if self.paused or self.session is not None or self.released:
-                return 503, None
-            self.active += 1
-        try:
-            with self.engine_lock:
-                self.engine.generate([[0]], 1, SamplingParams(max_new_tokens=1, temperature=0.0))
-            return 200, None
-        except Exception as e:  # noqa: BLE001 - unhealthy
-            logger.error("health_generate failed: %s", e)
-            return 503, None
-        finally:
-            with self.cond:
-                self.active -= 1
-                self.cond.notify_all()
-
     # ----------------------------------------------------------------- info
     def model_info(self, body: dict) -> tuple[int, Any]:
         return 200, {
@@ -309,6 +341,17 @@ class SGLangProtocolApp(WeightEndpoints):
         }
 
     def server_info(self, body: dict) -> tuple[int, Any]:
+        """SGLang's server_info, plus ``moe_rl_limits`` (flag -> value), ``moe_rl_state`` and
+        ``moe_rl_aborts`` (aborted stalled sessions and pauses, newest last)."""
+        with self.cond:
+            self._expire_locked()
+            state = {
+                "paused": self.paused,
+                "update_session_open": self.session is not None,
+                "released": sorted(self.released),
+                "active_generations": self.active,
+            }
+            aborts = list(self.aborts)
         return 200, {
             **self.server_args,
             "model_path": self.model_path,
@@ -322,6 +365,11 @@ class SGLangProtocolApp(WeightEndpoints):
             "internal_states": [{"generate_requests": self.served}],
             "version": f"moe-rl-{moe_rl.__version__}",
             "weight_update_session": True,
+            "max_running_requests": self.limits.max_running_requests,
+            "max_total_tokens": self.limits.max_total_tokens,
+            "moe_rl_limits": {FLAGS[f]: getattr(self.limits, f) for f in FLAGS},
+            "moe_rl_state": state,
+            "moe_rl_aborts": aborts,
         }
 
     def removed_weight_version(self, body: dict) -> tuple[int, Any]:

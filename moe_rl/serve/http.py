@@ -5,13 +5,18 @@ Every route is one ASGI handler that runs the app's blocking endpoint in a worke
 ``--api-key`` / ``--admin-api-key`` follow SGLang's ``srt/utils/auth.py``: /health*, /ready and
 /metrics are open; the admin endpoints (:data:`ADMIN_PATHS`) need the admin key when one is set,
 else the api key; the others need the api key when one is set. Denied: 401 {"error": "Unauthorized"}.
+Bodies (:mod:`.limits`): larger than the limit, 413 before they are read; stalled (no byte for
+the read timeout, e.g. a ``Content-Length`` larger than what is sent), 408 and the connection
+closed; parsed in the worker thread, refusing
+NaN and Infinity (400); answers encoded without NaN or Infinity (null instead, logged).
+Keep-alive connections close after 5 idle seconds (SGLang's SGLANG_TIMEOUT_KEEP_ALIVE).
 (No ``from __future__ import annotations`` here: FastAPI reads the handler's annotations.)
 """
 
 import argparse
+import asyncio
 import contextlib
 import importlib
-import json
 import logging
 import secrets
 import sys
@@ -19,7 +24,9 @@ import threading
 from typing import Any
 
 from moe_rl.serve.app import SGLangProtocolApp
+from moe_rl.serve.limits import FLAGS, ServeLimits, add_limit_args, dumps, limits_from_args, strict_loads
 from moe_rl.serve.protocol import error_response
+from moe_rl.serve.weights import error_body
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +50,58 @@ ADMIN_PATHS = frozenset(
 )
 "Endpoints SGLang marks ``@auth_level(AuthLevel.ADMIN_OPTIONAL)`` that moe-rl serve has (pinned by the wheel tests)."
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+WEIGHTS_BODY_PATHS = frozenset({"/update_weights_from_tensor"})
+"Routes whose body carries serialized tensors (``max_weights_body_bytes``)."
+TIMEOUT_KEEP_ALIVE_S = 5
+"SGLang's SGLANG_TIMEOUT_KEEP_ALIVE default."
+
+
+class BodyRefused(Exception):
+    """A body over its size limit (413) or not received in time (408); ``message`` names the flag."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+async def read_body(request: Any, route: str, limits: ServeLimits) -> bytes:
+    """The request body within ``limits`` (BodyRefused otherwise), read without holding a thread.
+
+    The read timeout is one of inactivity: a body that keeps arriving is read however long it takes."""
+    name = "max_weights_body_bytes" if route in WEIGHTS_BODY_PATHS else "max_body_bytes"
+    limit, flag = getattr(limits, name), FLAGS[name]
+    too_large = "request body of {} bytes exceeds the server's limit of {} bytes ({}): send less per request"
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyRefused(413, too_large.format(int(declared), limit, flag))
+    chunks, size, stream = [], 0, request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), limits.read_timeout_s)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise BodyRefused(
+                408,
+                f"no request body bytes received for {limits.read_timeout_s:g} s "
+                f"({FLAGS['read_timeout_s']}): got {size} of {declared or 'unknown'} bytes; "
+                "send a body as long as its Content-Length",
+            ) from None
+        size += len(chunk)
+        if size > limit:
+            raise BodyRefused(413, too_large.format(f"at least {size}", limit, flag))
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_body(raw: bytes) -> tuple[Any, dict | None]:
+    """(JSON body or None, None) or (None, the 400 error body)."""
+    if not raw.strip():
+        return None, None
+    try:
+        return strict_loads(raw), None
+    except (ValueError, RecursionError) as e:
+        return None, error_response(f"body: invalid JSON ({e})")
 
 
 def authorized(path: str, header: str | None, api_key: str | None, admin_api_key: str | None) -> bool:
@@ -57,10 +116,11 @@ def authorized(path: str, header: str | None, api_key: str | None, admin_api_key
 
 
 def create_app(app: SGLangProtocolApp, *, api_key: str | None = None, admin_api_key: str | None = None):
-    """The FastAPI application serving ``app``."""
+    """The FastAPI application serving ``app`` (its limits: ``app.limits``)."""
     import anyio.to_thread
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
+    from starlette.requests import ClientDisconnect
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Any):
@@ -75,17 +135,25 @@ def create_app(app: SGLangProtocolApp, *, api_key: str | None = None, admin_api_
         route = "/" + path
         if not authorized(route, request.headers.get("Authorization"), api_key, admin_api_key):
             return JSONResponse({"error": "Unauthorized"}, status_code=401)
-        raw = await request.body()
         try:
-            body = json.loads(raw) if raw.strip() else None
-        except ValueError as e:
-            return JSONResponse(error_response(f"body: invalid JSON ({e})"), status_code=400)
-        status, payload = await anyio.to_thread.run_sync(app.handle, request.method, route, body)
+            raw = await read_body(request, route, app.limits)
+        except BodyRefused as e:
+            logger.warning("%s %s refused (%d): %s", request.method, route, e.status, e.message)
+            headers = {"Connection": "close"}
+            return Response(dumps(error_body(e.message)), e.status, headers, "application/json")
+        except ClientDisconnect:
+            return Response(status_code=400)
+        status, payload = await anyio.to_thread.run_sync(handle, request.method, route, raw)
         if payload is None:
             return Response(status_code=status)
         if isinstance(payload, str):
             return Response(payload, status_code=status, media_type="text/plain; charset=utf-8")
-        return JSONResponse(payload, status_code=status)
+        return Response(payload, status_code=status, media_type="application/json")
+
+    def handle(method: str, route: str, raw: bytes) -> tuple[int, bytes | str | None]:
+        body, bad = parse_body(raw)
+        status, payload = (400, bad) if bad is not None else app.handle(method, route, body)
+        return status, (payload if payload is None or isinstance(payload, str) else dumps(payload, route))
 
     return api
 
@@ -112,6 +180,7 @@ class ServerThread:
             port=port,
             log_level="warning",
             lifespan="on",
+            timeout_keep_alive=TIMEOUT_KEEP_ALIVE_S,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="moe-rl-serve", daemon=True)
@@ -155,6 +224,7 @@ def serve(
             port=port,
             log_level="warning",
             timeout_graceful_shutdown=5,
+            timeout_keep_alive=TIMEOUT_KEEP_ALIVE_S,
         )
     finally:
         logger.info("moe-rl serve shut down")
@@ -189,7 +259,34 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="module:callable taking the parsed args and returning the engine",
     )
     p.add_argument("--log-level", default="info")
+    add_limit_args(p)
     return p
+
+
+def check_args(args: argparse.Namespace) -> ServeLimits:
+    """The limits of ``args``, after checking them and that ``--host``/``--port`` can be listened on
+    (before the engine is built); ConfigError names the flag."""
+    import socket
+
+    from moe_rl.config import ConfigError
+
+    try:
+        limits = limits_from_args(args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: expected 0..65535 (SGLang's default is 30000)")
+    try:
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((args.host, args.port))
+    except OSError as e:
+        raise ConfigError(
+            f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e}); "
+            "pick a free port or an address of this machine"
+        ) from None
+    return limits
 
 
 def main(argv: list[str] | None = None, factory: Any = None) -> int:
@@ -200,6 +297,7 @@ def main(argv: list[str] | None = None, factory: Any = None) -> int:
     )
     if unknown:
         logger.warning("ignoring SGLang options moe-rl serve does not use: %s", " ".join(unknown))
+    limits = check_args(args)
     if factory is None:
         if not args.engine_factory or ":" not in args.engine_factory:
             logger.error("moe-rl serve: --engine-factory module:callable is required")
@@ -217,6 +315,7 @@ def main(argv: list[str] | None = None, factory: Any = None) -> int:
         weight_version=args.weight_version,
         enable_return_routed_experts=args.enable_return_routed_experts,
         enable_memory_saver=args.enable_memory_saver,
+        limits=limits,
         server_args={
             "tp_size": args.tp_size,
             "ep_size": args.ep_size,

@@ -136,7 +136,8 @@ def to_sampling(sp: dict, where: str) -> tuple[SamplingParams, int | None]:
 def validate_hf_tensors(
     named: dict[str, torch.Tensor], meta: dict[str, tuple[tuple[int, ...], torch.dtype]]
 ) -> None:
-    """Every name known, every shape and dtype equal to the served ones; ValueError names the first."""
+    """Every name known, every shape and dtype equal to the served ones, every value finite;
+    ValueError names the first tensor that is not."""
     for name, t in named.items():
         if name not in meta:
             raise ValueError(f"{name!r} is not a weight of the served model")
@@ -145,3 +146,9 @@ def validate_hf_tensors(
             raise ValueError(f"{name!r}: shape {list(t.shape)} does not match the served {list(shape)}")
         if t.dtype != dtype:
             raise ValueError(f"{name!r}: dtype {t.dtype} does not match the served {dtype}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ValueError(
+                f"{name!r}: {bad} of {t.numel()} values are NaN or infinite; the served weights are kept "
+                "(push finite weights: the trainer's model is broken)"
+            )

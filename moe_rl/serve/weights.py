@@ -5,7 +5,10 @@ As current SGLang (0.5.23, ``srt/managers/scheduler_components/weight_updater.py
 begin/end session, a second ``/begin_weight_update`` and an ``/end_weight_update`` without one fail
 with SGLang's messages, and ``/update_weights_from_disk`` needs no session. Ours: the session is
 atomic (staged, applied all or nothing at ``/end_weight_update``; ``{"abort": true}`` discards),
-and a disk load inside a session is staged too. ``/release_memory_occupation`` needs an idle
+and a disk load inside a session is staged too. Tensors with a NaN or infinite value are refused
+(400 naming the tensor; in a session the session fails and nothing is applied), so the served
+weights stay finite. A session abandoned past ``--moe-rl-stall-timeout`` is discarded
+(:mod:`.stall`) and the next session call names the abort. ``/release_memory_occupation`` needs an idle
 server, and generating while memory is released fails, as it cannot work in SGLang.
 """
 
@@ -53,24 +56,27 @@ def error_body(message: str) -> dict:
 
 class WeightEndpoints:
     """Needs from the app: engine, engine_lock, cond, session, groups, version, released,
-    group_timeout_s, enable_memory_saver, _drain(), _set_version(), abort_all()."""
+    group_timeout_s, enable_memory_saver, _drain(), _set_version(), abort_all(), and from
+    :class:`~moe_rl.serve.stall.StallGuard` _expire_locked() and last_abort_note()."""
 
     # ----------------------------------------------------------------- session
     def begin_weight_update(self, body: dict) -> tuple[int, Any]:
         get_field(body, "selector", "str", "all")
         with self.cond:
+            self._expire_locked()
             if self.session is not None:
                 return update_result(False, SESSION_ALREADY_OPEN)
-            self.session = _Session()
+            self.session, self.session_abort = _Session(), None
             self._drain()
         return update_result(True, "Success")
 
     def end_weight_update(self, body: dict) -> tuple[int, Any]:
         abort = get_field(body, "abort", "bool", False)
         with self.cond:
+            self._expire_locked()
             session = self.session
         if session is None:
-            return update_result(False, NO_SESSION)
+            return update_result(False, NO_SESSION + self.last_abort_note())
         try:
             if abort:
                 return update_result(
@@ -95,13 +101,15 @@ class WeightEndpoints:
             )
         finally:
             with self.cond:
-                self.session = None
+                if self.session is session:
+                    self.session = None
                 self.cond.notify_all()
 
     def _require_session(self, op: str) -> tuple[int, dict] | None:
         with self.cond:
+            self._expire_locked()
             if self.session is None:
-                return update_result(False, OUTSIDE_SESSION.format(op=op))
+                return update_result(False, OUTSIDE_SESSION.format(op=op) + self.last_abort_note())
         return None
 
     # ----------------------------------------------------------------- apply
