@@ -558,9 +558,19 @@ def parse_generate_response(
     routes = meta.get("routed_experts")
     if want_routes and routes is None and output_ids:
         raise RoutesMissing(ROUTES_MISSING)
+    logprobs = None
+    if want_logprobs:
+        bad = [i for i, t in enumerate(triples) if not isinstance(t[0], (int, float))]
+        if bad:  # SGLang's JSON writes a non-finite log-prob as null
+            raise SGLangError(
+                f"request {meta.get('id')}: output_token_logprobs has {len(bad)} non-numeric (null, i.e. "
+                f"non-finite) log-probs, first at token {bad[0]}: the engine's weights or numerics "
+                "are broken; check the server log"
+            )
+        logprobs = [float(t[0]) for t in triples]
     return GenerateOutput(
         output_ids=[int(t) for t in output_ids],
-        logprobs=[float(t[0]) for t in triples] if want_logprobs else None,
+        logprobs=logprobs,
         finish_reason=kind,
         prompt_tokens=int(meta.get("prompt_tokens", -1)),
         weight_version=meta.get("weight_version"),

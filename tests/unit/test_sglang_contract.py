@@ -681,3 +681,12 @@ def test_our_server_session_is_atomic(local_server, tmp_path):
         SGLangBadRequest, match=r"no weight-update session is open; call begin_weight_update\(\) first"
     ):
         c.end_weight_update()
+
+
+def test_a_null_logprob_is_a_clear_error_naming_the_request():
+    bad = json.loads(json.dumps(PINNED_GENERATE[0]))
+    bad["meta_info"]["output_token_logprobs"][1][0] = None  # SGLang writes a non-finite float as null
+    msgspec.convert(bad, GenerateResponse)  # still within SGLang's own contract
+    with pytest.raises(SGLangError, match=r"non-finite\) log-probs, first at token 1"):
+        parse_generate_response(bad, want_logprobs=True, want_routes=False)
+    assert parse_generate_response(bad, want_logprobs=False, want_routes=False).logprobs is None
