@@ -59,7 +59,7 @@ STABLE_BASE = {
     "rollout": {"dtype": "fp32", "router_dtype": "same"},
     "algo": {"old_logprobs": "recompute", "rollout_correction": "none"},
     "train": {
-        "sft_steps": 600,
+        "sft_steps": 1200,
         "sft_batch_size": 32,
         "rl_steps": 100,
         "prompts_per_step": 4,
@@ -76,6 +76,21 @@ STABLE_BASE = {
 every step written out: 157 to 291 characters (mean 210) of scratchpad, one token per character.
 It is a *candidate* until the base cell's GRPO and GSPO runs pass :data:`STABLE_RULE`; the screen
 runs them first and stops there when they fail (:data:`BASE_PROTOCOL`)."""
+
+BASE_REVISIONS = (
+    {
+        "candidate": 1,
+        "changed": {"train.sft_steps": 600},
+        "result": "benchmarks/results/phase-cpu2-x86_64-base-candidate1-65749f0.json",
+        "reason": (
+            "the SFT start answered 4.7% of held-out prompts (3 of 64); rewards were 0 in almost every "
+            "group, so the advantages were 0: GRPO and GSPO seed 0 both ended at 3.1% (learned 0/1, "
+            "the criterion marks both collapsed); SFT loss was still falling fast at step 600 (0.31 at "
+            "450, 0.09 at 550), so candidate 2 trains SFT twice as long"
+        ),
+    },
+)
+"""Earlier candidates of the stable base that failed the gate, what changed, and why."""
 
 BASE_PROTOCOL = (
     "The screen runs the base cell's GRPO and GSPO runs (seeds of the screen) before any other "
@@ -241,6 +256,7 @@ def plan_doc() -> dict:
         "stable_base_status": "candidate until the base gate passes",
         "stable_rule": STABLE_RULE,
         "base_protocol": BASE_PROTOCOL,
+        "base_revisions": list(BASE_REVISIONS),
         "screen_order": list(SCREEN_ORDER),
         "deciding_arms": list(DECIDING_ARMS),
         "deciding_arms_doc": DECIDING_DOC,
