@@ -61,7 +61,7 @@ class Run:
     signals: StopSignals
     "SIGTERM / SIGINT seen while :func:`run` runs the stages (installed there)."
 
-    def __init__(self, recipe: Recipe):
+    def __init__(self, recipe: Recipe, *, write_recipe: bool = True):
         from moe_rl.megatron.parallel import init_parallel
         from moe_rl.megatron.policy import build_policy
         from moe_rl.tasks import build_task, load_tokenizer
@@ -90,9 +90,14 @@ class Run:
         )
         self.signals = StopSignals()
         self._bar = None
+        if write_recipe:
+            self.write_recipe()
+
+    def write_recipe(self) -> None:
+        """``<out_dir>/recipe.yaml``: the resolved recipe (rank 0)."""
         if self.info.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "recipe.yaml").write_text(yaml.safe_dump(to_dict(recipe), sort_keys=False))
+            (self.out / "recipe.yaml").write_text(yaml.safe_dump(to_dict(self.recipe), sort_keys=False))
 
     def make_optimizer(self, stage: str) -> None:
         """A fresh optimizer for ``stage``: RL does not inherit the SFT stage's Adam moments."""
@@ -109,12 +114,18 @@ class Run:
     def save(self) -> Path:
         """Checkpoint policy, optimizer, RNG and run state (with the metrics written so far).
 
-        A policy with a non-finite weight is never saved: :class:`TrainingStopped`, naming the
-        last good checkpoint.
+        A policy with a non-finite weight or a uniform output (:meth:`dead_output`) is never
+        saved: :class:`TrainingStopped`, naming the last good checkpoint.
         """
         from moe_rl.megatron.checkpoint import NonFiniteWeights
 
         self.state.metrics_offset = self.sink.offset()
+        dead = self.dead_output()
+        if dead is not None:
+            raise TrainingStopped(
+                f"{self.state.stage} step {self.state.step}: the policy is dead ({dead}): not saved; "
+                f"{self.last_good_text()}: lower optim.lr"
+            )
         try:
             return self.checkpointer.save(self.optimizer, self.state)
         except NonFiniteWeights as e:
@@ -122,6 +133,20 @@ class Run:
                 f"{self.state.stage} step {self.state.step}: {e}; {self.last_good_text()}: "
                 "lower optim.lr or check the data"
             ) from None
+
+    @torch.no_grad()
+    def dead_output(self) -> str | None:
+        """Why the policy's output is dead (uniform over the vocabulary on a probe of token ids:
+        entropy within ``DEAD_ENTROPY_TOL`` of ln V), or None. A forward of one short row on
+        every rank (a collective under TP / EP)."""
+        from moe_rl.trainer.sentinel import DEAD_ENTROPY_TOL
+
+        v = self.recipe.model.vocab_size
+        probe_BT = (torch.arange(16, dtype=torch.int64) * 7 % self.tok.vocab_size)[None, :]
+        entropy = self.policy.logprobs(probe_BT, with_entropy=True).entropy_BT[:, 1:].mean()
+        if float(entropy) >= math.log(v) - DEAD_ENTROPY_TOL:
+            return f"output uniform: entropy {float(entropy):.5f} = ln({v})"
+        return None
 
     def last_good_text(self) -> str:
         """Where the last good checkpoint is, for a stop message (only one that passed the checks)."""
@@ -348,9 +373,10 @@ def run(recipe: Recipe, *, resume: bool = False, fresh: bool = False) -> dict[st
     (:class:`~moe_rl.trainer.signals.StopRequested`).
     """
     check_out_dir(recipe, resume=resume, fresh=fresh)
-    the_run = Run(recipe)
+    the_run = Run(recipe, write_recipe=False)  # written once the resume, if any, succeeded
     try:
         resumed = resume and the_run.resume()
+        the_run.write_recipe()
         if not resumed and recipe.checkpoint.load:
             the_run.checkpointer.load_weights(recipe.checkpoint.load)
         with the_run.signals:

@@ -101,7 +101,9 @@ def test_sentinel_stop_and_rollback(tmp_path, parallel_info):
     lrs = [r["lr"] for r in rows if r["stage"] == "rl"]
     assert lrs[-1] < lrs[0], "rollback lowers the learning rate"
     # each rollback multiplies the scale again (0.5, then 0.25), not reloads it from the checkpoint
-    assert lrs[1] == pytest.approx(lrs[0] * 0.5, rel=1e-6) and lrs[2] == pytest.approx(lrs[0] * 0.25, rel=1e-6)
+    assert lrs[1] == pytest.approx(lrs[0] * 0.5, rel=1e-6) and lrs[2] == pytest.approx(
+        lrs[0] * 0.25, rel=1e-6
+    )
 
 
 @pytest.mark.parametrize("name", ["grpo", "gspo"])
