@@ -95,6 +95,7 @@ def cmd_export(args) -> int:
             f"--checkpoint {args.checkpoint} does not exist: give a checkpoint root or step-N directory"
         )
     check_export_target(args.out, overwrite=args.overwrite, reads=args.checkpoint)
+    owns_dist = not torch.distributed.is_initialized()  # in-process callers keep their groups
     info = init_parallel(recipe.parallel, seed=recipe.train.seed)
     try:
         policy = build_policy(recipe.model, recipe.parallel, info)
@@ -106,7 +107,8 @@ def cmd_export(args) -> int:
     except NonFiniteWeights as e:
         raise CheckpointError(f"{args.checkpoint or 'the initial policy'}: {e}") from None
     finally:
-        destroy_parallel()
+        if owns_dist:
+            destroy_parallel()
     print(f"exported to {args.out}")
     return 0
 
@@ -115,10 +117,12 @@ def cmd_export(args) -> int:
 def _replacing_file(out):
     """An existing file at ``out`` (``--overwrite``) is set aside, removed after a good export and
     put back after a failed one."""
+    import uuid
+
     if not out.is_file():
         yield
         return
-    aside = out.with_name(f".{out.name}.replaced")
+    aside = out.with_name(f".{out.name}.replaced-{uuid.uuid4().hex[:8]}")
     out.rename(aside)
     try:
         yield

@@ -28,6 +28,7 @@ import torch
 from moe_rl import dist
 from moe_rl.config import ModelConfig
 from moe_rl.hf_io import ShardWriter, atomic_dir, scan_headers
+from moe_rl.megatron.checkpoint import NonFiniteWeights, weights_finite
 from moe_rl.megatron.hf_mapping import (
     Layout,
     Piece,
@@ -318,8 +319,6 @@ def export_hf(
         hasattr(tokenizer, "save_pretrained") or hasattr(tokenizer, "path") or Path(str(tokenizer)).is_dir()
     ):
         raise ValueError(f"tokenizer {tokenizer!r}: give an object with save_pretrained() or a directory")
-    from moe_rl.megatron.checkpoint import NonFiniteWeights, weights_finite
-
     if not weights_finite(policy.model):
         raise NonFiniteWeights(f"the policy has non-finite weights: not exported to {out}")
     source = PolicyHFSource(policy, dtype=dtype)
@@ -359,7 +358,7 @@ def check_export_target(out: str | Path, *, overwrite: bool, reads: str | Path |
                 f"export destination {out} would overwrite or sit inside the checkpoint it exports "
                 f"({reads}): give another output path (--overwrite never replaces what it reads)"
             )
-    if overwrite or not out.exists() and not out.is_symlink():
+    if overwrite or (not out.exists() and not out.is_symlink()):
         return
     if not out.is_dir():
         raise PathError(f"export destination {out} is an existing file: give a new path, or --overwrite")

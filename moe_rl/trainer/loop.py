@@ -100,6 +100,9 @@ def _stop_or_roll_back(run: Run, verdict: Verdict) -> bool:
     if verdict.action != "rollback":
         return False
     run.state = run.checkpointer.rollback(run.optimizer, run.state, run.recipe.sentinel.rollback_lr_factor)
+    # the engine serves what it was last given (a step's weights, or the last finite ones): the
+    # checkpoint's weights (finite, checked at save) replace them
+    run.engine.update_weights(run.weights_for_engine(), str(run.optimizer.step_count))
     return True
 
 

@@ -142,7 +142,8 @@ class Run:
         from moe_rl.trainer.sentinel import DEAD_ENTROPY_TOL
 
         v = self.recipe.model.vocab_size
-        probe_BT = (torch.arange(16, dtype=torch.int64) * 7 % self.tok.vocab_size)[None, :]
+        n = min(16, self.recipe.model.max_seq_len)
+        probe_BT = (torch.arange(n, dtype=torch.int64) * 7 % self.tok.vocab_size)[None, :]
         entropy = self.policy.logprobs(probe_BT, with_entropy=True).entropy_BT[:, 1:].mean()
         if float(entropy) >= math.log(v) - DEAD_ENTROPY_TOL:
             return f"output uniform: entropy {float(entropy):.5f} = ln({v})"

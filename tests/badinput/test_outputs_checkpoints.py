@@ -145,12 +145,14 @@ def test_export_refuses_non_finite_weights(cli, run_copy, monkeypatch):
     import moe_rl.megatron.checkpoint as ck
     from moe_rl.megatron.parallel import destroy_parallel
 
+    owns_dist = not torch.distributed.is_initialized()
     policy = _load(run_copy)
     with torch.no_grad():
         next(policy.model.parameters()).fill_(float("nan"))
     monkeypatch.setattr(ck, "weights_finite", lambda model, group=None: True)
     ck.save_checkpoint(run_copy / "nan", 1, policy.model)
-    destroy_parallel()
+    if owns_dist:
+        destroy_parallel()
     monkeypatch.undo()
     before = snapshot(run_copy)
     res = cli("export", run_copy / "r.yaml", run_copy / "hf", "--checkpoint", run_copy / "nan")
@@ -367,3 +369,18 @@ def test_dead_policy_is_detected_and_never_saved(cli, tmp_path, monkeypatch):
         r"training stopped: the policy is dead at sft step 2 .*gradient norm exactly 0"
     )
     assert not (tmp_path / "run/checkpoints").exists() or ckpts(tmp_path) == []
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_retention_never_deletes_the_checkpoint_just_written(tmp_path, parallel_info):
+    """A save numbered below older ones (the old name sort deleted it at once and left ``latest``
+    dangling) keeps the new one; another owner's checkpoints are never pruned."""
+    from moe_rl.megatron.checkpoint import latest_checkpoint, save_checkpoint
+    from tests.tiny import tiny_policy
+
+    model = tiny_policy().model
+    save_checkpoint(tmp_path, 7, model, keep=1, owner="other")
+    save_checkpoint(tmp_path, 12, model, keep=1, owner="me")
+    new = save_checkpoint(tmp_path, 3, model, keep=1, owner="me")
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step-00000003", "step-00000007"]
+    assert latest_checkpoint(tmp_path) == new and verify_checkpoint(new) is None
