@@ -392,6 +392,10 @@ def _run_stages(run: Run, resumed: bool) -> dict[str, dict[str, float]]:
         steps = {"sft": cfg.sft_steps, "rl": cfg.rl_steps}[stage]
         if stage in run.state.finished:
             done = run.state.completed.get(stage)
+            if done is not None and done < steps and stage != run.state.stage:
+                log.warning(
+                    "%s ran %d steps and a later stage ran since: not continued to %d", stage, done, steps
+                )
             if done is None or done >= steps or stage != run.state.stage:
                 continue
             log.info("%s finished %d steps: continuing to train.%s_steps=%d", stage, done, stage, steps)
