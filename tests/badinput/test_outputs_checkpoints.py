@@ -384,3 +384,56 @@ def test_retention_never_deletes_the_checkpoint_just_written(tmp_path, parallel_
     new = save_checkpoint(tmp_path, 3, model, keep=1, owner="me")
     assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step-00000003", "step-00000007"]
     assert latest_checkpoint(tmp_path) == new and verify_checkpoint(new) is None
+
+
+RL = {"rl_steps": 3, "prompts_per_step": 2, "group_size": 2, "minibatches": 1, "max_new_tokens": 6}
+
+
+def _zero_after_first_rl_step(monkeypatch) -> None:
+    import moe_rl.trainer.loop as loop
+
+    real, calls = loop.rl_step, []
+
+    def step(run, i, timer):
+        out = real(run, i, timer)
+        calls.append(i)
+        if len(calls) == 1:
+            with torch.no_grad():
+                for p in run.policy.model.parameters():
+                    p.zero_()
+            run.optimizer.reload_model_params()
+        return out
+
+    monkeypatch.setattr(loop, "rl_step", step)
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_dead_policy_in_rl_rolls_back_and_is_never_saved(cli, tmp_path, monkeypatch):
+    """Weights zeroed after RL step 0: step 1 sees a uniform output (entropy ln V), the sentinel
+    rolls back to the last good checkpoint at half the LR, and the run finishes."""
+    _zero_after_first_rl_step(monkeypatch)
+    path = recipe(tmp_path, stages=["sft", "rl"], sft_steps=2, eval_prompts=2, **RL)
+    res = cli("train", path, "checkpoint.every=0")
+    assert res.code == 0, res.err[-3000:]
+    rows = read_metrics(tmp_path / "run/metrics.jsonl", "rl")
+    fired = [r["step"] for r in rows if r["sentinel/fired"]]
+    assert fired == [1], [(r["step"], r["entropy/mean"]) for r in rows]
+    assert rows[-1]["lr"] == pytest.approx(rows[0]["lr"] * 0.5)
+    for ckpt in checkpoint_dirs(tmp_path / "run/checkpoints"):
+        assert verify_checkpoint(ckpt) is None
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_dead_policy_at_an_rl_checkpoint_is_not_saved(cli, tmp_path, monkeypatch):
+    _zero_after_first_rl_step(monkeypatch)
+    path = recipe(tmp_path, stages=["sft", "rl"], sft_steps=2, eval_prompts=2, **RL)
+    before = snapshot(tmp_path)
+    line = cli("train", path, "checkpoint.every=1").one_line(
+        r"training stopped: rl step 1: the policy is dead \(output uniform.*not saved; the last good checkpoint is"
+    )
+    assert "step-00000002" in line  # the end of SFT, the newest that passed the checks
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run/checkpoints")] == [
+        "step-00000001",
+        "step-00000002",
+    ]
+    assert_kept(before, tmp_path)
