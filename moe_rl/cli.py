@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import logging
@@ -34,11 +35,15 @@ def cmd_train(args) -> int:
     from moe_rl.config import load_recipe
     from moe_rl.preflight import preflight
     from moe_rl.trainer.run import run
+    from moe_rl.trainer.signals import StopRequested
 
     recipe = load_recipe(args.recipe, args.overrides)
     preflight(recipe)  # data, lengths, held-out split: refused before any process group starts
     t0 = time.perf_counter()
-    results = run(recipe, resume=args.resume)
+    try:
+        results = run(recipe, resume=args.resume, fresh=args.fresh)
+    except StopRequested as e:  # SIGTERM / SIGINT after a clean save: 128 + signal (signals.py)
+        return e.exit_code
     logging.getLogger("moe_rl").info(
         "done in %.1fs: %s",
         time.perf_counter() - t0,
@@ -100,28 +105,65 @@ def cmd_report(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """Export a recipe's policy (optionally from a checkpoint) as an HF Qwen3-MoE checkpoint."""
+    """Export a recipe's policy (optionally from a checkpoint) as an HF Qwen3-MoE checkpoint.
+
+    The destination is checked first (:func:`moe_rl.megatron.hf.check_export_target`): a new or
+    empty directory, anything else only with ``--overwrite``, and never the checkpoint exported.
+    The export is written beside it and renamed into place; a non-finite policy is refused.
+    """
+    from pathlib import Path
+
     import torch
 
     from moe_rl.config import load_recipe
-    from moe_rl.megatron.checkpoint import load_checkpoint
-    from moe_rl.megatron.hf import export_hf
+    from moe_rl.errors import PathError
+    from moe_rl.megatron.checkpoint import CheckpointError, NonFiniteWeights, load_checkpoint
+    from moe_rl.megatron.hf import check_export_target, export_hf
     from moe_rl.megatron.parallel import destroy_parallel, init_parallel
     from moe_rl.megatron.policy import build_policy
     from moe_rl.tasks import load_tokenizer
 
     recipe = load_recipe(args.recipe, args.overrides)
+    if args.checkpoint and not Path(args.checkpoint).exists():
+        raise PathError(
+            f"--checkpoint {args.checkpoint} does not exist: give a checkpoint root or step-N directory"
+        )
+    check_export_target(args.out, overwrite=args.overwrite, reads=args.checkpoint)
+    owns_dist = not torch.distributed.is_initialized()  # in-process callers keep their groups
     info = init_parallel(recipe.parallel, seed=recipe.train.seed)
     try:
         policy = build_policy(recipe.model, recipe.parallel, info)
         if args.checkpoint:
             load_checkpoint(args.checkpoint, policy.model, load_rng=False)
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-        export_hf(policy, args.out, tokenizer=load_tokenizer(recipe.model.tokenizer), dtype=dtype)
+        with _replacing_file(Path(args.out)):
+            export_hf(policy, args.out, tokenizer=load_tokenizer(recipe.model.tokenizer), dtype=dtype)
+    except NonFiniteWeights as e:
+        raise CheckpointError(f"{args.checkpoint or 'the initial policy'}: {e}") from None
     finally:
-        destroy_parallel()
+        if owns_dist:
+            destroy_parallel()
     print(f"exported to {args.out}")
     return 0
+
+
+@contextlib.contextmanager
+def _replacing_file(out):
+    """An existing file at ``out`` (``--overwrite``) is set aside, removed after a good export and
+    put back after a failed one."""
+    import uuid
+
+    if not out.is_file():
+        yield
+        return
+    aside = out.with_name(f".{out.name}.replaced-{uuid.uuid4().hex[:8]}")
+    out.rename(aside)
+    try:
+        yield
+    except BaseException:
+        aside.rename(out)
+        raise
+    aside.unlink()
 
 
 def cmd_bench(args) -> int:
@@ -153,7 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="run a recipe's stages (sft, rl)")
     t.add_argument("recipe")
     t.add_argument("overrides", nargs="*", help="section.field=value")
-    t.add_argument("--resume", action="store_true", help="continue from the run's newest checkpoint")
+    t.add_argument("--resume", action="store_true", help="continue from the run's newest intact checkpoint")
+    t.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over in a train.out_dir holding an earlier run's checkpoints: they are kept "
+        "(never pruned), new ones are numbered after them, metrics.jsonl continues",
+    )
     t.set_defaults(fn=cmd_train)
     c = sub.add_parser("check", help="validate a recipe and print it resolved")
     c.add_argument("recipe")
@@ -167,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint", default=None, help="moe-rl checkpoint to export (default: the recipe's init)"
     )
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    e.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing file, non-empty folder or run directory at OUT (never the checkpoint exported)",
+    )
     e.set_defaults(fn=cmd_export)
     d = sub.add_parser("demo", help="SFT once, then GRPO, GRPO + R2 and GSPO side by side")
     d.add_argument("--recipe-dir", default="recipes/demo")

@@ -3,7 +3,8 @@
 Layout of ``root/``::
 
     step-00000012/        one checkpoint: dist_checkpointing files (model + optimizer),
-                          meta.json (step, extra state), rng-<rank>.pt per rank
+                          meta.json (step, extra state, owner, ``finite``, every file's
+                          sha256), rng-<rank>.pt per rank
     latest                name of the newest complete checkpoint (written last, atomically)
 
 Every rank writes into ``root/.tmp-step-N``; after a barrier rank 0 renames it to
@@ -13,10 +14,16 @@ checkpoint. Weights, Adam moments and fp32 main weights are ShardedTensors (mega
 ``optimizer.sharded_state_dict``; the distributed optimizer's ``fully_sharded_model_space``
 format), so a checkpoint saved at one TP/EP/DP layout loads into another with its optimizer
 state.
+
+Only good weights are written: a model with a non-finite weight is refused. Loading verifies
+the checksums; from a root, a dangling ``latest`` or a truncated or corrupt checkpoint is skipped
+for the newest intact one, with a warning naming what was skipped. Retention orders checkpoints
+by their step number and never removes the one just written.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -29,8 +36,10 @@ import numpy as np
 import torch
 
 from moe_rl import dist
+from moe_rl.errors import UserError
 
 log = logging.getLogger(__name__)
+META = "meta.json"
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -143,12 +152,92 @@ def _set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state(st["cuda"])
 
 
+class CheckpointError(UserError):
+    """No usable checkpoint where one was asked for (missing, corrupt, truncated, non-finite)."""
+
+    kind = "checkpoint error"
+
+
+class NoCheckpoint(CheckpointError, FileNotFoundError):
+    """Nothing intact to load at the path given."""
+
+
+class NonFiniteWeights(RuntimeError):
+    """The model holds NaN or infinite weights: it is never saved, exported or synced."""
+
+
+def weights_finite(model, group=None) -> bool:
+    """True when every parameter of ``model`` is finite on every rank (a collective over ``group``)."""
+    finite = all(bool(torch.isfinite(p.detach()).all()) for p in model.parameters())
+    device = next(model.parameters()).device
+    return dist.all_ranks(finite, group, device=device if device.type == "cuda" else None)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _checksums(ckpt: Path) -> dict[str, str]:
+    """``{relative path: sha256}`` of every file of a checkpoint directory but its meta."""
+    return {
+        str(p.relative_to(ckpt)): _sha256(p)
+        for p in sorted(ckpt.rglob("*"))
+        if p.is_file() and p.name != META
+    }
+
+
+def step_number(path: Path) -> int | None:
+    """The number of a ``step-N`` checkpoint directory (None for any other name)."""
+    m = re.fullmatch(r"step-(\d+)", path.name)
+    return int(m.group(1)) if m else None
+
+
+def checkpoint_dirs(root: str | Path) -> list[Path]:
+    """The ``step-N`` directories under ``root``, oldest first by their number (not by name)."""
+    found = [p for p in Path(root).glob("step-*") if p.is_dir() and step_number(p) is not None]
+    return sorted(found, key=step_number)
+
+
+def _prune(root: Path, newest: Path, keep: int, owner: str | None) -> None:
+    """Remove the oldest of ``owner``'s checkpoints beyond ``keep``; never ``newest`` (just written)
+    and never a checkpoint of another owner (another run's, kept by ``--fresh``)."""
+    mine = [p for p in checkpoint_dirs(root) if p != newest and _owner(p) == owner]
+    for old in mine[: max(len(mine) - (keep - 1), 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _owner(ckpt: Path) -> str | None:
+    try:
+        return json.loads((ckpt / META).read_text()).get("owner")
+    except (OSError, ValueError):
+        return None
+
+
 def save_checkpoint(
-    root: str | Path, step: int, model, optimizer=None, *, extra: dict | None = None, keep: int = 2
+    root: str | Path,
+    step: int,
+    model,
+    optimizer=None,
+    *,
+    extra: dict | None = None,
+    keep: int = 2,
+    owner: str | None = None,
 ) -> Path:
-    """Save model, optimizer, RNG and ``extra`` (JSON-able) as ``root/step-N``; return its path."""
+    """Save model, optimizer, RNG and ``extra`` (JSON-able) as ``root/step-N``; return its path.
+
+    Refuses (:class:`NonFiniteWeights`, nothing written) a model with a non-finite weight. The
+    meta records every file's sha256 and ``finite: true``; it is written last, atomically.
+    Retention keeps the ``keep`` newest checkpoints of ``owner`` by step number, the new one
+    always among them, and leaves other owners' checkpoints alone.
+    """
     from megatron.core import dist_checkpointing
 
+    if not weights_finite(model):
+        raise NonFiniteWeights(f"the model has non-finite weights: checkpoint {step} not written")
     root = Path(root)
     name = f"step-{step:08d}"
     tmp = root / f".tmp-{name}"
@@ -171,47 +260,111 @@ def save_checkpoint(
             "world_size": dist.world_size(),
             "optimizer_step": optimizer.step_count if optimizer is not None else None,
             "extra": extra or {},
+            "owner": owner,
+            "finite": True,
+            "sha256": _checksums(tmp),
         }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        _write_atomic(tmp / META, json.dumps(meta, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         _write_atomic(root / "latest", name)
-        done = sorted(p for p in root.glob("step-*") if p.is_dir())
-        for old in done[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        _prune(root, final, keep, owner)
     dist.barrier()
     log.info("saved checkpoint %s", final)
     return final
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``root`` (or ``root`` itself if it is one)."""
+def verify_checkpoint(ckpt: str | Path) -> str | None:
+    """Why ``ckpt`` cannot be loaded (missing or unreadable meta, a file missing, truncated or
+    changed since it was written, weights saved non-finite), or None when it is intact.
+
+    Checkpoints written before checksums were recorded pass on their meta alone.
+    """
+    ckpt = Path(ckpt)
+    try:
+        meta = json.loads((ckpt / META).read_text())
+    except FileNotFoundError:
+        return "no meta.json (an unfinished or foreign directory)"
+    except (OSError, ValueError) as e:
+        return f"unreadable meta.json ({e})"
+    if not isinstance(meta, dict) or "step" not in meta:
+        return "meta.json has no step"
+    if meta.get("finite") is False:
+        return "its weights were non-finite"
+    for rel, digest in (meta.get("sha256") or {}).items():
+        f = ckpt / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if _sha256(f) != digest:
+            return f"{rel} is truncated or corrupt (sha256 mismatch)"
+    return None
+
+
+def find_checkpoint(root: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest intact checkpoint under ``root`` (or ``root`` itself if it is one) and what was
+    skipped on the way (``"<name>: <why>"``): a dangling ``latest``, a truncated or corrupt one.
+
+    Candidates: the one ``latest`` names, then every ``step-N`` newest first. Rank 0 decides and
+    every rank gets its answer.
+    """
     root = Path(root)
-    if (root / "meta.json").exists():
-        return root
+    if dist.rank() != 0:
+        found = dist.broadcast_object(None)
+        return (None if found[0] is None else Path(found[0])), found[1]
+    if (root / META).exists():
+        why = verify_checkpoint(root)
+        found = (None, [f"{root}: {why}"]) if why else (root, [])
+    else:
+        found = _search(root)
+    dist.broadcast_object((None if found[0] is None else str(found[0]), found[1]))
+    return found
+
+
+def _search(root: Path) -> tuple[Path | None, list[str]]:
+    skipped, candidates = [], []
     pointer = root / "latest"
-    if not pointer.exists():
-        return None
-    path = root / pointer.read_text().strip()
-    return path if (path / "meta.json").exists() else None
+    if pointer.is_file():
+        named = pointer.read_text().strip()
+        if not (root / named / META).exists():
+            skipped.append(f"latest -> {named}: no such checkpoint")
+        else:
+            candidates.append(root / named)
+    candidates += [p for p in reversed(checkpoint_dirs(root)) if p not in candidates]
+    for ckpt in candidates:
+        why = verify_checkpoint(ckpt)
+        if why is None:
+            return ckpt, skipped
+        skipped.append(f"{ckpt.name}: {why}")
+    return None, skipped
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest intact checkpoint under ``root`` (or ``root`` itself if it is one); see
+    :func:`find_checkpoint`, which also says what it skipped."""
+    return find_checkpoint(root)[0]
 
 
 def load_checkpoint(path: str | Path, model, optimizer=None, *, load_rng: bool = True) -> dict:
     """Load a checkpoint (a ``step-N`` dir, or a root with ``latest``) into this layout.
 
-    Returns the meta dict (``step``, ``extra``, ...). RNG state is restored only when the
-    world size matches the one that saved it.
+    From a root, the newest intact checkpoint is loaded (:func:`find_checkpoint`; a warning names
+    what was skipped); :class:`CheckpointError` when there is none. Returns the meta dict
+    (``step``, ``extra``, ``path``, ...). RNG state is restored only when the world size matches
+    the one that saved it.
     """
     from megatron.core import dist_checkpointing
 
-    ckpt = latest_checkpoint(path)
+    ckpt, skipped = find_checkpoint(path)
+    if skipped and ckpt is not None:
+        log.warning("loading %s; skipped: %s", ckpt, "; ".join(skipped))
     if ckpt is None:
-        raise FileNotFoundError(
-            f"no complete checkpoint at {path} (expected meta.json or a "
-            "'latest' pointer): check checkpoint.load / --resume"
+        why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
+        raise NoCheckpoint(
+            f"no complete checkpoint at {path}{why}: give a step-N directory or a checkpoint root "
+            "with one (checkpoint.load, --checkpoint, --resume)"
         )
-    meta = json.loads((ckpt / "meta.json").read_text())
+    meta = json.loads((ckpt / META).read_text())
     if optimizer is not None and meta.get("optimizer_step") is None:
         raise ValueError(f"checkpoint {ckpt} has no optimizer state; load it without an optimizer")
     # An optimizer saved before its first step has no state: loading it is a reset.
@@ -236,4 +389,5 @@ def load_checkpoint(path: str | Path, model, optimizer=None, *, load_rng: bool =
     rng = ckpt / f"rng-{dist.rank()}.pt"
     if load_rng and meta.get("world_size") == dist.world_size() and rng.exists():
         _set_rng_state(torch.load(rng, weights_only=False))
+    meta["path"] = str(ckpt)
     return meta

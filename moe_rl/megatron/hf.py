@@ -28,6 +28,7 @@ import torch
 from moe_rl import dist
 from moe_rl.config import ModelConfig
 from moe_rl.hf_io import ShardWriter, atomic_dir, scan_headers
+from moe_rl.megatron.checkpoint import NonFiniteWeights, weights_finite
 from moe_rl.megatron.hf_mapping import (
     Layout,
     Piece,
@@ -310,13 +311,16 @@ def export_hf(
     one tensor larger than that gets a shard of its own), ``model.safetensors.index.json``,
     ``config.json`` and, when ``tokenizer`` is given (an object with ``save_pretrained`` or a
     tokenizer directory), its files; all into a temp directory renamed over ``out_dir``.
-    Tensors are cast to ``dtype`` when given. Every rank raises if rank 0 failed.
+    Tensors are cast to ``dtype`` when given. Every rank raises if rank 0 failed; a policy with a
+    non-finite weight is refused before anything is written (``NonFiniteWeights``).
     """
     out = Path(out_dir)
     if tokenizer is not None and not (
         hasattr(tokenizer, "save_pretrained") or hasattr(tokenizer, "path") or Path(str(tokenizer)).is_dir()
     ):
         raise ValueError(f"tokenizer {tokenizer!r}: give an object with save_pretrained() or a directory")
+    if not weights_finite(policy.model):
+        raise NonFiniteWeights(f"the policy has non-finite weights: not exported to {out}")
     source = PolicyHFSource(policy, dtype=dtype)
     if dist.rank() != 0:
         for _ in source.hf_tensors():
@@ -329,3 +333,44 @@ def export_hf(
     if error is not None:
         raise error
     return out
+
+
+# -- where an export may write -------------------------------------------------------------------
+RUN_MARKERS = ("checkpoints", "metrics.jsonl", "recipe.yaml", "latest", "meta.json")
+"Entries that make a directory a run directory, a checkpoint root or a checkpoint."
+
+
+def check_export_target(out: str | Path, *, overwrite: bool, reads: str | Path | None = None) -> None:
+    """Refuse an export destination it does not own (``PathError`` naming it and the fix).
+
+    Without ``overwrite``: an existing file, a non-empty directory, a run directory or a
+    checkpoint. Even with it: the checkpoint ``reads`` (the one exported), a directory holding
+    it, or a path inside it. An empty directory or a new path is always fine.
+    """
+    from moe_rl.errors import PathError
+
+    out = Path(out)
+    target = out.resolve()
+    if reads is not None:
+        src = Path(reads).resolve()
+        if target == src or src.is_relative_to(target) or target.is_relative_to(src):
+            raise PathError(
+                f"export destination {out} would overwrite or sit inside the checkpoint it exports "
+                f"({reads}): give another output path (--overwrite never replaces what it reads)"
+            )
+    if overwrite or (not out.exists() and not out.is_symlink()):
+        return
+    if not out.is_dir():
+        raise PathError(f"export destination {out} is an existing file: give a new path, or --overwrite")
+    marks = (
+        sorted(m for m in RUN_MARKERS if (out / m).exists()) + sorted(p.name for p in out.glob("step-*"))[:1]
+    )
+    if marks:
+        raise PathError(
+            f"export destination {out} is a run or checkpoint directory (has {', '.join(marks)}): "
+            "give a new path (--overwrite would replace all of it)"
+        )
+    if any(out.iterdir()):
+        raise PathError(
+            f"export destination {out} is a non-empty directory: give a new or empty one, or --overwrite"
+        )

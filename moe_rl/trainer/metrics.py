@@ -50,6 +50,28 @@ class MetricsSink:
                     self._tb.add_scalar(f"{stage}/{k}", v, step)
             self._tb.flush()
 
+    def offset(self) -> int:
+        """Bytes of ``metrics.jsonl`` written so far (0 on a disabled sink): saved with a checkpoint."""
+        if self._f is None:
+            return 0
+        self._f.flush()
+        return self._f.tell()
+
+    def truncate(self, offset: int) -> int:
+        """Cut ``metrics.jsonl`` back to ``offset`` bytes (the rows of steps a resume runs again);
+        the number of rows removed. A file already shorter is left alone."""
+        if self._f is None:
+            return 0
+        self._f.flush()
+        path = self.out_dir / "metrics.jsonl"
+        data = path.read_bytes()
+        if len(data) <= offset:
+            return 0
+        removed = data[offset:].count(b"\n")
+        with path.open("r+b") as f:
+            f.truncate(offset)
+        return removed
+
     def close(self) -> None:
         if self._f is not None:
             self._f.close()

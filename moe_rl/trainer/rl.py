@@ -33,6 +33,7 @@ from moe_rl.losses.corrections import (
     correction_weights_for,
     mismatch_metrics,
 )
+from moe_rl.megatron.checkpoint import weights_finite
 from moe_rl.megatron.packing import PackedRows, token_budget_chunks
 from moe_rl.megatron.routing import RoutingSession
 from moe_rl.rollout.types import Rollouts, SamplingParams
@@ -89,9 +90,12 @@ def rl_step(run: Run, step: int, timer: StepTimer) -> StepResult:
     batch, metrics = collect(run, step, timer)
     with timer.record("train"):
         train_metrics = train_on(run, batch, timer)  # flip probes are recorded as "probe"
+    finite = weights_finite(run.policy.model)  # non-finite weights never reach the engine
     with timer.record("sync"):
-        run.engine.update_weights(run.weights_for_engine(), str(run.optimizer.step_count))
+        if finite:
+            run.engine.update_weights(run.weights_for_engine(), str(run.optimizer.step_count))
     metrics.update(train_metrics)
+    metrics["weights/finite"] = float(finite)
     metrics.update({f"time/{phase}": s for phase, s in timer.seconds.items()})
     metrics["time/step"] = timer.total()
     metrics["tokens_per_s"] = float(batch.mask_BT.sum()) * run.info.dp_size / metrics["time/step"]

@@ -6,14 +6,17 @@ Every rank of a torchrun / Slurm job calls :func:`run` with the same recipe.
 from __future__ import annotations
 
 import logging
+import math
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import yaml
 
-from moe_rl.config import ConfigError, Recipe, to_dict
-from moe_rl.trainer.state import Checkpointer, RunState
+from moe_rl.config import Recipe, to_dict
+from moe_rl.trainer.signals import StopRequested, StopSignals
+from moe_rl.trainer.state import Checkpointer, RunState, TrainingStopped
 from moe_rl.trainer.timer import StepTimer
 
 if TYPE_CHECKING:
@@ -55,22 +58,17 @@ class Run:
     "Saves, resumes and rolls back this run's checkpoints."
     out: Path
     "``train.out_dir``."
+    signals: StopSignals
+    "SIGTERM / SIGINT seen while :func:`run` runs the stages (installed there)."
 
-    def __init__(self, recipe: Recipe):
+    def __init__(self, recipe: Recipe, *, write_recipe: bool = True):
         from moe_rl.megatron.parallel import init_parallel
         from moe_rl.megatron.policy import build_policy
-        from moe_rl.tasks import build_task, load_tokenizer
+        from moe_rl.preflight import preflight
         from moe_rl.trainer.metrics import MetricsSink
 
         self.recipe = recipe
-        self.tok = load_tokenizer(recipe.model.tokenizer)
-        if recipe.model.vocab_size < self.tok.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size={recipe.model.vocab_size} is smaller than the "
-                f"tokenizer's {self.tok.vocab_size} ids: set model.vocab_size="
-                f"{self.tok.vocab_size} (rounded up to a multiple of tensor_parallel)"
-            )
-        self.task = build_task(recipe.task)
+        self.tok, self.task = preflight(recipe)  # the checks `moe-rl train` runs, for in-process callers too
         self._owns_dist = not torch.distributed.is_initialized()
         self.info = init_parallel(recipe.parallel, seed=recipe.train.seed)
         self.policy = build_policy(recipe.model, recipe.parallel, self.info)
@@ -79,13 +77,20 @@ class Run:
         self.engine_gives_routes = False
         self.out = Path(recipe.train.out_dir)
         self.sink = MetricsSink(self.out, enabled=self.info.rank == 0)
-        self.state = RunState()
-        root = recipe.checkpoint.dir or str(self.out / "checkpoints")
-        self.checkpointer = Checkpointer(root, self.policy.model, keep=recipe.checkpoint.keep)
+        self.state = RunState(run_id=uuid.uuid4().hex[:12])
+        self.checkpointer = Checkpointer(
+            checkpoint_root(recipe), self.policy.model, keep=recipe.checkpoint.keep
+        )
+        self.signals = StopSignals()
         self._bar = None
+        if write_recipe:
+            self.write_recipe()
+
+    def write_recipe(self) -> None:
+        """``<out_dir>/recipe.yaml``: the resolved recipe (rank 0)."""
         if self.info.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "recipe.yaml").write_text(yaml.safe_dump(to_dict(recipe), sort_keys=False))
+            (self.out / "recipe.yaml").write_text(yaml.safe_dump(to_dict(self.recipe), sort_keys=False))
 
     def make_optimizer(self, stage: str) -> None:
         """A fresh optimizer for ``stage``: RL does not inherit the SFT stage's Adam moments."""
@@ -99,17 +104,89 @@ class Run:
             cfg = replace(cfg, lr=lr, min_lr=min(cfg.min_lr, lr))
         self.optimizer = Optimizer(self.policy.model, cfg, self.info)
 
-    def save(self) -> None:
-        """Checkpoint policy, optimizer, RNG and run state."""
-        self.checkpointer.save(self.optimizer, self.state)
+    def save(self) -> Path:
+        """Checkpoint policy, optimizer, RNG and run state (with the metrics written so far).
+
+        A policy with a non-finite weight or a uniform output (:meth:`dead_output`) is never
+        saved: :class:`TrainingStopped`, naming the last good checkpoint.
+        """
+        from moe_rl.megatron.checkpoint import NonFiniteWeights
+
+        self.state.metrics_offset = self.sink.offset()
+        dead = self.dead_output()
+        if dead is not None:
+            raise TrainingStopped(
+                f"{self.state.stage} step {self.state.step}: the policy is dead ({dead}): not saved; "
+                f"{self.last_good_text()}: lower optim.lr"
+            )
+        try:
+            return self.checkpointer.save(self.optimizer, self.state)
+        except NonFiniteWeights as e:
+            raise TrainingStopped(
+                f"{self.state.stage} step {self.state.step}: {e}; {self.last_good_text()}: "
+                "lower optim.lr or check the data"
+            ) from None
+
+    @torch.no_grad()
+    def dead_output(self) -> str | None:
+        """Why the policy's output is dead (uniform over the vocabulary on a probe of token ids:
+        entropy within ``DEAD_ENTROPY_TOL`` of ln V), or None. A forward of one short row on
+        every rank (a collective under TP / EP)."""
+        from moe_rl.trainer.sentinel import DEAD_ENTROPY_TOL
+
+        v = self.recipe.model.vocab_size
+        n = min(16, self.recipe.model.max_seq_len)
+        probe_BT = (torch.arange(n, dtype=torch.int64) * 7 % self.tok.vocab_size)[None, :]
+        entropy = self.policy.logprobs(probe_BT, with_entropy=True).entropy_BT[:, 1:].mean()
+        if float(entropy) >= math.log(v) - DEAD_ENTROPY_TOL:
+            return f"output uniform: entropy {float(entropy):.5f} = ln({v})"
+        return None
+
+    def last_good_text(self) -> str:
+        """Where the last good checkpoint is, for a stop message (only one that passed the checks)."""
+        good = self.checkpointer.last_good
+        if good is None:
+            return "no good checkpoint of this run was written"
+        return f"the last good checkpoint is {good} (--resume continues from it)"
+
+    def stop_if_signalled(self, where: str, *, can_save: bool = True) -> None:
+        """After a step: when a rank got SIGTERM / SIGINT, save (if ``can_save`` and the weights
+        pass the checks), log one line and raise :class:`StopRequested`."""
+        signum = self.signals.requested(device=self.info.device if self.info.device.type == "cuda" else None)
+        if not signum:
+            return
+        import signal
+
+        name, saved = signal.Signals(signum).name, None
+        if can_save:
+            try:
+                saved = self.save()
+            except TrainingStopped as e:
+                log.warning("%s", e)
+        if saved is not None:
+            msg = f"{name}: stopped after {where}, checkpoint {saved} written; continue with --resume"
+        else:
+            msg = f"{name}: stopped after {where} without a checkpoint; {self.last_good_text()}"
+        log.warning("%s", msg)
+        raise StopRequested(signum, msg)
 
     def resume(self) -> bool:
-        """Load the newest checkpoint of this run's directory, if any (with its stage's optimizer)."""
+        """Load the newest intact checkpoint of this run's directory (with its stage's optimizer),
+        and cut ``metrics.jsonl`` back to what was written when it was saved; True."""
+        from moe_rl.megatron.checkpoint import NoCheckpoint
+
         saved = self.checkpointer.saved_state()
-        if saved is None:
-            return False
-        self.make_optimizer(saved.stage or "sft")
-        self.state = self.checkpointer.load(self.optimizer)
+        try:
+            if saved is None:
+                self.checkpointer.load(None)  # raises, naming what it skipped
+            self.make_optimizer(saved.stage or "sft")
+            self.state = self.checkpointer.load(self.optimizer)
+        except NoCheckpoint as e:
+            raise NoCheckpoint(f"nothing to resume: {e}") from None
+        if self.state.metrics_offset is not None:
+            removed = self.sink.truncate(self.state.metrics_offset)
+            if removed:
+                log.info("metrics.jsonl: removed %d rows written after the checkpoint (run again)", removed)
         return True
 
     def ensure_engine(self) -> None:
@@ -174,13 +251,20 @@ class Run:
 
 
 def run_sft(run: Run) -> dict[str, float]:
-    """The SFT stage; resumable at any checkpoint."""
+    """The SFT stage; resumable at any checkpoint.
+
+    Guards as in RL: a step with a non-finite loss or gradient is skipped (the optimizer applies
+    nothing) and counted; ``train.max_bad_steps`` in a row stop the run, and no periodic
+    checkpoint is written inside such a streak. A step with a gradient norm of exactly 0 means a
+    dead policy (uniform output): the run stops, nothing saved. A signal stops it after the step.
+    """
     from moe_rl.trainer.sft import sft_batch, sft_step
 
     cfg = run.recipe.train
     start = run.state.step_of("sft")
     run.state.stage = "sft"
     metrics: dict[str, float] = {}
+    bad_steps = 0
     for step in range(start, cfg.sft_steps):
         timer = StepTimer()
         with timer.record("step"):
@@ -204,11 +288,34 @@ def run_sft(run: Run) -> dict[str, float]:
                 metrics["grad_norm"],
                 metrics["step_s"],
             )
+        bad_steps = _sft_guard(run, metrics, bad_steps, step)
         run.state.step = step + 1
+        run.stop_if_signalled(f"sft step {step + 1}", can_save=bad_steps == 0)
         every = run.recipe.checkpoint.every
         if every and (step + 1) % every == 0 and step + 1 < cfg.sft_steps:
-            run.save()
+            if bad_steps:
+                log.warning("sft step %d: no checkpoint inside a streak of skipped steps", step + 1)
+            else:
+                run.save()
     return metrics
+
+
+def _sft_guard(run: Run, metrics: dict[str, float], bad_steps: int, step: int) -> int:
+    """Consecutive skipped (non-finite) SFT steps; stop at ``train.max_bad_steps`` or a dead policy."""
+    skipped = bool(metrics.get("skipped")) or not math.isfinite(metrics["loss"])
+    bad_steps = bad_steps + 1 if skipped else 0
+    if bad_steps >= run.recipe.train.max_bad_steps:
+        raise TrainingStopped(
+            f"{bad_steps} consecutive SFT steps had non-finite loss or gradients (each skipped); "
+            f"stopping at sft step {step + 1}, nothing saved; {run.last_good_text()}: "
+            "lower optim.lr (or train.sft_lr) or check the data"
+        )
+    if not skipped and metrics["grad_norm"] == 0.0:
+        raise TrainingStopped(
+            f"the policy is dead at sft step {step + 1} (gradient norm exactly 0: uniform output), "
+            f"nothing saved; {run.last_good_text()}: lower optim.lr (or train.sft_lr)"
+        )
+    return bad_steps
 
 
 def _run_rl(run: Run) -> dict[str, float]:
@@ -220,27 +327,83 @@ def _run_rl(run: Run) -> dict[str, float]:
 STAGES = {"sft": run_sft, "rl": _run_rl}
 
 
-def run(recipe: Recipe, *, resume: bool = False) -> dict[str, dict[str, float]]:
-    """Run every stage of ``recipe``; return the last metrics of each."""
-    the_run = Run(recipe)
-    resumed = resume and the_run.resume()
-    if not resumed and recipe.checkpoint.load:
-        the_run.checkpointer.load_weights(recipe.checkpoint.load)
+def check_out_dir(recipe: Recipe, *, resume: bool, fresh: bool) -> None:
+    """Refuse to train into a directory holding another run's checkpoints without ``--resume``
+    (or ``--fresh``), and ``--resume`` with nothing to resume; before any process group starts."""
+    from moe_rl.errors import PathError
+
+    if resume and fresh:
+        raise PathError("--resume continues the run in train.out_dir and --fresh starts over: give one")
+    root = checkpoint_root(recipe)
+    probe = Checkpointer(root, None, keep=recipe.checkpoint.keep)
+    found = probe.any_written()
+    if resume and not found:
+        raise PathError(
+            f"nothing to resume in {root}: it holds no checkpoints; drop --resume to start the run "
+            "(or point train.out_dir / checkpoint.dir at the run to continue)"
+        )
+    if not resume and not fresh and found:
+        shown = ", ".join(found[-3:])
+        raise PathError(
+            f"{root} holds another run's checkpoints ({shown}): continue it with --resume, train "
+            "into a new train.out_dir, or --fresh to start over beside them (they are kept)"
+        )
+
+
+def checkpoint_root(recipe: Recipe) -> Path:
+    """Where a recipe's run keeps its checkpoints: ``checkpoint.dir``, else ``<out_dir>/checkpoints``."""
+    return Path(recipe.checkpoint.dir or Path(recipe.train.out_dir) / "checkpoints")
+
+
+def run(recipe: Recipe, *, resume: bool = False, fresh: bool = False) -> dict[str, dict[str, float]]:
+    """Run every stage of ``recipe``; return the last metrics of each.
+
+    ``resume``: continue from the newest intact checkpoint of the run's directory (a finished
+    stage with more steps configured continues to the new total). ``fresh``: start over in a
+    directory holding an earlier run's checkpoints; they are left as they are (this run's
+    retention removes only its own, numbered after them) and ``metrics.jsonl`` continues with
+    the new run's rows. Without either, such a directory is refused (:func:`check_out_dir`).
+    SIGTERM / SIGINT stop the run after the current step with a checkpoint
+    (:class:`~moe_rl.trainer.signals.StopRequested`).
+    """
+    check_out_dir(recipe, resume=resume, fresh=fresh)
+    the_run = Run(recipe, write_recipe=False)  # written once the resume, if any, succeeded
     try:
-        return _run_stages(the_run, resumed)
+        resumed = resume and the_run.resume()
+        the_run.write_recipe()
+        if not resumed and recipe.checkpoint.load:
+            the_run.checkpointer.load_weights(recipe.checkpoint.load)
+        with the_run.signals:
+            return _run_stages(the_run, resumed)
     finally:
         the_run.close()
 
 
 def _run_stages(run: Run, resumed: bool) -> dict[str, dict[str, float]]:
-    results = {}
-    for stage in run.recipe.train.stages:
+    cfg, results = run.recipe.train, {}
+    for stage in cfg.stages:
+        steps = {"sft": cfg.sft_steps, "rl": cfg.rl_steps}[stage]
         if stage in run.state.finished:
-            continue
-        if not (resumed and run.state.stage == stage):
+            done = run.state.completed.get(stage)
+            if done is not None and done < steps and stage != run.state.stage:
+                log.warning(
+                    "%s ran %d steps and a later stage ran since: not continued to %d", stage, done, steps
+                )
+            if done is None or done >= steps or stage != run.state.stage:
+                continue
+            log.info("%s finished %d steps: continuing to train.%s_steps=%d", stage, done, stage, steps)
+            run.state.finished.remove(stage)
+            run.state.step = done
+        elif not (resumed and run.state.stage == stage):
             run.make_optimizer(stage)
         results[stage] = STAGES[stage](run)
         run.state.finished.append(stage)
+        run.state.completed[stage] = steps
         run.state.step = 0
         run.save()
+    if resumed and not results:
+        done = ", ".join(f"{s} {run.state.completed.get(s, '?')} steps" for s in run.state.finished)
+        log.info(
+            "%s: the run already finished (%s); nothing to do: raise train.*_steps to continue", run.out, done
+        )
     return results

@@ -7,11 +7,14 @@ Its state is a small dict so it survives checkpoints and resume.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moe_rl.config import SentinelConfig
 
 ACTION_RANK = {"off": 0, "log": 1, "rollback": 2, "stop": 3}
+DEAD_ENTROPY_TOL = 1e-4
+"Nats below ln(V) at which the mean entropy means a uniform output (a random init sits ~1e-2 below)."
 
 
 def reward_drop(
@@ -41,12 +44,33 @@ class Verdict:
     reasons: list[str]
 
 
-class Sentinel:
-    """Reward drop, sequence log-ratio explosion, gradient explosion, entropy collapse."""
+def dead_policy(metrics: dict[str, float], vocab_size: int | None) -> str | None:
+    """Why one RL step's metrics show a dead policy, or None.
 
-    def __init__(self, cfg: SentinelConfig, state: dict | None = None):
+    Dead: non-finite weights (``weights/finite`` is 0), the mean entropy at its maximum ln(V) (within ``DEAD_ENTROPY_TOL``: the output is
+    uniform), or a gradient norm of exactly 0 over the whole step although some group had a
+    learning signal (``adv/zero_std_frac`` < 1) and not every token was clipped.
+    """
+    if metrics.get("weights/finite") == 0.0:
+        return "non-finite weights after the step (not synced to the rollout engine)"
+    entropy = metrics.get("entropy/mean")
+    if vocab_size and entropy is not None and entropy >= math.log(vocab_size) - DEAD_ENTROPY_TOL:
+        return f"entropy {entropy:.5f} at its maximum ln({vocab_size}) = {math.log(vocab_size):.5f} (uniform output)"
+    signal = metrics.get("adv/zero_std_frac", 1.0) < 1.0 and metrics.get("clip/token_frac", 0.0) < 1.0
+    if signal and metrics.get("grad_norm") == 0.0 and not metrics.get("optim/skipped_updates"):
+        return "gradient norm exactly 0 over the step despite a learning signal"
+    return None
+
+
+class Sentinel:
+    """Reward drop, sequence log-ratio explosion, gradient explosion, entropy collapse, and a dead
+    policy (:func:`dead_policy`; always on: rollback, or stop when no rollback is left)."""
+
+    def __init__(self, cfg: SentinelConfig, state: dict | None = None, *, vocab_size: int | None = None):
         self.cfg = cfg
         self.state = dict(state or {"best_reward": None, "below": 0, "rollbacks": 0})
+        self.vocab_size = vocab_size
+        "The policy's vocabulary (for the dead-policy entropy; None: that check is off)."
 
     def check(self, metrics: dict[str, float]) -> Verdict:
         """Run every detector on one RL step's metrics; the strongest action of those that fired."""
@@ -88,6 +112,9 @@ class Sentinel:
         entropy = metrics.get("entropy/mean")
         if cfg.entropy_action != "off" and entropy is not None and entropy < cfg.min_entropy:
             fire("entropy", cfg.entropy_action, f"entropy {entropy:.4f} < {cfg.min_entropy}")
+        dead = dead_policy(metrics, self.vocab_size)
+        if dead is not None:
+            fire("dead", "rollback", f"dead policy: {dead}")
         verdict.action = max(actions, key=ACTION_RANK.__getitem__, default="off")
         if verdict.action == "rollback":
             if self.state["rollbacks"] >= cfg.max_rollbacks:

@@ -9,12 +9,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from moe_rl.errors import UserError
+
 if TYPE_CHECKING:
     import torch
 
     from moe_rl.megatron.optim import Optimizer
 
 log = logging.getLogger(__name__)
+
+
+class TrainingStopped(UserError, RuntimeError):
+    """The run stopped on purpose (sentinel, repeated non-finite steps, non-finite or dead weights);
+    no bad weights were saved. ``moe-rl train`` shows it as one line (exit 2)."""
+
+    kind = "training stopped"
 
 
 @dataclass
@@ -42,9 +51,15 @@ class RunState:
     sentinel: dict | None = None
     "The collapse sentinel's state (its running best, counters, rollbacks)."
     lr_scale: float = 1.0
-    "Multiplier on the scheduled learning rate (each sentinel rollback lowers it)."
+    "Multiplier on the scheduled learning rate (each sentinel rollback multiplies it down)."
     finished: list[str] = field(default_factory=list)
     "Stages that ran to the end, in order."
+    completed: dict[str, int] = field(default_factory=dict)
+    "Steps each finished stage ran (a resume with more steps configured continues it)."
+    run_id: str | None = None
+    "This run's id: its checkpoints carry it, and retention removes only those."
+    metrics_offset: int | None = None
+    "Bytes of ``metrics.jsonl`` at the save: a resume cuts the rows written after it (None: unknown)."
 
     def to_meta(self) -> dict:
         """JSON-able form, with the key names older checkpoints used (``ckpt_seq``, ``done``)."""
@@ -55,6 +70,9 @@ class RunState:
             "sentinel": self.sentinel,
             "lr_scale": self.lr_scale,
             "done": list(self.finished),
+            "completed": dict(self.completed),
+            "run_id": self.run_id,
+            "metrics_offset": self.metrics_offset,
         }
 
     @classmethod
@@ -67,6 +85,9 @@ class RunState:
             sentinel=meta.get("sentinel"),
             lr_scale=float(meta.get("lr_scale", 1.0)),
             finished=list(meta.get("done", [])),
+            completed={k: int(v) for k, v in (meta.get("completed") or {}).items()},
+            run_id=meta.get("run_id"),
+            metrics_offset=meta.get("metrics_offset"),
         )
 
     def step_of(self, stage: str) -> int:
@@ -76,7 +97,11 @@ class RunState:
 
 class Checkpointer:
     """Save, resume and roll back one run's checkpoints (policy, optimizer, RNG and RunState), and
-    warm-start the policy from another run's."""
+    warm-start the policy from another run's.
+
+    Every checkpoint it writes has a number above every ``step-N`` already in the directory, so
+    the newest is the one written last; retention removes only this run's (``RunState.run_id``).
+    """
 
     def __init__(self, root: str | Path, model: torch.nn.Module, *, keep: int):
         self.root = Path(root)
@@ -84,37 +109,67 @@ class Checkpointer:
         self.model = model
         "The policy's module (its sharded state is saved)."
         self.keep = keep
-        "How many checkpoints to keep."
+        "How many checkpoints of this run to keep."
+        self.last_good: Path | None = None
+        "The newest checkpoint of this run that passed the checks (saved or loaded), if any."
 
     def exists(self) -> bool:
+        """Whether the directory holds an intact checkpoint."""
         from moe_rl.megatron.checkpoint import latest_checkpoint
 
         return latest_checkpoint(self.root) is not None
 
-    def save(self, optimizer: Optimizer | None, state: RunState) -> None:
-        """Write the next checkpoint (``state.checkpoint_seq`` + 1) with ``state`` in its meta."""
-        from moe_rl.megatron.checkpoint import save_checkpoint
+    def any_written(self) -> list[str]:
+        """Names of every checkpoint entry in the directory, intact or not (``step-N``, ``latest``)."""
+        from moe_rl.megatron.checkpoint import checkpoint_dirs
 
-        state.checkpoint_seq += 1
-        save_checkpoint(
-            self.root, state.checkpoint_seq, self.model, optimizer, extra=state.to_meta(), keep=self.keep
+        if not self.root.is_dir():
+            return []
+        names = [p.name for p in checkpoint_dirs(self.root)]
+        return names + (["latest"] if (self.root / "latest").exists() else [])
+
+    def save(self, optimizer: Optimizer | None, state: RunState) -> Path:
+        """Write the next checkpoint with ``state`` in its meta; :class:`NonFiniteWeights` (nothing
+        written, ``state`` unchanged) when the policy has a non-finite weight."""
+        from moe_rl.megatron.checkpoint import checkpoint_dirs, save_checkpoint, step_number
+
+        highest = (
+            max((step_number(p) for p in checkpoint_dirs(self.root)), default=0) if self.root.is_dir() else 0
         )
+        seq = max(state.checkpoint_seq, highest) + 1
+        previous, state.checkpoint_seq = state.checkpoint_seq, seq
+        try:
+            self.last_good = save_checkpoint(
+                self.root,
+                seq,
+                self.model,
+                optimizer,
+                extra=state.to_meta(),
+                keep=self.keep,
+                owner=state.run_id,
+            )
+        except BaseException:
+            state.checkpoint_seq = previous
+            raise
+        return self.last_good
 
     def saved_state(self) -> RunState | None:
-        """The RunState of the newest checkpoint, read from its meta only (no tensors loaded)."""
-        from moe_rl.megatron.checkpoint import latest_checkpoint
+        """The RunState of the newest intact checkpoint, read from its meta only (no tensors loaded)."""
+        from moe_rl.megatron.checkpoint import META, latest_checkpoint
 
         ckpt = latest_checkpoint(self.root)
         if ckpt is None:
             return None
-        return RunState.from_meta(json.loads((ckpt / "meta.json").read_text())["extra"])
+        return RunState.from_meta(json.loads((ckpt / META).read_text())["extra"])
 
     def load(self, optimizer: Optimizer | None) -> RunState:
-        """Load the newest checkpoint into the policy and ``optimizer``; its RunState."""
+        """Load the newest intact checkpoint into the policy and ``optimizer``; its RunState."""
         from moe_rl.megatron.checkpoint import load_checkpoint
 
-        state = RunState.from_meta(load_checkpoint(self.root, self.model, optimizer)["extra"])
-        log.info("resumed from %s at %s step %d", self.root, state.stage, state.step)
+        meta = load_checkpoint(self.root, self.model, optimizer)
+        self.last_good = Path(meta["path"])
+        state = RunState.from_meta(meta["extra"])
+        log.info("resumed from %s at %s step %d", self.last_good, state.stage, state.step)
         return state
 
     def load_weights(self, path: str | Path) -> None:
@@ -127,17 +182,18 @@ class Checkpointer:
     def rollback(self, optimizer: Optimizer, live: RunState, lr_factor: float) -> RunState:
         """Reload the newest (last good) checkpoint and lower the LR by ``lr_factor``.
 
-        The sentinel's state is the live one (its rollback count must survive the reload); the
-        returned state is in the RL stage, at the RL step to continue from.
+        The sentinel's state, the run id and the LR scale are the live ones: the rollback count
+        must survive the reload, and each rollback multiplies the scale down again (a checkpoint
+        saved before an earlier rollback holds a higher one). The returned state is in the RL
+        stage, at the RL step to continue from.
         """
-        from moe_rl.megatron.checkpoint import load_checkpoint
-
-        state = RunState.from_meta(load_checkpoint(self.root, self.model, optimizer)["extra"])
-        state.sentinel = live.sentinel
+        state = self.load(optimizer)
+        state.sentinel, state.run_id = live.sentinel, live.run_id
+        state.checkpoint_seq = max(state.checkpoint_seq, live.checkpoint_seq)
         state.step, state.stage = state.step_of("rl"), "rl"
-        state.lr_scale *= lr_factor
+        state.lr_scale = live.lr_scale * lr_factor
         optimizer.lr_scale = state.lr_scale
         log.warning(
-            "rolled back to %s (RL step %d), lr scale now %.3g", self.root, state.step, state.lr_scale
+            "rolled back to %s (RL step %d), lr scale now %.3g", self.last_good, state.step, state.lr_scale
         )
         return state

@@ -8,9 +8,11 @@ sglang overrides, and stop the server afterwards. tests/dist/test_slurm.py runs 
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -106,6 +108,14 @@ FAKE_SRUN = textwrap.dedent('''\
         if "--node-rank" in argv and argv[argv.index("--node-rank") + 1] != "0":
             signal.pause()  # only the first node of a multi-node SGLang server answers HTTP
         http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+    elif os.environ.get("FAKE_TRAINER_WAITS"):  # a trainer that stops on SIGTERM like moe-rl train
+
+        def term(*_):
+            open(os.environ["FAKE_SRUN_LOG"] + ".trainer_term", "w").close()
+            sys.exit(143)
+
+        signal.signal(signal.SIGTERM, term)
+        signal.pause()
     ''')
 
 
@@ -134,15 +144,23 @@ def fake_slurm(tmp_path):
     for k in ("NPROC", "GPUS_PER_NODE", "SGLANG_NODES", "MASTER_PORT", "SGLANG_PORT"):
         env.pop(k, None)
 
-    def run(args, **extra):
-        res = subprocess.run(
+    def run(args, send_term=False, **extra):
+        proc = subprocess.Popen(
             ["bash", str(ROOT / "launch/slurm.sbatch"), *args],
             cwd=ROOT,
             env={**env, **extra},
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=180,
         )
+        if send_term:  # once the trainer step started, as Slurm does before the time limit
+            deadline = time.time() + 120
+            while not (log.exists() and log.read_text().strip()) and time.time() < deadline:
+                time.sleep(0.1)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=180)
+        res = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
         calls = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
         return res, calls, Path(str(log) + ".stopped").exists()
 
@@ -247,3 +265,20 @@ def test_sbatch_reports_a_server_that_dies(fake_slurm, tmp_path):
     )
     assert res.returncode != 0 and "exited before becoming healthy" in res.stderr
     assert len(calls) == 1  # the trainer never started
+
+
+def test_sbatch_forwards_sigterm_to_the_trainers(fake_slurm, tmp_path):
+    """Slurm's pre-time-limit SIGTERM (#SBATCH --signal=B:TERM@120) goes to the batch script; it
+    forwards it to the trainers' srun, waits for them, and exits with their status."""
+    assert "#SBATCH --signal=B:TERM@" in (ROOT / "launch/slurm.sbatch").read_text()
+    res = fake_slurm(
+        ["--nproc", "2", "recipes/tiny_ep2.yaml", f"train.out_dir={tmp_path / 'run'}"],
+        FAKE_NODES="localhost",
+        GPUS_PER_NODE="0",
+        FAKE_TRAINER_WAITS="1",
+        send_term=True,
+    )
+    result, calls, _ = res
+    assert result.returncode == 143, result.stderr[-3000:]
+    assert len(calls) == 1 and (tmp_path / "srun.jsonl.trainer_term").exists()
+    assert "the trainers checkpoint after their current step" in result.stderr

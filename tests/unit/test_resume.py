@@ -86,6 +86,9 @@ def test_kill9_then_resume_continues_exactly(tmp_path):
     res = _train(tmp_path / "cut.yaml", "--resume")
     assert res.wait(timeout=600) == 0, res.stderr.read()[-3000:]
 
+    # --resume cut the rows the killed run wrote after its checkpoint: every step once
+    steps = [r["step"] for r in read_metrics(cut_dir / "metrics.jsonl", "rl")]
+    assert steps == [0, 1, 2, 3, 4], steps
     want, got = _rl_rows(ref_dir), _rl_rows(cut_dir)
     assert sorted(got) == sorted(want) == [0, 1, 2, 3, 4]
     for step in want:

@@ -91,15 +91,19 @@ def test_sentinel_stop_and_rollback(tmp_path, parallel_info):
     with pytest.raises(TrainingStopped, match="entropy"):
         run(stop)
     roll = tiny(
-        tmp_path,
+        tmp_path / "roll",  # a new run: the stopped one's directory is refused without --resume
         sentinel={"min_entropy": 1e9, "entropy_action": "rollback", "max_rollbacks": 2},
         train={"stages": ["rl"], "rl_steps": 3},
     )
     with pytest.raises(TrainingStopped, match="rolled back 2 times"):
         run(roll)
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (tmp_path / "roll" / "run" / "metrics.jsonl").read_text().splitlines()]
     lrs = [r["lr"] for r in rows if r["stage"] == "rl"]
     assert lrs[-1] < lrs[0], "rollback lowers the learning rate"
+    # each rollback multiplies the scale again (0.5, then 0.25), not reloads it from the checkpoint
+    assert lrs[1] == pytest.approx(lrs[0] * 0.5, rel=1e-6) and lrs[2] == pytest.approx(
+        lrs[0] * 0.25, rel=1e-6
+    )
 
 
 @pytest.mark.parametrize("name", ["grpo", "gspo"])

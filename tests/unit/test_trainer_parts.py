@@ -79,6 +79,8 @@ def test_run_state_round_trips_through_checkpoint_meta():
     assert RunState.from_meta(meta) == state
     assert meta["done"] == ["sft"] and meta["ckpt_seq"] == 7  # the keys older checkpoints used
     # an older checkpoint's meta (no sentinel, no lr_scale yet) still loads
+    full = RunState(stage="rl", completed={"sft": 4}, run_id="abc", metrics_offset=123)
+    assert RunState.from_meta(json.loads(json.dumps(full.to_meta()))) == full
     old = RunState.from_meta({"stage": "sft", "step": 4, "done": [], "ckpt_seq": 2})
     assert old == RunState(stage="sft", step=4, checkpoint_seq=2)
     assert old.step_of("sft") == 4 and old.step_of("rl") == 0
@@ -147,3 +149,41 @@ def test_sentinel_reward_rule_and_rollback_budget():
         {"grad_norm": float("nan")}
     )
     assert verdict.fired == ["grad"] and verdict.action == "stop"
+
+
+def test_sentinel_sees_a_dead_policy_and_rolls_back_then_stops():
+    import math
+
+    from moe_rl.config import SentinelConfig
+    from moe_rl.trainer.sentinel import Sentinel, dead_policy
+
+    healthy = {"entropy/mean": math.log(104) - 0.01, "grad_norm": 0.3, "adv/zero_std_frac": 0.5}
+    assert dead_policy(healthy, 104) is None
+    uniform = {**healthy, "entropy/mean": math.log(104) - 1e-6}
+    assert "uniform output" in dead_policy(uniform, 104)
+    assert dead_policy(uniform, None) is None  # no vocabulary given: the entropy check is off
+    flat = {**healthy, "grad_norm": 0.0}
+    assert "gradient norm exactly 0" in dead_policy(flat, 104)
+    # no learning signal (every group's rewards equal): a zero gradient is expected, not death
+    assert dead_policy({**flat, "adv/zero_std_frac": 1.0}, 104) is None
+    assert "non-finite weights" in dead_policy({**healthy, "weights/finite": 0.0}, 104)
+    sentinel = Sentinel(SentinelConfig(max_rollbacks=1), vocab_size=104)  # every detector at "log"
+    verdicts = [sentinel.check(uniform) for _ in range(2)]
+    assert [v.action for v in verdicts] == ["rollback", "stop"] and verdicts[0].fired == ["dead"]
+
+
+def test_rollback_compounds_the_learning_rate_cut(tmp_path, parallel_info):
+    """Each rollback multiplies the live LR scale; the checkpoint's (older) scale is not reloaded."""
+    from moe_rl.config import OptimConfig
+    from moe_rl.megatron.optim import Optimizer
+    from moe_rl.trainer.state import Checkpointer
+    from tests.tiny import tiny_policy
+
+    policy = tiny_policy()
+    ckpt = Checkpointer(tmp_path, policy.model, keep=2)
+    opt = Optimizer(policy.model, OptimConfig(), parallel_info)
+    live = RunState(stage="rl", step=2, lr_scale=1.0, run_id="r")
+    ckpt.save(opt, live)
+    for want in (0.5, 0.25, 0.125):
+        live = ckpt.rollback(opt, live, 0.5)
+        assert live.lr_scale == want and opt.lr_scale == want and live.step == 2

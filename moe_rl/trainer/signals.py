@@ -1,0 +1,73 @@
+"""SIGTERM and SIGINT as a request to stop at the next safe point, not a crash.
+
+:class:`StopSignals` installs handlers that only record the signal; the SFT and RL loops ask
+:meth:`StopSignals.requested` after each step (after the optimizer step, every rank agreeing),
+write a checkpoint if the weights pass the checks, log one line and end the run. A second
+signal while that checkpoint is written is noted and ignored, so the save completes (a
+checkpoint is written into a temp directory and renamed, so even a SIGKILL leaves the previous
+one intact).
+
+Exit code: ``moe-rl train`` exits with 128 + the signal's number (143 for SIGTERM, 130 for
+SIGINT), the shell's convention for "ended by this signal", after the clean save. A zero
+would tell ``moe-rl train ... && moe-rl export ...`` chains and job scripts that training
+finished when it did not; Slurm requeues a preempted job whatever its exit code, and the
+next job continues with ``--resume``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+
+log = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequested(Exception):
+    """The run stopped on a signal after a clean save; ``exit_code`` is 128 + the signal number."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+class StopSignals:
+    """Context manager: while inside, SIGTERM / SIGINT set :attr:`signum` instead of ending the
+    process; the previous handlers are restored on exit. Outside the main thread (where Python
+    cannot install handlers) it installs nothing and never reports a signal."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        "The first signal received (None: none)."
+        self._old: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+            log.warning(
+                "%s received: stopping after this step with a checkpoint", signal.Signals(signum).name
+            )
+        else:
+            log.warning("%s received again: still writing the checkpoint", signal.Signals(signum).name)
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        self._old.clear()
+
+    def requested(self, group=None, device=None) -> int:
+        """The signal any rank of ``group`` got (the highest number), 0 for none; a collective,
+        every rank must ask (``device`` as in :func:`moe_rl.dist.any_rank`)."""
+        from moe_rl import dist
+
+        return int(dist.max_over(int(self.signum or 0), group, device=device))

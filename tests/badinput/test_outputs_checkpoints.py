@@ -1,0 +1,439 @@
+"""Outputs and checkpoints: nothing the user had is lost, only good weights are saved.
+
+One tiny finished SFT run (module fixture) is copied into each case's folder; every case asserts
+the exit code, the one ``moe-rl:`` line for a refusal, and that nothing was lost.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from moe_rl.megatron.checkpoint import checkpoint_dirs, verify_checkpoint
+from moe_rl.trainer.metrics import read_metrics
+from tests.badinput.conftest import assert_kept, run_cli, snapshot
+
+MODEL = {
+    "vocab_size": 104,
+    "hidden_size": 32,
+    "num_layers": 1,
+    "num_attention_heads": 2,
+    "num_query_groups": 1,
+    "head_dim": 16,
+    "moe_ffn_hidden_size": 32,
+    "num_experts": 4,
+    "moe_router_topk": 2,
+    "max_seq_len": 48,
+}
+TRAIN = {"stages": ["sft"], "sft_steps": 4, "sft_batch_size": 4, "log_every": 1}
+
+
+def recipe(folder: Path, name: str = "r.yaml", *, checkpoint=None, **train) -> Path:
+    """A tiny SFT recipe writing into ``folder/run``; ``train`` overrides ``TRAIN``."""
+    data = {
+        "model": MODEL,
+        "optim": {"lr": 1e-3},
+        "task": {"name": "arithmetic", "arithmetic": {"min_operands": 2, "max_operands": 2, "digits": 1}},
+        "train": {**TRAIN, **train, "out_dir": str(folder / "run")},
+        "checkpoint": {"every": 2, "keep": 3, **(checkpoint or {})},
+    }
+    path = folder / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished 4-step SFT run: checkpoints step-1 (SFT step 2) and step-2 (the end)."""
+    folder = tmp_path_factory.mktemp("finished")
+    res = run_cli("train", recipe(folder), cwd=folder)
+    assert res.code == 0, res.err[-3000:]
+    return folder
+
+
+@pytest.fixture
+def run_copy(finished, tmp_path) -> Path:
+    """This case's copy of the finished run (``tmp_path/run``, recipe ``tmp_path/r.yaml``)."""
+    from moe_rl.config import load_recipe, to_dict
+
+    shutil.copytree(finished / "run", tmp_path / "run")
+    resolved = to_dict(load_recipe(recipe(tmp_path)))  # as if it had been trained here
+    (tmp_path / "run/recipe.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    return tmp_path
+
+
+def ckpts(folder: Path) -> list[str]:
+    return [p.name for p in checkpoint_dirs(folder / "run" / "checkpoints")]
+
+
+def sft_steps(folder: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(folder / "run" / "metrics.jsonl", "sft")]
+
+
+# -- export: never overwrite what it does not own ---------------------------------------------------
+@pytest.mark.bad_input("output")
+def test_export_refuses_a_non_empty_folder(cli, run_copy):
+    out = run_copy / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("my notes")
+    before = snapshot(run_copy)
+    cli("export", run_copy / "r.yaml", out, "--checkpoint", run_copy / "run/checkpoints").one_line(
+        r"path error: .*mine is a non-empty directory.*--overwrite"
+    )
+    assert_kept(before, run_copy)
+
+
+@pytest.mark.bad_input("output")
+def test_export_refuses_an_existing_file(cli, run_copy):
+    out = run_copy / "model.bin"
+    out.write_bytes(b"precious")
+    before = snapshot(run_copy)
+    cli("export", run_copy / "r.yaml", out).one_line(r"model\.bin is an existing file.*--overwrite")
+    assert_kept(before, run_copy)
+    assert not [p for p in run_copy.iterdir() if p.name.startswith(".model.bin")]
+
+
+@pytest.mark.bad_input("output")
+def test_export_refuses_another_run_directory(cli, run_copy, finished):
+    before = snapshot(run_copy)
+    res = cli("export", run_copy / "r.yaml", run_copy / "run", "--checkpoint", finished / "run/checkpoints")
+    res.one_line(r"run or checkpoint directory \(has checkpoints, metrics\.jsonl, recipe\.yaml\)")
+    assert_kept(before, run_copy)
+
+
+@pytest.mark.bad_input("output")
+@pytest.mark.parametrize("where", ["run", "run/checkpoints", "run/checkpoints/step-00000002", "inside"])
+def test_export_never_replaces_the_checkpoint_it_reads_even_with_overwrite(cli, run_copy, where):
+    out = run_copy / "run/checkpoints/hf" if where == "inside" else run_copy / where
+    before = snapshot(run_copy)
+    res = cli("export", run_copy / "r.yaml", out, "--checkpoint", run_copy / "run/checkpoints", "--overwrite")
+    res.one_line(r"would overwrite or sit inside the checkpoint it exports")
+    assert_kept(before, run_copy)
+    assert not (run_copy / "run/checkpoints/hf").exists()
+
+
+@pytest.mark.bad_input("output")
+def test_export_overwrite_replaces_a_file_without_leftovers(cli, run_copy):
+    out = run_copy / "model.bin"
+    out.write_bytes(b"old export")
+    before = snapshot(run_copy / "run")
+    res = cli("export", run_copy / "r.yaml", out, "--checkpoint", run_copy / "run/checkpoints", "--overwrite")
+    assert res.code == 0, res.err[-2000:]
+    assert (out / "model.safetensors.index.json").is_file()
+    assert sorted(p.name for p in run_copy.iterdir()) == ["model.bin", "r.yaml", "run"]  # nothing hidden
+    assert_kept(before, run_copy / "run")
+
+
+@pytest.mark.bad_input("output")
+def test_export_of_a_missing_checkpoint_path_is_one_line(cli, run_copy):
+    before = snapshot(run_copy)
+    res = cli("export", run_copy / "r.yaml", run_copy / "hf", "--checkpoint", run_copy / "nope")
+    res.one_line(r"--checkpoint .*nope does not exist")
+    assert_kept(before, run_copy)
+    assert not (run_copy / "hf").exists()
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_export_refuses_non_finite_weights(cli, run_copy, monkeypatch):
+    """A checkpoint whose weights are NaN (written before saves were checked) is not exported."""
+    import moe_rl.megatron.checkpoint as ck
+    from moe_rl.megatron.parallel import destroy_parallel
+
+    owns_dist = not torch.distributed.is_initialized()
+    policy = _load(run_copy)
+    with torch.no_grad():
+        next(policy.model.parameters()).fill_(float("nan"))
+    monkeypatch.setattr(ck, "weights_finite", lambda model, group=None: True)
+    ck.save_checkpoint(run_copy / "nan", 1, policy.model)
+    if owns_dist:
+        destroy_parallel()
+    monkeypatch.undo()
+    before = snapshot(run_copy)
+    res = cli("export", run_copy / "r.yaml", run_copy / "hf", "--checkpoint", run_copy / "nan")
+    res.one_line(r"checkpoint error: .*nan: the policy has non-finite weights: not exported")
+    assert_kept(before, run_copy)
+    assert not (run_copy / "hf").exists()
+
+
+def _load(folder: Path):
+    from moe_rl.config import load_recipe
+    from moe_rl.megatron.checkpoint import load_checkpoint
+    from moe_rl.megatron.parallel import init_parallel
+    from moe_rl.megatron.policy import build_policy
+
+    r = load_recipe(folder / "r.yaml")
+    policy = build_policy(r.model, r.parallel, init_parallel(r.parallel, seed=1))
+    load_checkpoint(folder / "run/checkpoints", policy.model, load_rng=False)
+    return policy
+
+
+# -- train: another run's folder, --resume, --fresh ------------------------------------------------
+@pytest.mark.bad_input("output")
+def test_train_into_a_finished_run_without_resume_is_refused(cli, run_copy):
+    before = snapshot(run_copy)
+    cli("train", run_copy / "r.yaml").one_line(
+        r"path error: .*checkpoints holds another run's checkpoints.*--resume.*train\.out_dir.*--fresh"
+    )
+    assert_kept(before, run_copy)
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_resume_with_nothing_to_resume_says_so(cli, tmp_path):
+    path = recipe(tmp_path)
+    cli("train", path, "--resume").one_line(r"nothing to resume in .*checkpoints.*drop --resume")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.bad_input("cli")
+def test_resume_and_fresh_together_are_refused(cli, run_copy):
+    before = snapshot(run_copy)
+    cli("train", run_copy / "r.yaml", "--resume", "--fresh").one_line(r"--resume .* --fresh .*give one")
+    assert_kept(before, run_copy)
+
+
+@pytest.mark.bad_input("output")
+def test_fresh_keeps_the_old_checkpoints_and_prunes_only_its_own(cli, run_copy):
+    old = snapshot(run_copy / "run/checkpoints")
+    old_rows = (run_copy / "run/metrics.jsonl").read_bytes()
+    path = recipe(run_copy, "fresh.yaml", checkpoint={"every": 1, "keep": 1})
+    res = cli("train", path, "--fresh")
+    assert res.code == 0, res.err[-2000:]
+    assert_kept({k: v for k, v in old.items() if k != "latest"}, run_copy / "run/checkpoints")
+    # the old run's two and the fresh run's newest (numbered after them); latest names it
+    assert ckpts(run_copy) == ["step-00000001", "step-00000002", "step-00000006"]
+    assert (run_copy / "run/checkpoints/latest").read_text() == "step-00000006"
+    assert (run_copy / "run/metrics.jsonl").read_bytes().startswith(old_rows)
+    assert sft_steps(run_copy) == [0, 1, 2, 3] * 2
+
+
+# -- checkpoints: fall back to the newest intact one ------------------------------------------------
+def _break_newest(folder: Path, how: str) -> str:
+    """Damage the newest checkpoint (step-2) as ``how`` says; the name of the damaged entry."""
+    root = folder / "run/checkpoints"
+    if how == "dangling":
+        shutil.rmtree(root / "step-00000002")
+        return "latest -> step-00000002"
+    victim = max(
+        (p for p in (root / "step-00000002").rglob("*") if p.is_file() and p.name != "meta.json"),
+        key=lambda p: p.stat().st_size,
+    )
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2] if how == "truncated" else bytes(len(data)))
+    return "step-00000002"
+
+
+@pytest.mark.bad_input("checkpoint")
+@pytest.mark.parametrize("how", ["dangling", "truncated", "corrupt"])
+def test_resume_falls_back_to_the_newest_intact_checkpoint(cli, run_copy, caplog, how):
+    skipped = _break_newest(run_copy, how)
+    kept = snapshot(run_copy / "run/checkpoints/step-00000001")
+    with caplog.at_level(logging.WARNING):
+        res = cli("train", run_copy / "r.yaml", "--resume")
+    assert res.code == 0, res.err[-2000:]
+    warned = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert warned and skipped in warned[0], warned
+    if how != "dangling":
+        assert "truncated or corrupt" in warned[0]
+    assert_kept(kept, run_copy / "run/checkpoints/step-00000001")
+    # resumed at SFT step 2, not from scratch: steps 2 and 3 ran again, each row once
+    assert sft_steps(run_copy) == [0, 1, 2, 3]
+    newest = checkpoint_dirs(run_copy / "run/checkpoints")[-1]
+    assert verify_checkpoint(newest) is None
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_resume_with_every_checkpoint_corrupt_is_one_line(cli, run_copy):
+    for ckpt in checkpoint_dirs(run_copy / "run/checkpoints"):
+        (ckpt / "rng-0.pt").write_bytes(b"\0" * 10)
+    before = snapshot(run_copy)
+    cli("train", run_copy / "r.yaml", "--resume").one_line(
+        r"nothing to resume: no complete checkpoint .*step-00000002: rng-0\.pt is truncated or corrupt"
+    )
+    assert_kept(before, run_copy)
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_export_of_a_corrupt_checkpoint_is_one_line(cli, run_copy):
+    _break_newest(run_copy, "corrupt")
+    before = snapshot(run_copy)
+    res = cli(
+        "export",
+        run_copy / "r.yaml",
+        run_copy / "hf",
+        "--checkpoint",
+        run_copy / "run/checkpoints/step-00000002",
+    )
+    res.one_line(r"checkpoint error: no complete checkpoint .*sha256 mismatch")
+    assert_kept(before, run_copy)
+    assert not (run_copy / "hf").exists()
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_meta_records_checksums_and_finiteness(finished):
+    for ckpt in checkpoint_dirs(finished / "run/checkpoints"):
+        meta = json.loads((ckpt / "meta.json").read_text())
+        assert meta["finite"] is True and "rng-0.pt" in meta["sha256"]
+        assert verify_checkpoint(ckpt) is None
+
+
+# -- resume: metrics rows, finished runs -----------------------------------------------------------
+@pytest.mark.bad_input("checkpoint")
+def test_resume_cuts_metrics_rows_after_the_checkpoint(cli, run_copy):
+    """As after a kill between checkpoints: rows of steps 2 and 3 exist, the newest checkpoint is
+    at step 2; the resumed run writes them once."""
+    root = run_copy / "run/checkpoints"
+    shutil.rmtree(root / "step-00000002")
+    (root / "latest").write_text("step-00000001")
+    res = cli("train", run_copy / "r.yaml", "--resume")
+    assert res.code == 0, res.err[-2000:]
+    assert sft_steps(run_copy) == [0, 1, 2, 3]
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_resume_of_a_finished_run_says_so_and_changes_nothing(cli, run_copy, caplog):
+    before = snapshot(run_copy / "run")
+    with caplog.at_level(logging.INFO):
+        res = cli("train", run_copy / "r.yaml", "--resume")
+    assert res.code == 0, res.err[-2000:]
+    said = [r.getMessage() for r in caplog.records if "already finished" in r.getMessage()]
+    assert len(said) == 1 and "sft 4 steps" in said[0], said
+    assert_kept({k: v for k, v in before.items() if not k.startswith("tb/")}, run_copy / "run")
+    assert sft_steps(run_copy) == [0, 1, 2, 3]
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_resume_of_a_finished_run_with_more_steps_continues(cli, run_copy):
+    res = cli("train", run_copy / "r.yaml", "train.sft_steps=6", "--resume")
+    assert res.code == 0, res.err[-2000:]
+    assert sft_steps(run_copy) == [0, 1, 2, 3, 4, 5]
+    meta = json.loads((checkpoint_dirs(run_copy / "run/checkpoints")[-1] / "meta.json").read_text())
+    assert meta["extra"]["completed"] == {"sft": 6}
+
+
+# -- only good weights are saved -------------------------------------------------------------------
+def _poison_after(monkeypatch, at_step: int, how: str) -> None:
+    """From SFT step ``at_step`` on (0-based), leave the weights NaN or zero after the step."""
+    import moe_rl.trainer.sft as sft
+
+    real = sft.sft_step
+    calls = []
+
+    def step(policy, optimizer, tokens_BT, mask_BT, info):
+        calls.append(1)
+        out = real(policy, optimizer, tokens_BT, mask_BT, info)
+        if len(calls) == at_step + 1:
+            with torch.no_grad():
+                for p in policy.model.parameters():
+                    p.fill_(float("nan") if how == "nan" else 0.0)
+            optimizer.reload_model_params()
+        return out
+
+    monkeypatch.setattr(sft, "sft_step", step)
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_non_finite_sft_stops_and_never_saves_nan(cli, tmp_path, monkeypatch):
+    """Weights gone NaN after SFT step 1 (as a non-finite LR does): every later step is skipped,
+    the run stops after train.max_bad_steps, and only the checkpoint before it exists."""
+    _poison_after(monkeypatch, 2, "nan")
+    path = recipe(tmp_path, sft_steps=8, max_bad_steps=2)
+    line = cli("train", path).one_line(
+        r"training stopped: 2 consecutive SFT steps had non-finite .* the last good checkpoint is .*step-00000001"
+    )
+    assert "nothing saved" in line
+    assert ckpts(tmp_path) == ["step-00000001"]
+    assert verify_checkpoint(tmp_path / "run/checkpoints/step-00000001") is None
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_nan_before_any_checkpoint_is_not_called_last_good(cli, tmp_path, monkeypatch):
+    _poison_after(monkeypatch, 0, "nan")
+    path = recipe(tmp_path, sft_steps=8, max_bad_steps=2)
+    line = cli("train", path).one_line(r"training stopped: .*no good checkpoint of this run was written")
+    assert "last good checkpoint is" not in line
+    assert not (tmp_path / "run/checkpoints").exists() or ckpts(tmp_path) == []
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_dead_policy_is_detected_and_never_saved(cli, tmp_path, monkeypatch):
+    """Weights zeroed after SFT step 0: the output is uniform, the gradient exactly 0."""
+    _poison_after(monkeypatch, 0, "zero")
+    path = recipe(tmp_path, sft_steps=8)
+    cli("train", path).one_line(
+        r"training stopped: the policy is dead at sft step 2 .*gradient norm exactly 0"
+    )
+    assert not (tmp_path / "run/checkpoints").exists() or ckpts(tmp_path) == []
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_retention_never_deletes_the_checkpoint_just_written(tmp_path, parallel_info):
+    """A save numbered below older ones (the old name sort deleted it at once and left ``latest``
+    dangling) keeps the new one; another owner's checkpoints are never pruned."""
+    from moe_rl.megatron.checkpoint import latest_checkpoint, save_checkpoint
+    from tests.tiny import tiny_policy
+
+    model = tiny_policy().model
+    save_checkpoint(tmp_path, 7, model, keep=1, owner="other")
+    save_checkpoint(tmp_path, 12, model, keep=1, owner="me")
+    new = save_checkpoint(tmp_path, 3, model, keep=1, owner="me")
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step-00000003", "step-00000007"]
+    assert latest_checkpoint(tmp_path) == new and verify_checkpoint(new) is None
+
+
+RL = {"rl_steps": 3, "prompts_per_step": 2, "group_size": 2, "minibatches": 1, "max_new_tokens": 6}
+
+
+def _zero_after_first_rl_step(monkeypatch) -> None:
+    import moe_rl.trainer.loop as loop
+
+    real, calls = loop.rl_step, []
+
+    def step(run, i, timer):
+        out = real(run, i, timer)
+        calls.append(i)
+        if len(calls) == 1:
+            with torch.no_grad():
+                for p in run.policy.model.parameters():
+                    p.zero_()
+            run.optimizer.reload_model_params()
+        return out
+
+    monkeypatch.setattr(loop, "rl_step", step)
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_dead_policy_in_rl_rolls_back_and_is_never_saved(cli, tmp_path, monkeypatch):
+    """Weights zeroed after RL step 0: step 1 sees a uniform output (entropy ln V), the sentinel
+    rolls back to the last good checkpoint at half the LR, and the run finishes."""
+    _zero_after_first_rl_step(monkeypatch)
+    path = recipe(tmp_path, stages=["sft", "rl"], sft_steps=2, eval_prompts=2, **RL)
+    res = cli("train", path, "checkpoint.every=0")
+    assert res.code == 0, res.err[-3000:]
+    rows = read_metrics(tmp_path / "run/metrics.jsonl", "rl")
+    fired = [r["step"] for r in rows if r["sentinel/fired"]]
+    assert fired == [1], [(r["step"], r["entropy/mean"]) for r in rows]
+    assert rows[-1]["lr"] == pytest.approx(rows[0]["lr"] * 0.5)
+    for ckpt in checkpoint_dirs(tmp_path / "run/checkpoints"):
+        assert verify_checkpoint(ckpt) is None
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_dead_policy_at_an_rl_checkpoint_is_not_saved(cli, tmp_path, monkeypatch):
+    _zero_after_first_rl_step(monkeypatch)
+    path = recipe(tmp_path, stages=["sft", "rl"], sft_steps=2, eval_prompts=2, **RL)
+    before = snapshot(tmp_path)
+    line = cli("train", path, "checkpoint.every=1").one_line(
+        r"training stopped: rl step 1: the policy is dead \(output uniform.*not saved; the last good checkpoint is"
+    )
+    assert "step-00000002" in line  # the end of SFT, the newest that passed the checks
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run/checkpoints")] == [
+        "step-00000001",
+        "step-00000002",
+    ]
+    assert_kept(before, tmp_path)
