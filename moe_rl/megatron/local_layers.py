@@ -15,8 +15,8 @@ optimizer see the same model) and change only ``forward``:
 - :class:`GroupedExperts`: the dispatcher's expert-sorted tokens through each local expert in one
   ``F.linear`` per projection on the expert's own weights (no per-forward stacked copy: on CPU
   the copy cost more than the matmuls); :meth:`GroupedExperts.grouped` runs the same math by
-  ``torch._grouped_mm`` on a stacked, input-major snapshot (the lean decoder's); probabilities applied after
-  the GLU and before ``linear_fc2``, in the same dtypes as megatron's MLP.
+  ``torch._grouped_mm`` on a stacked, input-major snapshot (the lean decoder's); probabilities
+  applied after the GLU and before ``linear_fc2``, in the same dtypes as megatron's MLP.
 
 ``tests/unit/test_local_layers.py`` checks both against the stock modules (values and
 gradients of every parameter) on the same weights.
