@@ -7,6 +7,18 @@ a step is log-prob forward, backward of the mean NLL, gradient sync and AdamW. M
     python -m benchmarks.step_time [--steps 20] [--threads 1]
 
 Writes benchmarks/results/step_time-<machine>-tiny-<commit>.json.
+
+``--rl MODEL`` (tiny, small, or micro: the smoke preset's stand-in) measures instead whole RL
+steps of benchmarks/throughput.py's cpu preset in this one process (1 thread by default): the
+trainer's own ``rl_step`` on that model, GSPO under routing none, R2 and R3 interleaved at the
+same step indices, CPU seconds per phase (rollout, old_logprob, train, probe, sync, step) as min
+and median over ``--repeats`` steps after one warm-up, the probe's share of the step and the
+replay overheads. CPU seconds, not wall: the figures to compare before/after a change on a
+shared machine (the min is the least disturbed step):
+
+    python -m benchmarks.step_time --rl small [--repeats 3] [--out path.json]
+
+Writes benchmarks/results/step_time-<machine>-rl-<model>-<commit>.json.
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 LAYOUTS = {"world1": [], "ep2": ["--ep", "2", "--dp", "2"], "tp2": ["--tp", "2"]}
 
@@ -61,13 +74,79 @@ def worker(argv) -> None:
     destroy_parallel()
 
 
+RL_COMBOS = (("gspo", "none"), ("gspo", "r2"), ("gspo", "r3"))
+RL_PHASES = ("rollout", "old_logprob", "train", "probe", "sync", "step")
+
+
+def rl_steps(model: str, repeats: int, threads: int) -> dict:
+    """CPU seconds per phase of RL steps of the throughput cpu preset (``model``: tiny, small, or
+    micro, the smoke preset's small stand-in with its settings), every combo of ``RL_COMBOS``
+    interleaved at the same step indices after one warm-up step each."""
+    import torch
+
+    from benchmarks.throughput import MICRO, MODELS, PRESETS, PeakMemory, bench_step, build_recipe
+    from moe_rl.trainer.run import Run
+
+    torch.set_num_threads(threads)
+    dims, preset = (MICRO["small"], "smoke") if model == "micro" else (MODELS[model], "cpu")
+    recipe = build_recipe(dims, PRESETS[preset]["train"])
+    cpu: dict[str, dict[str, list[float]]] = {f"{a}/{r}": {p: [] for p in RL_PHASES} for a, r in RL_COMBOS}
+    run = Run(recipe)
+    try:
+        run.make_optimizer("rl")
+        run.ensure_engine()
+        mem = PeakMemory(run.info.device)
+        for rep in range(1 + repeats):
+            for algo, routing in RL_COMBOS:
+                run.recipe = replace(
+                    recipe, algo=replace(recipe.algo, name=algo, routing=routing, old_logprobs="recompute")
+                )
+                rec = bench_step(run, rep, mem)
+                for p in RL_PHASES if rep else ():
+                    cpu[f"{algo}/{routing}"][p].append(rec[p]["cpu_s"])
+    finally:
+        run.recipe = recipe
+        run.close()
+    return summarize_rl(cpu, model, preset, repeats, threads)
+
+
+def summarize_rl(cpu: dict[str, dict[str, list[float]]], model: str, preset: str, repeats: int, threads: int):
+    """Min and median CPU seconds per phase, the probe's share and the replay overheads (of both)."""
+    combos = {
+        name: {p: {"min": min(v), "median": statistics.median(v)} for p, v in phases.items()}
+        for name, phases in cpu.items()
+    }
+    base = combos["gspo/none"]["step"]
+    out = {"model": model, "settings": preset, "threads": threads, "timed_steps": repeats, "combos": combos}
+    for stat in ("min", "median"):
+        out[f"probe_frac_{stat}"] = combos["gspo/none"]["probe"][stat] / base[stat]
+        out[f"replay_overhead_{stat}"] = {
+            r: combos[f"gspo/{r}"]["step"][stat] / base[stat] - 1 for r in ("r2", "r3")
+        }
+    return out
+
+
 def main(argv=None) -> dict:
     from benchmarks.common import result_path
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument(
+        "--rl", choices=("micro", "tiny", "small"), help="whole RL steps of this model, per phase"
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="timed RL steps per combo (--rl)")
+    ap.add_argument("--out", default=None, help="JSON path (--rl; default benchmarks/results/...)")
     a = ap.parse_args(argv)
+    if a.rl:
+        res = rl_steps(a.rl, a.repeats, a.threads)
+        path = result_path("step_time", f"rl-{a.rl}", a.out)
+        path.write_text(json.dumps(res, indent=1))
+        for name, phases in res["combos"].items():
+            print(name, " ".join(f"{p}={v['min']:.3f}/{v['median']:.3f}" for p, v in phases.items()))
+        print("probe_frac (min/median)", f"{res['probe_frac_min']:.4f}/{res['probe_frac_median']:.4f}")
+        print("replay_overhead min", res["replay_overhead_min"], "median", res["replay_overhead_median"])
+        return res
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(a.threads)}
     res = {
         "model": "hidden 128, 4 layers, 8 experts top-2, fp32",

@@ -15,8 +15,8 @@ optimizer see the same model) and change only ``forward``:
 - :class:`GroupedExperts`: the dispatcher's expert-sorted tokens through each local expert in one
   ``F.linear`` per projection on the expert's own weights (no per-forward stacked copy: on CPU
   the copy cost more than the matmuls); :meth:`GroupedExperts.grouped` runs the same math by
-  ``torch._grouped_mm`` on a stacked snapshot (the lean decoder's); probabilities applied after
-  the GLU and before ``linear_fc2``, in the same dtypes as megatron's MLP.
+  ``torch._grouped_mm`` on a stacked, input-major snapshot (the lean decoder's); probabilities
+  applied after the GLU and before ``linear_fc2``, in the same dtypes as megatron's MLP.
 
 ``tests/unit/test_local_layers.py`` checks both against the stock modules (values and
 gradients of every parameter) on the same weights.
@@ -151,21 +151,24 @@ class GroupedExperts(SequentialMLP):
         return self.per_expert(permuted_local_hidden_states, tokens_per_expert, permuted_probs, w1, w2), None
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``linear_fc1`` weights ``[E, 2F, H]`` and ``linear_fc2`` weights ``[E, H, F]`` (copies
-        that carry gradients back to each expert's parameters)."""
-        w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])
-        w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])
-        return w1, w2
+        """Input-major stacked copies: ``linear_fc1`` weights transposed, ``w1t [E, H, 2F]``, and
+        ``linear_fc2`` weights transposed, ``w2t [E, F, H]``, contiguous (the layout a grouped
+        matmul ``x @ w`` reads without a strided pass; the copies carry gradients back to each
+        expert's parameters)."""
+        w1t = torch.stack([e.linear_fc1.weight.t() for e in self.local_experts])
+        w2t = torch.stack([e.linear_fc2.weight.t() for e in self.local_experts])
+        return w1t, w2t
 
-    def grouped(self, x, tokens_per_expert, probs, w1, w2) -> torch.Tensor:
-        """The experts' SwiGLU MLPs over expert-sorted tokens ``x`` with stacked weights (one
-        grouped matmul per projection on CPU; :meth:`per_expert` elsewhere)."""
+    def grouped(self, x, tokens_per_expert, probs, w1t, w2t) -> torch.Tensor:
+        """The experts' SwiGLU MLPs over expert-sorted tokens ``x`` with the stacked weights of
+        :meth:`stacked_weights` (one grouped matmul per projection on CPU; :meth:`per_expert`
+        elsewhere)."""
         if x.shape[0] > 0 and grouped_mm_ok(x):
             offs = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
-            h = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)
+            h = torch._grouped_mm(x, w1t, offs=offs)
             h = (self._glu(h) * probs.unsqueeze(-1)).to(x.dtype)
-            return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
-        return self.per_expert(x, tokens_per_expert, probs, w1, w2)
+            return torch._grouped_mm(h, w2t, offs=offs)
+        return self.per_expert(x, tokens_per_expert, probs, w1t.transpose(1, 2), w2t.transpose(1, 2))
 
     def per_expert(self, x, tokens_per_expert, probs, w1, w2) -> torch.Tensor:
         """The experts' SwiGLU MLPs, one ``F.linear`` per expert; ``w1[e]``, ``w2[e]``: expert e's

@@ -194,8 +194,7 @@ def old_policy(run: Run, rollouts: Rollouts, adv_B: torch.Tensor) -> tuple[RLBat
         recomputed_BT, old_routes_BSLK, recorded_BSLK = old_policy_pass(
             run, tokens_BT, rollout_routes_BSLK, lens_B
         )
-        if algo.routing != "r3":  # natural routing: the probe's "before" forward, already done
-            probe_before_BSLK = old_routes_BSLK[: probe_rows(run, tokens_BT.shape[0])]
+        probe_before_BSLK = reused_probe_before(run, old_routes_BSLK, rollout_routes_BSLK, valid_BS)
         replay_BSLK = recorded_BSLK if algo.routing == "r2" else rollout_routes_BSLK
         if algo.old_logprobs == "recompute":
             old_logp_BT = recomputed_BT
@@ -262,7 +261,8 @@ def old_policy_pass(
     by micro-batch (R3 replays the rollout's routes). ``lens_B``: the rows' input lengths.
 
     The flip-probe rows (the first ``train.flip_probe_sequences``) form micro-batches of their
-    own, split as :func:`natural_routes` splits them: under natural routing (none, R2) their
+    own, split as :func:`natural_routes` splits them: under natural routing (none, R2), and under
+    R3 when the replayed routes were the natural ones (:func:`reused_probe_before`), their
     natural routes here are the probe's "before" routes, computed by the same operations."""
     algo, (b, s) = run.recipe.algo, (tokens_BT.shape[0], tokens_BT.shape[1] - 1)
     action = {"r2": RouterAction.RECORD, "r3": RouterAction.REPLAY}.get(algo.routing, RouterAction.NATURAL)
@@ -278,6 +278,34 @@ def old_policy_pass(
         if action is RouterAction.RECORD:
             recorded.append(session.recorded_BSLK(rows.stop - rows.start, s))
     return torch.cat(logps), torch.cat(naturals), torch.cat(recorded) if recorded else None
+
+
+def reused_probe_before(
+    run: Run,
+    natural_BSLK: torch.Tensor,
+    replayed_BSLK: torch.Tensor | None,
+    valid_BS: torch.Tensor,
+) -> torch.Tensor | None:
+    """The flip probe's "before" routes taken from the pi_old pass (its probe rows' natural
+    captures ``natural_BSLK``) when that pass was the probe's own natural forward, else None (the
+    probe then runs that forward itself).
+
+    Natural routing (none; R2 records the natural choice): always. R3 replayed ``replayed_BSLK``
+    (the rollout's routes): reused when, on packed rows (no position outside ``valid_BS`` computed)
+    at TP = 1, the router's own top-k equals the replayed experts, in the same order, at every valid
+    position of every layer. Then each layer gathered the same scores its natural top-k returns,
+    so it dispatched the same tokens with the same gates, and by induction over layers every router
+    saw the hidden states of the natural forward: the captures are that forward's routes, bit for
+    bit. One differing slot (e.g. a rollout in another precision) and the probe runs its forward.
+    """
+    n = probe_rows(run, natural_BSLK.shape[0])
+    natural_BSLK = natural_BSLK[:n]
+    if run.recipe.algo.routing != "r3":
+        return natural_BSLK
+    if replayed_BSLK is None or not run.recipe.train.packing or run.info.tp_size > 1:
+        return None
+    same_BS = (natural_BSLK == replayed_BSLK[:n].to(natural_BSLK)).all(-1).all(-1)
+    return natural_BSLK if bool(same_BS[valid_BS[:n].bool()].all()) else None
 
 
 def natural_routes(run: Run, tokens_BT: torch.Tensor, lens_B: torch.Tensor | None = None) -> torch.Tensor:

@@ -89,3 +89,25 @@ def test_smoke_preset_with_the_trl_peer(tmp_path):
     for p in ("rollout_s", "old_logprob_s", "train_s", "step_s", "tokens"):
         assert _positive(peer["median"][p]), p
     assert _positive(vs["ratio_wall"]) and _positive(vs["ratio_cpu"])
+
+
+def test_step_time_rl_measures_every_phase_of_every_routing(tmp_path):
+    """``benchmarks.step_time --rl``: CPU seconds per phase of whole RL steps (the before/after
+    figures of a speed change), min and median, the probe's share and the replay overheads."""
+    out = tmp_path / "rl.json"
+    cmd = [sys.executable, "-m", "benchmarks.step_time", "--rl", "micro", "--repeats", "2", "--out", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert d["threads"] == 1 and d["timed_steps"] == 2 and d["settings"] == "smoke"
+    assert set(d["combos"]) == {"gspo/none", "gspo/r2", "gspo/r3"}
+    for name, phases in d["combos"].items():
+        for p in ("rollout", "old_logprob", "train", "probe", "step"):
+            assert _positive(phases[p]["min"]) and phases[p]["min"] <= phases[p]["median"], (name, p)
+        # every step is the sum of its phases, so its least is at least the sum of their least
+        parts = sum(phases[p]["min"] for p in ("rollout", "old_logprob", "train", "probe", "sync"))
+        assert phases["step"]["min"] >= parts * (1 - 1e-9), name
+    for stat in ("min", "median"):
+        assert 0 < d[f"probe_frac_{stat}"] < 1
+        assert set(d[f"replay_overhead_{stat}"]) == {"r2", "r3"}
+        assert all(math.isfinite(v) and v > -1 for v in d[f"replay_overhead_{stat}"].values())

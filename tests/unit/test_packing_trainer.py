@@ -76,10 +76,47 @@ def test_probe_before_routes_are_the_probe_forward(tmp_path, parallel_info, rout
     try:
         run.ensure_engine()
         batch, _ = collect(run, 0)
-        if routing == "r3":  # pi_old replayed the rollout's routes: not a natural forward
+        if routing == "r3" and not packing:  # replayed padding positions: not the natural forward
             assert batch.probe_before_BSLK is None
             return
+        # r3 packed: the fp32 engine's routes are the trainer's natural ones, so the replayed pass
+        # was the natural forward and its captures are reused
         probe = natural_routes(run, batch.tokens_BT[:3], batch.lens_B[:3])
+        assert batch.probe_before_BSLK is not None
         assert torch.equal(batch.probe_before_BSLK, probe)
+    finally:
+        run.close()
+
+
+def test_r3_probe_before_not_reused_when_replay_differs(tmp_path, parallel_info, monkeypatch):
+    """One replayed slot of a probe row that is not the router's own choice: pi_old's pass was not
+    the natural forward, so the probe runs its own "before" forward (and flip/step is still measured)."""
+    from moe_rl.trainer import rl
+
+    engine_routes = rl.engine_routes
+
+    def one_slot_changed(run, rollouts):
+        routes_BSLK = engine_routes(run, rollouts).clone()
+        e = int(routes_BSLK[1, 2, 1, 0])
+        others = [x for x in range(run.recipe.model.num_experts) if x not in routes_BSLK[1, 2, 1].tolist()]
+        routes_BSLK[1, 2, 1, 0] = others[0]
+        assert others[0] != e
+        return routes_BSLK
+
+    monkeypatch.setattr(rl, "engine_routes", one_slot_changed)
+    recipe = tiny(
+        tmp_path,
+        algo={"name": "grpo", "routing": "r3"},
+        train={"stages": ["rl"], "flip_probe_sequences": 3, "micro_batch_size": 2},
+    )
+    run = Run(recipe)
+    try:
+        run.ensure_engine()
+        run.make_optimizer("rl")
+        timer = StepTimer()
+        result = rl_step(run, 0, timer)
+        assert result.batch.probe_before_BSLK is None
+        assert "flip/step/rate" in result.metrics
+        assert timer.seconds["probe"] > 0
     finally:
         run.close()
