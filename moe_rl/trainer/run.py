@@ -64,11 +64,14 @@ class Run:
     def __init__(self, recipe: Recipe, *, write_recipe: bool = True):
         from moe_rl.megatron.parallel import init_parallel
         from moe_rl.megatron.policy import build_policy
-        from moe_rl.preflight import preflight
+        from moe_rl.preflight import check_vocab
+        from moe_rl.tasks import build_task, load_tokenizer
         from moe_rl.trainer.metrics import MetricsSink
 
         self.recipe = recipe
-        self.tok, self.task = preflight(recipe)  # the checks `moe-rl train` runs, for in-process callers too
+        self.tok = load_tokenizer(recipe.model.tokenizer)
+        check_vocab(recipe, self.tok)  # `moe-rl train` runs all of preflight before this
+        self.task = build_task(recipe.task)
         self._owns_dist = not torch.distributed.is_initialized()
         self.info = init_parallel(recipe.parallel, seed=recipe.train.seed)
         self.policy = build_policy(recipe.model, recipe.parallel, self.info)
