@@ -131,7 +131,8 @@ def test_stragglers_are_aborted_at_the_step_deadline(tmp_path):
         )
         assert ro.extras["aborted"] == 3 and ro.finish_reasons == ["abort"] * 3
         assert (ro.response_mask_BT.sum(-1) > 0).all()  # kept with what they generated
-        assert time.monotonic() - t0 < 20
+        # not left hanging (the rows run ~7 s in all; under a loaded CI machine up to ~20 s)
+        assert time.monotonic() - t0 < 60
         assert client.health_generate()  # the engine is not left paused or stuck
     finally:
         slow.stop(grace_s=10)
