@@ -49,14 +49,21 @@ def dead_policy(metrics: dict[str, float], vocab_size: int | None) -> str | None
 
     Dead: non-finite weights (``weights/finite`` is 0), the mean entropy at its maximum ln(V) (within ``DEAD_ENTROPY_TOL``: the output is
     uniform), or a gradient norm of exactly 0 over the whole step although some group had a
-    learning signal (``adv/zero_std_frac`` < 1) and not every token was clipped.
+    learning signal (``adv/zero_std_frac`` < 1) and nothing was clipped (a clip can zero every
+    informative sample's gradient legitimately: GSPO's sequence clip on off-policy rows).
     """
     if metrics.get("weights/finite") == 0.0:
         return "non-finite weights after the step (not synced to the rollout engine)"
     entropy = metrics.get("entropy/mean")
     if vocab_size and entropy is not None and entropy >= math.log(vocab_size) - DEAD_ENTROPY_TOL:
         return f"entropy {entropy:.5f} at its maximum ln({vocab_size}) = {math.log(vocab_size):.5f} (uniform output)"
-    signal = metrics.get("adv/zero_std_frac", 1.0) < 1.0 and metrics.get("clip/token_frac", 0.0) < 1.0
+    # A zero gradient is death only when nothing was clipped or masked: GSPO's sequence clip (or any
+    # clip) can legitimately zero every informative sample's gradient (e.g. off-policy rows).
+    clipped = any(
+        metrics.get(k, 0.0) > 0
+        for k in ("clip/token_frac", "clip/seq_frac", "clip/dual_clip_frac", "correction/masked_frac")
+    )
+    signal = metrics.get("adv/zero_std_frac", 1.0) < 1.0 and not clipped
     if signal and metrics.get("grad_norm") == 0.0 and not metrics.get("optim/skipped_updates"):
         return "gradient norm exactly 0 over the step despite a learning signal"
     return None

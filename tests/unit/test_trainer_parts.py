@@ -166,6 +166,9 @@ def test_sentinel_sees_a_dead_policy_and_rolls_back_then_stops():
     assert "gradient norm exactly 0" in dead_policy(flat, 104)
     # no learning signal (every group's rewards equal): a zero gradient is expected, not death
     assert dead_policy({**flat, "adv/zero_std_frac": 1.0}, 104) is None
+    # every informative sequence clipped (GSPO's sequence clip off-policy): zero gradient, alive
+    assert dead_policy({**flat, "clip/seq_frac": 0.5, "clip/token_frac": 0.5}, 104) is None
+    assert dead_policy({**flat, "clip/token_frac": 0.0, "clip/seq_frac": 0.0}, 104) is not None
     assert "non-finite weights" in dead_policy({**healthy, "weights/finite": 0.0}, 104)
     sentinel = Sentinel(SentinelConfig(max_rollbacks=1), vocab_size=104)  # every detector at "log"
     verdicts = [sentinel.check(uniform) for _ in range(2)]
