@@ -19,6 +19,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+RUN_MODEL = {
+    "vocab_size": 104,
+    "hidden_size": 32,
+    "num_layers": 1,
+    "num_attention_heads": 2,
+    "num_query_groups": 1,
+    "head_dim": 16,
+    "moe_ffn_hidden_size": 32,
+    "num_experts": 4,
+    "moe_router_topk": 2,
+    "max_seq_len": 48,
+}
+"The one-layer MoE the cases that really train use (seconds per run)."
 CATEGORIES = ("recipe", "override", "data", "checkpoint", "output", "cli", "signal", "server", "reward")
 
 

@@ -12,22 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.badinput.conftest import assert_kept, snapshot
+from tests.badinput.conftest import RUN_MODEL, assert_kept, snapshot
 
 data_case = pytest.mark.bad_input("data")
 reward_case = pytest.mark.bad_input("reward")
 
 TINY = {
-    "model": {
-        "hidden_size": 32,
-        "num_layers": 1,
-        "num_attention_heads": 2,
-        "num_query_groups": 1,
-        "head_dim": 16,
-        "moe_ffn_hidden_size": 32,
-        "num_experts": 4,
-        "max_seq_len": 48,
-    },
+    "model": RUN_MODEL,
     "train": {
         "stages": ["rl"],
         "rl_steps": 1,

@@ -17,27 +17,15 @@ import yaml
 
 from moe_rl.megatron.checkpoint import checkpoint_dirs, verify_checkpoint
 from moe_rl.trainer.metrics import read_metrics
-from tests.badinput.conftest import assert_kept, run_cli, snapshot
+from tests.badinput.conftest import RUN_MODEL, assert_kept, run_cli, snapshot
 
-MODEL = {
-    "vocab_size": 104,
-    "hidden_size": 32,
-    "num_layers": 1,
-    "num_attention_heads": 2,
-    "num_query_groups": 1,
-    "head_dim": 16,
-    "moe_ffn_hidden_size": 32,
-    "num_experts": 4,
-    "moe_router_topk": 2,
-    "max_seq_len": 48,
-}
 TRAIN = {"stages": ["sft"], "sft_steps": 4, "sft_batch_size": 4, "log_every": 1}
 
 
 def recipe(folder: Path, name: str = "r.yaml", *, checkpoint=None, **train) -> Path:
     """A tiny SFT recipe writing into ``folder/run``; ``train`` overrides ``TRAIN``."""
     data = {
-        "model": MODEL,
+        "model": RUN_MODEL,
         "optim": {"lr": 1e-3},
         "task": {"name": "arithmetic", "arithmetic": {"min_operands": 2, "max_operands": 2, "digits": 1}},
         "train": {**TRAIN, **train, "out_dir": str(folder / "run")},
