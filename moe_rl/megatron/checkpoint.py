@@ -275,6 +275,19 @@ def save_checkpoint(
     return final
 
 
+_VERIFIED: dict[tuple[str, int, int, str], bool] = {}
+"""(file, size, mtime_ns, expected sha256) -> matched: a resume checks the same files up to three
+times (exists, run state, load); a file changed since is hashed again."""
+
+
+def _matches(f: Path, digest: str) -> bool:
+    st = f.stat()
+    key = (str(f.resolve()), st.st_size, st.st_mtime_ns, digest)
+    if key not in _VERIFIED:
+        _VERIFIED[key] = _sha256(f) == digest
+    return _VERIFIED[key]
+
+
 def verify_checkpoint(ckpt: str | Path) -> str | None:
     """Why ``ckpt`` cannot be loaded (missing or unreadable meta, a file missing, truncated or
     changed since it was written, weights saved non-finite), or None when it is intact.
@@ -296,7 +309,7 @@ def verify_checkpoint(ckpt: str | Path) -> str | None:
         f = ckpt / rel
         if not f.is_file():
             return f"{rel} is missing"
-        if _sha256(f) != digest:
+        if not _matches(f, digest):
             return f"{rel} is truncated or corrupt (sha256 mismatch)"
     return None
 
