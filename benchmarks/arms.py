@@ -44,6 +44,9 @@ CACHE = ROOT / "runs" / "bench_cache"
 "Where SFT starts are cached, one directory per SFT signature."
 REUSABLE_SFT = (ROOT / "runs" / "demo" / "sft",)
 "Finished SFT runs (recipe.yaml + checkpoints/) reused when their SFT signature matches."
+SFT_CHECKPOINT_EVERY = 100
+"""An SFT start saves every this many steps: a stopped or killed one resumes where it was (an
+uninterrupted one and a resumed one give the same weights: tests/unit/test_bench_arms.py)."""
 SFT_TRAIN_KEYS = ("seed", "sft_steps", "sft_batch_size", "sft_lr")
 "The train fields the SFT stage reads (the rest of train is RL only)."
 
@@ -118,7 +121,10 @@ def _reusable(sig: dict) -> Path | None:
 def warm_start(
     base: str | Path, overrides: list[str] = (), *, cache: Path = CACHE, launch: str | None = None
 ) -> tuple[Path, dict]:
-    """The SFT checkpoint of ``base`` + ``overrides`` (trained now if not cached) and its info."""
+    """The SFT checkpoint of ``base`` + ``overrides`` (trained now if not cached) and its info.
+
+    The SFT saves every :data:`SFT_CHECKPOINT_EVERY` steps; one stopped or killed before its end
+    (checkpoints but no ``sft.json``) is resumed from its newest intact checkpoint."""
     from moe_rl.config import load_recipe
     from moe_rl.megatron.checkpoint import latest_checkpoint
     from moe_rl.trainer.metrics import read_metrics
@@ -134,7 +140,11 @@ def warm_start(
     if latest_checkpoint(ckpt) is not None and info_file.exists():
         log.info("reusing the cached SFT start %s", ckpt)
         return ckpt, {**json.loads(info_file.read_text()), "reused": True}
-    shutil.rmtree(root, ignore_errors=True)
+    resume = latest_checkpoint(ckpt) is not None  # an SFT stopped or killed before its end
+    if resume:
+        log.info("resuming the interrupted SFT start %s", ckpt)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
     t0, c0 = time.perf_counter(), cpu_seconds()
     run_recipe(
         base,
@@ -144,9 +154,10 @@ def warm_start(
             f"train.out_dir={root}",
             "checkpoint.dir=null",
             "checkpoint.load=null",
-            "checkpoint.every=0",
+            f"checkpoint.every={SFT_CHECKPOINT_EVERY}",
         ],
         launch,
+        resume=resume,
     )
     rows = read_metrics(root / "metrics.jsonl", "sft")
     info = {
@@ -174,15 +185,18 @@ def ensure_parallel() -> None:
         init_parallel(ParallelConfig(), seed=0)
 
 
-def run_recipe(base: str | Path, overrides: list[str], launch: str | None = None) -> dict:
-    """``moe-rl train base overrides``: in this process (``launch`` None) or as ``launch base overrides``.
+def run_recipe(
+    base: str | Path, overrides: list[str], launch: str | None = None, *, resume: bool = False
+) -> dict:
+    """``moe-rl train base overrides``: in this process (``launch`` None) or as ``launch base overrides``
+    (``resume``: ``--resume``, from the newest intact checkpoint of the run's directory).
 
     ``launch`` is a command prefix, e.g. ``".venv/bin/python -m moe_rl.cli train"`` (a fresh
     process per arm), ``launch/torchrun.sh`` (one node) or ``"sbatch --wait --nodes=3
     launch/slurm.sbatch"`` (Slurm; ``--wait`` makes the harness wait for each arm).
     """
     if launch:
-        cmd = [*shlex.split(launch), str(base), *overrides]
+        cmd = [*shlex.split(launch), str(base), *overrides, *(["--resume"] if resume else [])]
         log.info("launching %s", shlex.join(cmd))
         subprocess.run(cmd, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
         return {}
@@ -192,7 +206,7 @@ def run_recipe(base: str | Path, overrides: list[str], launch: str | None = None
     recipe = load_recipe(base, overrides)
     if recipe.parallel.world_size == 1:
         ensure_parallel()
-    return run(recipe)
+    return run(recipe, resume=resume)
 
 
 def run_arm(

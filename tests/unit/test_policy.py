@@ -110,3 +110,22 @@ def test_hidden_state_logprob_paths_equal_the_logits_path(parallel_info, tiny_mo
     torch.testing.assert_close(o2.entropy_BT, o1.entropy_BT, atol=2e-5, rtol=0)
     for n in g1:
         torch.testing.assert_close(g2[n], g1[n], atol=1e-4, rtol=1e-3, msg=n)
+
+
+@pytest.mark.parametrize(
+    "poison, finite",
+    [(None, True), (float("nan"), False), (float("inf"), False), (-float("inf"), False), ("overflow", True)],
+)
+def test_weights_finite_is_the_elementwise_definition(poison, finite):
+    """The sum-first check answers exactly what ``isfinite(p).all()`` over every parameter does,
+    also when finite weights overflow the sum (3e38 + 3e38 is inf in fp32)."""
+    from moe_rl.megatron.checkpoint import weights_finite
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    with torch.no_grad():
+        if poison == "overflow":
+            model[0].weight.fill_(3e38)
+        elif poison is not None:
+            model[1].bias[1] = poison
+    assert weights_finite(model) is finite
+    assert finite is all(bool(torch.isfinite(p).all()) for p in model.parameters())
