@@ -217,22 +217,29 @@ def run_arm(
     start: Path | None = None,
     launch: str | None = None,
 ) -> dict:
-    """One RL arm into a fresh ``out_dir`` (from SFT checkpoint ``start`` when given).
+    """One RL arm into ``out_dir`` (from SFT checkpoint ``start`` when given): a fresh one, or
+    the same run resumed when ``out_dir`` holds its checkpoint (:func:`resumable`: e.g. a run
+    stopped by SIGTERM, which saves at the next step).
 
-    Returns ``{"status": "done" | "stopped", "reason", "wall_s", "cpu_s"}``; a run the trainer
-    stops on purpose (repeated non-finite steps, a sentinel set to stop) is ``stopped``.
+    Returns ``{"status": "done" | "stopped" | "failed", "reason", "wall_s", "cpu_s", "resumed"}``
+    (times of this attempt only); a run the trainer stops on purpose (repeated non-finite steps, a
+    sentinel set to stop) is ``stopped``.
     """
     from moe_rl.trainer.loop import TrainingStopped
 
     out_dir = Path(out_dir)
-    shutil.rmtree(out_dir, ignore_errors=True)  # metrics.jsonl appends: start clean
     ov = [*overrides, f"train.out_dir={out_dir}"]
     if start is not None:
         ov += ["train.stages=[rl]", f"checkpoint.load={start}"]
+    resume = resumable(out_dir, base, ov)
+    if resume:
+        log.info("resuming %s from its checkpoint", out_dir)
+    else:
+        shutil.rmtree(out_dir, ignore_errors=True)  # metrics.jsonl appends: start clean
     t0, c0 = time.perf_counter(), cpu_seconds()
     status, reason = "done", None
     try:
-        run_recipe(base, ov, launch)
+        run_recipe(base, ov, launch, resume=resume)
     except TrainingStopped as e:
         status, reason = "stopped", str(e)
     except subprocess.CalledProcessError as e:
@@ -243,7 +250,24 @@ def run_arm(
         "wall_s": time.perf_counter() - t0,
         "cpu_s": cpu_seconds() - c0,
         "out_dir": str(out_dir),
+        "resumed": resume,
     }
+
+
+def resumable(out_dir: Path, base: str | Path, overrides: list[str]) -> bool:
+    """True when ``out_dir`` holds an intact checkpoint of the run ``base`` + ``overrides`` would
+    make: its saved ``recipe.yaml`` resolves to the same recipe (anything else starts over)."""
+    from moe_rl.config import load_recipe, to_dict
+    from moe_rl.megatron.checkpoint import latest_checkpoint
+
+    saved = out_dir / "recipe.yaml"
+    if not saved.exists() or latest_checkpoint(out_dir / "checkpoints") is None:
+        return False
+    try:
+        return to_dict(load_recipe(saved)) == to_dict(load_recipe(base, overrides))
+    except Exception as e:  # an unreadable or older recipe: not this run
+        log.info("not resuming %s: %s", out_dir, e)
+        return False
 
 
 def read_arm(out_dir: str | Path) -> dict:

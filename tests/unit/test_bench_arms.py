@@ -62,3 +62,42 @@ def test_an_interrupted_sft_start_resumes_to_the_same_weights(tmp_path, parallel
         assert torch.equal(want[k], got[k]), k
     again, info = arms.warm_start(arms.DEMO, SFT, cache=tmp_path / "cut")
     assert info["reused"] and again == cut
+
+
+def _rl_rows(out) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if r["stage"] == "rl"}
+
+
+def test_a_stopped_rl_arm_resumes_and_ends_as_an_uninterrupted_one(tmp_path, parallel_info, monkeypatch):
+    from moe_rl.trainer import loop
+
+    start, _ = arms.warm_start(arms.DEMO, SFT, cache=tmp_path / "sft")
+    ov = [*SFT, "train.rl_steps=4", "checkpoint.every=2", "train.eval_prompts=4", "train.seed=7"]
+    ref = arms.run_arm(arms.DEMO, ov, tmp_path / "ref", start=start)
+    assert ref["status"] == "done" and not ref["resumed"]
+
+    real, calls = loop.rl_step, []
+
+    def stopped_in_step_3(*a, **k):  # the checkpoint after 2 steps is down; step 3 dies
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("stopped")
+        return real(*a, **k)
+
+    monkeypatch.setattr(loop, "rl_step", stopped_in_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        arms.run_arm(arms.DEMO, ov, tmp_path / "cut", start=start)
+    calls.clear()
+    calls.append("no more stops")
+    monkeypatch.setattr(loop, "rl_step", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    cut = arms.run_arm(arms.DEMO, ov, tmp_path / "cut", start=start)
+    assert cut["status"] == "done" and cut["resumed"] and len(calls) == 1 + 2  # steps 2 and 3 only
+    want, got = _rl_rows(tmp_path / "ref"), _rl_rows(tmp_path / "cut")
+    assert sorted(got) == sorted(want) == [0, 1, 2, 3]
+    for step, row in want.items():
+        for k in ("reward/mean", "loss/pg", "grad_norm", "flip/step/rate", "eval/accuracy"):
+            assert got[step].get(k) == row.get(k), (step, k)
+    # another run's directory (a different recipe) is never resumed: it starts over
+    other = arms.run_arm(arms.DEMO, [*ov, "train.seed=8"], tmp_path / "cut", start=start)
+    assert other["status"] == "done" and not other["resumed"]
