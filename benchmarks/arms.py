@@ -47,6 +47,9 @@ REUSABLE_SFT = (ROOT / "runs" / "demo" / "sft",)
 SFT_CHECKPOINT_EVERY = 100
 """An SFT start saves every this many steps: a stopped or killed one resumes where it was (an
 uninterrupted one and a resumed one give the same weights: tests/unit/test_bench_arms.py)."""
+ARM_CHECKPOINT_EVERY = 10
+"""An RL arm saves every this many steps (unless its overrides say otherwise), so that a killed
+one resumes (:func:`run_arm`); saving does not change the run (tests/unit/test_bench_arms.py)."""
 SFT_TRAIN_KEYS = ("seed", "sft_steps", "sft_batch_size", "sft_lr")
 "The train fields the SFT stage reads (the rest of train is RL only)."
 
@@ -228,7 +231,7 @@ def run_arm(
     from moe_rl.trainer.loop import TrainingStopped
 
     out_dir = Path(out_dir)
-    ov = [*overrides, f"train.out_dir={out_dir}"]
+    ov = [f"checkpoint.every={ARM_CHECKPOINT_EVERY}", *overrides, f"train.out_dir={out_dir}"]
     if start is not None:
         ov += ["train.stages=[rl]", f"checkpoint.load={start}"]
     resume = resumable(out_dir, base, ov)
@@ -260,11 +263,15 @@ def resumable(out_dir: Path, base: str | Path, overrides: list[str]) -> bool:
     from moe_rl.config import load_recipe, to_dict
     from moe_rl.megatron.checkpoint import latest_checkpoint
 
+    def run_of(recipe) -> dict:  # how often it saves does not change a run
+        d = to_dict(recipe)
+        return {**d, "checkpoint": {k: v for k, v in d["checkpoint"].items() if k not in ("every", "keep")}}
+
     saved = out_dir / "recipe.yaml"
     if not saved.exists() or latest_checkpoint(out_dir / "checkpoints") is None:
         return False
     try:
-        return to_dict(load_recipe(saved)) == to_dict(load_recipe(base, overrides))
+        return run_of(load_recipe(saved)) == run_of(load_recipe(base, overrides))
     except Exception as e:  # an unreadable or older recipe: not this run
         log.info("not resuming %s: %s", out_dir, e)
         return False
