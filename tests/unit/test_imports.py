@@ -4,7 +4,7 @@ import sys
 
 def _modules_after(stmt):
     code = (
-        f"import sys, time; t=time.perf_counter(); {stmt}; print(time.perf_counter()-t); "
+        f"import sys, time; t=time.process_time(); {stmt}; print(time.process_time()-t); "  # CPU s: load-proof
         "print(' '.join(m for m in ('megatron', 'sglang', 'transformer_engine', 'triton') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
