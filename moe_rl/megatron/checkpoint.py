@@ -224,6 +224,49 @@ def _owner(ckpt: Path) -> str | None:
         return None
 
 
+_WRITER_MANAGER = None
+
+
+def _writer_server_init() -> None:
+    """In the writer queue's server process: survive SIGTERM / SIGINT, end with the parent."""
+    import multiprocessing
+    import signal
+    import threading
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+
+    def exit_with_parent() -> None:
+        parent.join()
+        os._exit(0)
+
+    threading.Thread(target=exit_with_parent, daemon=True).start()
+
+
+def signal_proof_writer_queue() -> None:
+    """megatron-core's checkpoint writer hands its results back through a multiprocessing
+    Manager queue, whose server process it starts at the first save (``filesystem_async.
+    _get_write_results_queue``, megatron-core 0.16.1). A SIGTERM sent to the whole process group
+    (Slurm's time limit or ``scancel``, ``kill -- -PGID``) ended that server, and the save the
+    signal asked for failed with ``BrokenPipeError``. Start the queue here instead, with a server
+    that ignores SIGTERM and SIGINT and exits when its parent process ends. Idempotent; nothing
+    is done where megatron-core has no such queue."""
+    global _WRITER_MANAGER
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    except ImportError:
+        return
+    if getattr(fa, "_results_queue", "absent") is not None:  # made already, or not this layout
+        return
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(_writer_server_init)
+    fa._results_queue, _WRITER_MANAGER = manager.Queue(), manager
+
+
 def save_checkpoint(
     root: str | Path,
     step: int,
@@ -255,6 +298,7 @@ def save_checkpoint(
         tmp.mkdir()
     dist.barrier()
     stepped = optimizer is not None and optimizer.step_count > 0
+    signal_proof_writer_queue()
     dist_checkpointing.save(
         _sharded_state(model, optimizer, is_loading=False, with_optimizer=stepped), str(tmp)
     )

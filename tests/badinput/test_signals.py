@@ -40,14 +40,18 @@ def _rows(folder: Path, stage: str) -> list[int]:
     return [r["step"] for r in read_metrics(metrics, stage)] if metrics.exists() else []
 
 
-def _signal_after_first_row(proc: subprocess.Popen, folder: Path, stage: str, *signums: int) -> int:
-    """Send ``signums`` (50 ms apart) once ``stage`` logged a row; the exit code."""
+def _signal_after_first_row(
+    proc: subprocess.Popen, folder: Path, stage: str, *signums: int, group: bool = False
+) -> int:
+    """Send ``signums`` (50 ms apart) once ``stage`` logged a row, to the trainer or (``group``) to
+    its whole process group, helper processes included, as Slurm and ``kill -- -PGID`` do; the
+    exit code."""
     deadline = time.time() + 300
     while not _rows(folder, stage):
         assert proc.poll() is None and time.time() < deadline, "the run ended before its first step"
         time.sleep(0.05)
     for s in signums:
-        os.kill(proc.pid, s)
+        (os.killpg if group else os.kill)(proc.pid, s)
         time.sleep(0.05)
     return proc.wait(timeout=300)
 
@@ -110,6 +114,20 @@ def test_sigterm_in_rl_checkpoints_the_rl_step_and_resume_continues(tmp_path):
     assert res.code == 0, res.err[-3000:]
     assert _rows(tmp_path, "rl") == list(range(stop + 1))
     assert _newest(tmp_path)[1]["extra"]["done"] == ["sft", "rl"]
+
+
+@pytest.mark.bad_input("signal")
+def test_sigterm_to_the_whole_process_group_still_checkpoints(tmp_path):
+    """The group includes megatron's checkpoint-writer queue server (started by the SFT stage's
+    save); it used to die with the group and the stop's save failed with BrokenPipeError."""
+    rl = {"rl_steps": 200, "prompts_per_step": 2, "group_size": 2, "minibatches": 1, "max_new_tokens": 6}
+    path = recipe(tmp_path, stages=["sft", "rl"], sft_steps=2, eval_prompts=2, **rl)
+    log = tmp_path / "log"
+    code = _signal_after_first_row(_start(path, log), tmp_path, "rl", signal.SIGTERM, group=True)
+    assert code == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    ckpt, meta = _newest(tmp_path)
+    assert meta["extra"]["stage"] == "rl" and verify_checkpoint(ckpt) is None
+    assert f"stopped after rl step {meta['extra']['step']}" in _stop_line(log, "SIGTERM")
 
 
 @pytest.mark.bad_input("signal")
