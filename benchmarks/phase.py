@@ -686,6 +686,9 @@ def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
         }
         title = f"phase diagram ({st.name}, {machine()}): collapse rate per arm, ingredients per cell"
         png = plot_diagram(diagram(tables, st.arms), st.arms, path.with_suffix(".png"), title)
+        if ranked:  # the best cell's runs over time: reward, accuracy and ingredients per arm
+            best_runs = [r for r in runs if r["cell"] == ranked[0]["cell"]]
+            headline["best_plot"] = collapse.plot(best_runs, path.with_name(path.stem + "-best.png")).name
     doc = {
         "bench": "phase",
         "stage": st.name,

@@ -197,6 +197,9 @@ def test_smoke_stage_end_to_end_with_resume(tmp_path, parallel_info):
         json.dumps(doc["headline"], default=str)
     )
     _png(tmp_path / "phase.png")
+    assert doc["headline"]["best_plot"] == "phase-best.png"
+    _png(tmp_path / "phase-best.png")
+    assert doc["headline"]["paper_gap"]["effect"]["cell"] == doc["headline"]["best"]["cell"]
     assert doc["runs_finished"] == doc["runs_planned"] == 4
     assert set(doc["cells"]) == {"base", "precision-bf16-recompute"}
     for r in doc["runs"]:
