@@ -30,9 +30,19 @@ def test_levers_are_turned_one_at_a_time():
         assert first == {}, f"the first level of {lever} is the base itself"
         for other, ks in keys.items():  # no two levers touch the same setting
             assert other == lever or not ks & keys[lever], (lever, other)
+        ref = cells[phase.cell_of(lever, next(iter(levels)))]  # the first level is the reference cell
         for level in list(levels)[1:]:
             c = cells[phase.cell_of(lever, level)]
-            assert c["lever"] == lever and c["overrides"] and _keys(c["overrides"]) <= keys[lever]
+            assert c["lever"] == lever and c["reference"] == phase.reference_cell(lever)
+            assert cells[c["reference"]] is ref
+            own = _keys(c["overrides"]) - _keys(ref["overrides"])  # differs from its reference in this lever
+            assert own and own <= keys[lever]
+            assert all(
+                c["overrides"][sec][k] == v for sec, d in ref["overrides"].items() for k, v in d.items()
+            )
+    # revision 1: length, granularity and depth are turned at 4 minibatches, where ratios leave 1
+    assert phase.reference_cell("depth") == "minibatches-4" and phase.reference_cell("precision") == "base"
+    assert cells["granularity-64x8"]["overrides"]["train"] == {"minibatches": 4}
     assert {c for c in cells if c != "base"} == {
         f"{lv}-{level}" for lv, levels in phase.LEVERS.items() for level in list(levels)[1:]
     }
