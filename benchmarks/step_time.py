@@ -123,7 +123,21 @@ def summarize_rl(cpu: dict[str, dict[str, list[float]]], model: str, preset: str
         out[f"replay_overhead_{stat}"] = {
             r: combos[f"gspo/{r}"]["step"][stat] / base[stat] - 1 for r in ("r2", "r3")
         }
-    return out
+    return {"headline": rl_headline(out), **out}
+
+
+def rl_headline(res: dict) -> dict:
+    """The figures issue 17 names, from :func:`summarize_rl`'s result: the probe's share of the
+    step and the replay overheads (min: the least disturbed steps; median beside it), and the
+    step's CPU seconds under routing none."""
+    return {
+        "probe_frac": res["probe_frac_min"],
+        "probe_frac_median": res["probe_frac_median"],
+        "replay_overhead": res["replay_overhead_min"],
+        "replay_overhead_median": res["replay_overhead_median"],
+        "step_cpu_s": res["combos"]["gspo/none"]["step"]["min"],
+        "measure": "CPU seconds at 1 thread, combos interleaved at the same steps",
+    }
 
 
 def main(argv=None) -> dict:
@@ -190,6 +204,7 @@ def main(argv=None) -> dict:
     ).stdout.split()
     res["import_moe_rl_s"] = float(secs)
     res["import_moe_rl_loads_megatron"] = megatron == "True"
+    res = {"headline": {f"step_s_{k}": v["median_s"] for k, v in res["layouts"].items()}, **res}
     path = result_path("step_time", "tiny")
     path.write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))

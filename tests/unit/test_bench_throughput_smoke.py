@@ -107,6 +107,8 @@ def test_step_time_rl_measures_every_phase_of_every_routing(tmp_path):
         # every step is the sum of its phases, so its least is at least the sum of their least
         parts = sum(phases[p]["min"] for p in ("rollout", "old_logprob", "train", "probe", "sync"))
         assert phases["step"]["min"] >= parts * (1 - 1e-9), name
+    assert d["headline"]["probe_frac"] == d["probe_frac_min"]
+    assert d["headline"]["replay_overhead"] == d["replay_overhead_min"]
     for stat in ("min", "median"):
         assert 0 < d[f"probe_frac_{stat}"] < 1
         assert set(d[f"replay_overhead_{stat}"]) == {"r2", "r3"}
