@@ -140,10 +140,10 @@ def warm_start(
         return reuse, {"checkpoint": str(reuse), "reused": True, "key": sft_key(recipe)}
     root = cache / sft_key(recipe)
     ckpt, info_file = root / "checkpoints", root / "sft.json"
-    if latest_checkpoint(ckpt) is not None and info_file.exists():
+    resume = latest_checkpoint(ckpt) is not None  # without sft.json: stopped or killed before its end
+    if resume and info_file.exists():
         log.info("reusing the cached SFT start %s", ckpt)
         return ckpt, {**json.loads(info_file.read_text()), "reused": True}
-    resume = latest_checkpoint(ckpt) is not None  # an SFT stopped or killed before its end
     if resume:
         log.info("resuming the interrupted SFT start %s", ckpt)
     else:

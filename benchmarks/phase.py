@@ -568,9 +568,7 @@ def paper_gap(tables: dict[str, dict], best: dict | None) -> dict:
     GSPO's minus GRPO's mean final held-out accuracy."""
     reached = {}
     for k, level in PAPER_LEVELS.items():
-        vals = {
-            c: t["ingredients"][k] for c, t in tables.items() if t["ingredients"][k] == t["ingredients"][k]
-        }
+        vals = {c: t["ingredients"][k] for c, t in tables.items() if not math.isnan(t["ingredients"][k])}
         if vals:
             c = max(vals, key=vals.get)
             reached[k] = {
@@ -732,16 +730,17 @@ def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
         png = collapse.plot(runs, path.with_suffix(".png"))
     else:
         ranked = ranking({c: t["arms"] for c, t in tables.items()}, list(st.cells))
+        best = ranked[0] if ranked else None
         headline = {
-            "best": ranked[0] if ranked else None,
+            "best": best,
             "stable_base": stable_base(tables),
             "ranking": ranked,
-            "paper_gap": paper_gap(tables, ranked[0] if ranked else None),
+            "paper_gap": paper_gap(tables, best),
         }
         title = f"phase diagram ({st.name}, {machine()}): collapse rate per arm, ingredients per cell"
         png = plot_diagram(diagram(tables, st.arms), st.arms, path.with_suffix(".png"), title)
-        if ranked:  # the best cell's runs over time: reward, accuracy and ingredients per arm
-            best_runs = [r for r in runs if r["cell"] == ranked[0]["cell"]]
+        if best:  # the best cell's runs over time: reward, accuracy and ingredients per arm
+            best_runs = [r for r in runs if r["cell"] == best["cell"]]
             headline["best_plot"] = collapse.plot(best_runs, path.with_name(path.stem + "-best.png")).name
     doc = {
         "bench": "phase",

@@ -176,7 +176,7 @@ def weights_finite(model, group=None) -> bool:
     params = [p.detach() for p in model.parameters()]
     sums = torch.stack([p.sum(dtype=torch.float32) for p in params])
     finite = bool(torch.isfinite(sums).all()) or all(bool(torch.isfinite(p).all()) for p in params)
-    device = next(model.parameters()).device
+    device = params[0].device
     return dist.all_ranks(finite, group, device=device if device.type == "cuda" else None)
 
 

@@ -57,8 +57,6 @@ def dead_policy(metrics: dict[str, float], vocab_size: int | None) -> str | None
     entropy = metrics.get("entropy/mean")
     if vocab_size and entropy is not None and entropy >= math.log(vocab_size) - DEAD_ENTROPY_TOL:
         return f"entropy {entropy:.5f} at its maximum ln({vocab_size}) = {math.log(vocab_size):.5f} (uniform output)"
-    # A zero gradient is death only when nothing was clipped or masked: GSPO's sequence clip (or any
-    # clip) can legitimately zero every informative sample's gradient (e.g. off-policy rows).
     clipped = any(
         metrics.get(k, 0.0) > 0
         for k in ("clip/token_frac", "clip/seq_frac", "clip/dual_clip_frac", "correction/masked_frac")
