@@ -45,7 +45,7 @@ from benchmarks.arms import (
     warm_start,
 )
 from benchmarks.common import commit, machine, result_path
-from benchmarks.volatility import PAPER
+from benchmarks.volatility import PAPER, _lstsq
 from moe_rl.config import load_recipe
 
 log = logging.getLogger("benchmarks.phase")
@@ -565,7 +565,7 @@ def paper_gap(tables: dict[str, dict], best: dict | None) -> dict:
     ``reached``: per ingredient, the cell with the highest mean (over its runs) and the factor it
     stayed below the paper's level (> 1: below). ``effect``: for ``best`` (a :func:`ranking` row),
     the collapse rates of GRPO and GSPO, their difference, the one-sided Fisher p-value, and
-    GSPO's minus GRPO's mean final held-out accuracy."""
+    GSPO's minus GRPO's mean final held-out accuracy. ``trend``: :func:`scale_trends`."""
     reached = {}
     for k, level in PAPER_LEVELS.items():
         vals = {c: t["ingredients"][k] for c, t in tables.items() if not math.isnan(t["ingredients"][k])}
@@ -588,7 +588,49 @@ def paper_gap(tables: dict[str, dict], best: dict | None) -> dict:
             "p_value": fisher_greater(g["collapsed"], g["runs"], s["collapsed"], s["runs"]),
             "final_acc_gspo_minus_grpo": s["ingredients"]["final_acc"] - g["ingredients"]["final_acc"],
         }
-    return {"reached": reached, "effect": effect}
+    return {"reached": reached, "effect": effect, "trend": scale_trends(tables)}
+
+
+SCALE_LEVERS = {
+    "depth": {"x": "num_layers", "paper": PAPER["layers"], "of_level": int},
+    "granularity": {
+        "x": "num_experts",
+        "paper": PAPER["experts"],
+        "of_level": lambda lv: int(lv.split("x")[0]),
+    },
+}
+"""Levers that are a model's scale, the quantity their level sets, its value in the 30B-scale
+reports (Qwen3-30B-A3B: 48 layers, 128 experts) and how to read it from a level name."""
+
+
+def scale_trends(tables: dict[str, dict]) -> dict:
+    """Per scale lever (:data:`SCALE_LEVERS`) and ingredient of :data:`PAPER_LEVELS`: the power law
+    ``value = exp(c) * x**exponent`` fitted (least squares in log-log) to the cells' means, what it
+    predicts at the paper's scale, and the ``x`` at which it would reach the paper's level (None when
+    the trend does not rise). Levels whose mean is not a positive number are left out; a lever needs
+    two levels with values."""
+    out: dict = {}
+    for lever, sc in SCALE_LEVERS.items():
+        for k, target in PAPER_LEVELS.items():
+            pts = []
+            for level in LEVERS[lever]:
+                c = cell_of(lever, level)
+                v = tables.get(c, {}).get("ingredients", {}).get(k, math.nan)
+                if v > 0 and math.isfinite(v):
+                    pts.append((sc["of_level"](level), v))
+            if len({x for x, _ in pts}) < 2:
+                continue
+            c0, b = _lstsq([[1.0, math.log(x)] for x, _ in pts], [math.log(v) for _, v in pts])
+            out.setdefault(lever, {})[k] = {
+                "x": sc["x"],
+                "measured": {str(x): v for x, v in pts},
+                "exponent": b,
+                "paper_x": sc["paper"],
+                "at_paper_x": math.exp(c0 + b * math.log(sc["paper"])),
+                "paper_level": target,
+                "reaches_paper_level_at_x": math.exp((math.log(target) - c0) / b) if b > 0 else None,
+            }
+    return out
 
 
 def _arm_counts(t: dict) -> dict:

@@ -195,6 +195,31 @@ def test_paper_gap_names_the_highest_cell_and_the_best_cells_effect():
     assert phase.paper_gap(tables, None)["effect"] is None
 
 
+def test_scale_trends_fit_a_power_law_and_extrapolate_to_the_paper_scale():
+    def cell(flip, rollout=0.0):
+        return {"ingredients": {"flip_step": flip, "flip_rollout": rollout}}
+
+    # depth is turned from minibatches-4 (its 4-layer level); flip/step doubles with the depth
+    tables = {
+        "minibatches-4": cell(0.001),
+        "depth-8": cell(0.002),
+        "depth-12": cell(0.003),
+        "granularity-64x8": cell(0.0005),  # falls with finer experts: no level where it reaches 10%
+        "base": cell(math.nan),
+    }
+    t = phase.scale_trends(tables)
+    d = t["depth"]["flip_step"]
+    assert d["x"] == "num_layers" and d["measured"] == {"4": 0.001, "8": 0.002, "12": 0.003}
+    assert d["exponent"] == pytest.approx(1.0) and d["paper_x"] == 48
+    assert d["at_paper_x"] == pytest.approx(0.012) and d["reaches_paper_level_at_x"] == pytest.approx(400)
+    g = t["granularity"]["flip_step"]
+    assert g["measured"] == {"8": 0.001, "64": 0.0005} and g["exponent"] < 0
+    assert g["reaches_paper_level_at_x"] is None and g["at_paper_x"] < 0.0005
+    assert "flip_rollout" not in t["depth"]  # zero everywhere (fp32 engine): nothing to fit
+    assert phase.scale_trends({"minibatches-4": cell(0.001)}) == {}  # one level: no trend
+    assert phase.paper_gap(tables, None)["trend"] == t
+
+
 def _png(path):
     assert path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
