@@ -111,7 +111,10 @@ def rl_steps(model: str, repeats: int, threads: int) -> dict:
 
 
 def summarize_rl(cpu: dict[str, dict[str, list[float]]], model: str, preset: str, repeats: int, threads: int):
-    """Min and median CPU seconds per phase, the probe's share and the replay overheads (of both)."""
+    """Min and median CPU seconds per phase, the probe's share and the replay overheads (of both,
+    and paired per step)."""
+    from benchmarks.throughput_report import paired_probe_fracs, paired_replay_overheads
+
     combos = {
         name: {p: {"min": min(v), "median": statistics.median(v)} for p, v in phases.items()}
         for name, phases in cpu.items()
@@ -123,20 +126,28 @@ def summarize_rl(cpu: dict[str, dict[str, list[float]]], model: str, preset: str
         out[f"replay_overhead_{stat}"] = {
             r: combos[f"gspo/{r}"]["step"][stat] / base[stat] - 1 for r in ("r2", "r3")
         }
+    none = cpu["gspo/none"]
+    out["probe_frac_paired"] = statistics.median(paired_probe_fracs(none))
+    out["replay_overhead_paired"] = {
+        r: statistics.median(paired_replay_overheads(none, cpu[f"gspo/{r}"], r)) for r in ("r2", "r3")
+    }
+    out["cpu_s_per_step"] = cpu
     return {"headline": rl_headline(out), **out}
 
 
 def rl_headline(res: dict) -> dict:
     """The figures issue 17 names, from :func:`summarize_rl`'s result: the probe's share of the
-    step and the replay overheads (min: the least disturbed steps; median beside it), and the
-    step's CPU seconds under routing none."""
+    step and the replay overheads, each the median over the timed steps of a per-step figure paired
+    at the same step index (``benchmarks.throughput_report.paired_*``; ratios of the phases' min
+    and median beside them), and the step's CPU seconds under routing none (min)."""
     return {
-        "probe_frac": res["probe_frac_min"],
-        "probe_frac_median": res["probe_frac_median"],
-        "replay_overhead": res["replay_overhead_min"],
-        "replay_overhead_median": res["replay_overhead_median"],
+        "probe_frac": res["probe_frac_paired"],
+        "probe_frac_of_min": res["probe_frac_min"],
+        "replay_overhead": res["replay_overhead_paired"],
+        "replay_overhead_of_min": res["replay_overhead_min"],
+        "replay_overhead_of_median": res["replay_overhead_median"],
         "step_cpu_s": res["combos"]["gspo/none"]["step"]["min"],
-        "measure": "CPU seconds at 1 thread, combos interleaved at the same steps",
+        "measure": "CPU seconds at 1 thread, combos interleaved at the same steps, paired per step",
     }
 
 

@@ -413,6 +413,7 @@ def summarize(steps: list[dict]) -> dict:
             d["delta_mib"] = d["peak_mib"] - d["start_mib"]
         out["phases"][p] = d
     out["wall_s_per_step"] = [s["step"]["s"] for s in steps]
+    out["cpu_s_per_step"] = {p: [s[p]["cpu_s"] for s in steps] for p in PHASES if p in steps[0]}
     out["cpu_utilisation"] = out["phases"]["step"]["cpu_s"] / out["phases"]["step"]["s"]
     return out
 

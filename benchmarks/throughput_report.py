@@ -94,14 +94,42 @@ def step_floor(combo: dict, dims: dict, vocab: int, peak: dict, peer_median: dic
     return out
 
 
+REPLAY_PHASES = {"r2": ("old_logprob", "train", "probe"), "r3": ("rollout", "old_logprob", "train", "probe")}
+"""The step phases each replay mode changes. R2 asks the engine for nothing more than routing none
+does (same prompts, sampling, no routes), so its rollout is the same computation and only adds
+noise to a difference; R3's rollout also returns the engine's routes."""
+
+
+def paired_probe_fracs(cpu: dict[str, list[float]]) -> list[float]:
+    """Per timed step: the flip probes' CPU seconds over that step's (``cpu``: phase -> per-step)."""
+    return [pr / st for pr, st in zip(cpu["probe"], cpu["step"], strict=True)]
+
+
+def paired_replay_overheads(
+    none: dict[str, list[float]], mode_cpu: dict[str, list[float]], mode: str
+) -> list[float]:
+    """Per timed step index: the CPU seconds routing ``mode`` added in the phases it changes
+    (:data:`REPLAY_PHASES`), over that step's CPU seconds under routing none. The two steps of an
+    index share prompts and sampling seeds and ran one after the other, so machine noise that
+    drifts over minutes cancels in the pair (``none``/``mode_cpu``: phase -> per-step CPU s)."""
+    n = len(none["step"])
+    if len(mode_cpu["step"]) != n:
+        raise ValueError(
+            f"{len(mode_cpu['step'])} steps of {mode} against {n} of routing none: pair equal counts"
+        )
+    return [sum(mode_cpu[p][i] - none[p][i] for p in REPLAY_PHASES[mode]) / none["step"][i] for i in range(n)]
+
+
 def headline(res: dict) -> dict:
     """The figures issue 17 asks for, from one run (None where the run did not measure them).
 
     moe_rl_over_trl_*: tokens per CPU second of the whole step (flip probes on, GSPO, routing
     none) over TRL's, same model, weights, prompts, G and batch, 1 thread each. probe_frac: the
-    flip probes' share of the step's CPU seconds (small model, gspo/none; the max over every
-    combo and model beside it). replay_overhead: step CPU seconds with R2 / R3 over routing none,
-    minus 1 (small model; median over the algorithms; the larger of the two modes). floor_multiple_*: the step's CPU
+    flip probes' share of the step's CPU seconds (small model, gspo/none, median over its timed
+    steps of the per-step share; the max over every combo and model beside it). replay_overhead:
+    the CPU seconds R2 / R3 add to the phases they change, over the step's CPU seconds under
+    routing none, paired by step index (:func:`paired_replay_overheads`; small model; median over
+    the algorithms' steps; the larger of the two modes). floor_multiple_*: the step's CPU
     seconds over its matmul floor. padding_share_removed: the share of a padded batch's input
     positions that packing does not compute (gspo/none rollouts of each model).
     """
@@ -112,16 +140,19 @@ def headline(res: dict) -> dict:
         return vs["ratio_cpu"] if vs else None
 
     def probe(c):
-        return c["phases"]["probe"]["cpu_s"] / c["phases"]["step"]["cpu_s"]
+        return statistics.median(paired_probe_fracs(c["cpu_s_per_step"]))
 
     def replay(name, mode):
         combos = models[name]["combos"]
         r = [
-            combos[f"{a}/{mode}"]["phases"]["step"]["cpu_s"] / combos[f"{a}/none"]["phases"]["step"]["cpu_s"]
+            x
             for a in ("grpo", "gspo", "gspo_token")
             if f"{a}/{mode}" in combos and f"{a}/none" in combos
+            for x in paired_replay_overheads(
+                combos[f"{a}/none"]["cpu_s_per_step"], combos[f"{a}/{mode}"]["cpu_s_per_step"], mode
+            )
         ]
-        return sorted(r)[len(r) // 2] - 1 if r else None
+        return statistics.median(r) if r else None
 
     small = "small" if "small" in models else None
     out = {

@@ -107,9 +107,31 @@ def test_step_time_rl_measures_every_phase_of_every_routing(tmp_path):
         # every step is the sum of its phases, so its least is at least the sum of their least
         parts = sum(phases[p]["min"] for p in ("rollout", "old_logprob", "train", "probe", "sync"))
         assert phases["step"]["min"] >= parts * (1 - 1e-9), name
-    assert d["headline"]["probe_frac"] == d["probe_frac_min"]
-    assert d["headline"]["replay_overhead"] == d["replay_overhead_min"]
+    assert d["headline"]["probe_frac"] == d["probe_frac_paired"]
+    assert d["headline"]["replay_overhead"] == d["replay_overhead_paired"]
+    assert d["headline"]["replay_overhead_of_min"] == d["replay_overhead_min"]
+    assert 0 < d["probe_frac_paired"] < 1 and set(d["replay_overhead_paired"]) == {"r2", "r3"}
+    assert all(len(v["step"]) == 2 for v in d["cpu_s_per_step"].values())
     for stat in ("min", "median"):
         assert 0 < d[f"probe_frac_{stat}"] < 1
         assert set(d[f"replay_overhead_{stat}"]) == {"r2", "r3"}
         assert all(math.isfinite(v) and v > -1 for v in d[f"replay_overhead_{stat}"].values())
+
+
+def test_paired_overheads_difference_only_the_phases_a_mode_changes():
+    from benchmarks.throughput_report import paired_probe_fracs, paired_replay_overheads
+
+    def steps(rollout, train, probe=(0.1, 0.1)):
+        d = {"rollout": list(rollout), "old_logprob": [0.5, 0.5], "train": list(train), "probe": list(probe)}
+        d["step"] = [sum(d[p][i] for p in ("rollout", "old_logprob", "train", "probe")) for i in range(2)]
+        return d
+
+    none = steps((1.0, 1.4), (2.0, 2.0))  # step 3.6, 4.0
+    other = steps((1.3, 1.0), (2.036, 2.04))  # a noisier rollout, +0.036 / +0.04 s of training
+    assert paired_replay_overheads(none, other, "r2") == pytest.approx(
+        [0.01, 0.01]
+    )  # rollout noise: not R2's
+    assert paired_replay_overheads(none, other, "r3") == pytest.approx([0.336 / 3.6, -0.36 / 4.0])
+    assert paired_probe_fracs(none) == pytest.approx([0.1 / 3.6, 0.1 / 4.0])
+    with pytest.raises(ValueError, match="pair equal counts"):
+        paired_replay_overheads(none, {k: v[:1] for k, v in other.items()}, "r2")
