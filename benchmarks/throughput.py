@@ -61,6 +61,7 @@ from benchmarks.throughput_report import (  # noqa: E402
     PHASES,
     headline,
     matmul_peak_flops,
+    own_gemms_vs_floor,
     plot,
     scaling,
     step_floor,
@@ -89,6 +90,10 @@ MICRO = {  # the smoke preset's stand-ins, so that a test runs in seconds
     "small": dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2, head_dim=16,
                   moe_ffn_hidden_size=64, num_experts=8, moe_router_topk=2),
 }
+GEMM_FLUSH_MIB = 64
+"""The "cold" GEMM timing writes this much scratch memory before each timed call: inputs and
+weights leave the core's L2 (2 MiB per core here), as a step that streams every expert through
+each layer leaves them."""
 WORLD_COMBOS = (("gspo", "none", "recompute"), ("gspo", "r2", "recompute"), ("gspo", "r3", "recompute"))
 PRESETS = {
     "smoke": dict(models=MICRO, warmup=1, repeats=1, world=(), world_combos=(("gspo", "none", "recompute"),),
@@ -346,9 +351,11 @@ def measure(
     rollouts_in: str | None = None,
     rollouts_out: str | None = None,
     export_dir: str | None = None,
+    own_gemms: tuple[str, str, str] | None = None,
 ) -> dict:
     """Run every (algo, routing, old_logprobs) combo ``warmup + repeats`` times, interleaved;
-    per-step records."""
+    per-step records. ``own_gemms``: a combo whose GEMMs one more step records, then timed alone
+    (:mod:`benchmarks.gemm_floor`)."""
     from dataclasses import replace
 
     from moe_rl.trainer.run import Run
@@ -381,6 +388,22 @@ def measure(
                     steps[combo_name(*combo)].append(rec)
         if rollouts_out and run.info.rank == 0:
             torch.save(recorded, rollouts_out)
+        gemms = None
+        if own_gemms:
+            from benchmarks.gemm_floor import GemmRecorder, own_gemm_seconds
+
+            algo, routing, old = own_gemms
+            run.recipe = replace(
+                recipe, algo=replace(recipe.algo, name=algo, routing=routing, old_logprobs=old)
+            )
+            with GemmRecorder() as gemm_calls:
+                bench_step(run, warmup + repeats, mem)
+            gemms = {
+                "combo": combo_name(*own_gemms),
+                "warm": own_gemm_seconds(gemm_calls),
+                "cold": own_gemm_seconds(gemm_calls, flush_mib=GEMM_FLUSH_MIB),
+                "flush_mib": GEMM_FLUSH_MIB,
+            }
         params = sum(p.numel() for p in run.policy.parameters())
         info = {
             "world_size": run.info.world_size,
@@ -393,7 +416,8 @@ def measure(
     finally:
         run.recipe = recipe
         run.close()
-    return {"layout": info, "combos": {k: summarize(v) for k, v in steps.items()}}
+    out = {"layout": info, "combos": {k: summarize(v) for k, v in steps.items()}}
+    return {**out, "own_gemms": gemms} if gemms else out
 
 
 def summarize(steps: list[dict]) -> dict:
@@ -633,10 +657,12 @@ def main(argv=None) -> dict:
                 repeats=p["repeats"],
                 rollouts_out=rollouts,
                 export_dir=export,
+                own_gemms=("gspo", "none", "recompute"),
             )
             d.update(config=dims, overheads=overheads(d["combos"]), wall_s=t0.seconds())
             vocab = build_recipe(dims, p["train"]).model.vocab_size
             d["floor"] = step_floor(d["combos"]["gspo/none"], dims, vocab, res["matmul_peak"], None)
+            d["floor"]["own_gemms"] = own_gemms_vs_floor(d["own_gemms"], d["combos"]["gspo/none"], d["floor"])
             res["models"][name] = d
             print(f"[throughput] {name}: {d['wall_s']:.0f} s", flush=True)
         if "tiny" in res["models"]:

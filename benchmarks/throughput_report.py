@@ -94,6 +94,17 @@ def step_floor(combo: dict, dims: dict, vocab: int, peak: dict, peer_median: dic
     return out
 
 
+def own_gemms_vs_floor(own: dict, combo: dict, floor: dict) -> dict:
+    """The step's own GEMMs timed alone (``benchmarks.gemm_floor``; warm: inputs left in cache by
+    the previous repeat, cold: flushed first) against the step and its FLOP floor."""
+    step = combo["phases"]["step"]["cpu_s"]
+    out = {}
+    for k in ("warm", "cold"):
+        s = own[k]["gemm_cpu_s"]
+        out[k] = {"gemm_cpu_s": s, "over_flop_floor": s / floor["floor_s"], "step_over_gemms": step / s}
+    return out
+
+
 REPLAY_PHASES = {"r2": ("old_logprob", "train", "probe"), "r3": ("rollout", "old_logprob", "train", "probe")}
 """The step phases each replay mode changes. R2 asks the engine for nothing more than routing none
 does (same prompts, sampling, no routes), so its rollout is the same computation and only adds
@@ -130,7 +141,9 @@ def headline(res: dict) -> dict:
     the CPU seconds R2 / R3 add to the phases they change, over the step's CPU seconds under
     routing none, paired by step index (:func:`paired_replay_overheads`; small model; median over
     the algorithms' steps; the larger of the two modes). floor_multiple_*: the step's CPU
-    seconds over its matmul floor. padding_share_removed: the share of a padded batch's input
+    seconds over its matmul floor. own_gemms_small: the small step's own GEMMs, each timed alone
+    at its shapes (warm and cache-flushed), over that floor and under the step
+    (:func:`own_gemms_vs_floor`). padding_share_removed: the share of a padded batch's input
     positions that packing does not compute (gspo/none rollouts of each model).
     """
     models, trl = res.get("models", {}), res.get("trl", {})
@@ -165,6 +178,7 @@ def headline(res: dict) -> dict:
         "replay_overhead_by_mode": {mode: replay(small, mode) for mode in ("r2", "r3")} if small else None,
         "floor_multiple_tiny": models.get("tiny", {}).get("floor", {}).get("moe_rl_step_s_over_floor"),
         "floor_multiple_small": models.get("small", {}).get("floor", {}).get("moe_rl_step_s_over_floor"),
+        "own_gemms_small": models[small]["floor"].get("own_gemms") if small else None,
         "padding_share_removed": {n: m["combos"]["gspo/none"]["padding_share"] for n, m in models.items()},
         "loadavg_1m": [res.get("loadavg_1m_start"), res.get("loadavg_1m_end")],
         "measure": "CPU seconds at 1 thread (wall seconds swing with the machine's load)",

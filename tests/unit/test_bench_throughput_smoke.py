@@ -39,6 +39,7 @@ def test_smoke_preset_measures_every_phase(tmp_path):
     for k in ("probe_frac", "replay_overhead", "floor_multiple_small"):
         assert isinstance(head[k], float) and math.isfinite(head[k]), k
     assert 0 < head["probe_frac"] < 1 and head["floor_multiple_small"] > 1
+    assert head["own_gemms_small"] == res["models"]["small"]["floor"]["own_gemms"]
     assert head["moe_rl_over_trl_tiny"] is None and head["moe_rl_over_trl_small"] is None  # --no-trl
     for model, share in head["padding_share_removed"].items():
         assert 0 <= share < 1, model
@@ -65,6 +66,11 @@ def test_smoke_preset_measures_every_phase(tmp_path):
             # the step is the loop's: rollout + old_logprob + train + probe + sync (sync_hf is extra)
             parts = sum(c["phases"][p]["s"] for p in ("rollout", "old_logprob", "train", "probe", "sync"))
             assert c["phases"]["step"]["s"] == pytest.approx(parts, rel=1e-6)
+        assert d["own_gemms"]["combo"] == "gspo/none" and d["own_gemms"]["warm"]["distinct_calls"] > 0
+        for k in ("warm", "cold"):  # the step's own GEMMs, timed alone: part of the step
+            og = d["floor"]["own_gemms"][k]
+            assert _positive(og["gemm_cpu_s"]) and _positive(og["over_flop_floor"]), (model, k)
+            assert og["step_over_gemms"] > 1, (model, k)
         ov = d["overheads"]
         assert set(ov["replay"]) == {f"{a}/{g}" for a in ("grpo", "gspo", "gspo_token") for g in ("r2", "r3")}
         assert all(_positive(v["old_logprob_plus_train_cpu"]) for v in ov["replay"].values())
