@@ -121,6 +121,25 @@ def _reusable(sig: dict) -> Path | None:
     return None
 
 
+def cached_start(
+    base: str | Path, overrides: list[str] = (), *, cache: Path = CACHE
+) -> tuple[Path, dict] | None:
+    """The finished SFT checkpoint of ``base`` + ``overrides`` and its info, if one exists (a
+    finished ``runs/demo/sft`` of the same signature, or the cache's), else None; trains nothing."""
+    from moe_rl.config import load_recipe
+    from moe_rl.megatron.checkpoint import latest_checkpoint
+
+    recipe = load_recipe(base, [*overrides, "train.stages=[sft]"])
+    reuse = _reusable(sft_signature(recipe))
+    if reuse is not None:
+        return reuse, {"checkpoint": str(reuse), "reused": True, "key": sft_key(recipe)}
+    root = cache / sft_key(recipe)
+    ckpt, info_file = root / "checkpoints", root / "sft.json"
+    if info_file.exists() and latest_checkpoint(ckpt) is not None:
+        return ckpt, {**json.loads(info_file.read_text()), "reused": True}
+    return None
+
+
 def warm_start(
     base: str | Path, overrides: list[str] = (), *, cache: Path = CACHE, launch: str | None = None
 ) -> tuple[Path, dict]:
@@ -132,18 +151,15 @@ def warm_start(
     from moe_rl.megatron.checkpoint import latest_checkpoint
     from moe_rl.trainer.metrics import read_metrics
 
+    hit = cached_start(base, overrides, cache=cache)
+    if hit is not None:
+        log.info("reusing the SFT start %s", hit[0])
+        return hit
     recipe = load_recipe(base, [*overrides, "train.stages=[sft]"])
     sig = sft_signature(recipe)
-    reuse = _reusable(sig)
-    if reuse is not None:
-        log.info("reusing the SFT start %s", reuse)
-        return reuse, {"checkpoint": str(reuse), "reused": True, "key": sft_key(recipe)}
     root = cache / sft_key(recipe)
     ckpt, info_file = root / "checkpoints", root / "sft.json"
     resume = latest_checkpoint(ckpt) is not None  # without sft.json: stopped or killed before its end
-    if resume and info_file.exists():
-        log.info("reusing the cached SFT start %s", ckpt)
-        return ckpt, {**json.loads(info_file.read_text()), "reused": True}
     if resume:
         log.info("resuming the interrupted SFT start %s", ckpt)
     else:

@@ -38,6 +38,7 @@ from benchmarks.arms import (
     DEMO,
     ROOT,
     SMOKE_BASE,
+    cached_start,
     cpu_seconds,
     flatten,
     mean,
@@ -417,34 +418,102 @@ class Stage:
 
 
 def execute(st: Stage, *, jobs: int, cache: Path, launch: str | None) -> list[dict]:
-    """Every run of ``st`` not finished yet (SFT starts first, one per signature), ``jobs`` at a
-    time. The screen runs the base gate of :data:`BASE_PROTOCOL` first and stops if it fails."""
+    """Every run of ``st`` not finished yet, ``jobs`` at a time (:func:`run_when_ready`: one worker
+    trains the SFT starts the runs lack, in run order, while the others run the runs whose start
+    is cached). The screen runs the base gate of
+    :data:`BASE_PROTOCOL` first and stops if it fails."""
     if st.name == "screen" and "base" in st.cells and len(st.cells) > 1:
         gate = Stage(st.name, st.base, {"base": st.cells["base"]}, DECIDING_ARMS, st.seeds, st.root, st.steps)
         execute(gate, jobs=jobs, cache=cache, launch=launch)
         verdict = stable_base(cell_tables(analyse(*finished(gate))))
         if not (verdict and verdict["stable"]):
             raise SystemExit(f"the base is not stable ({verdict}): {BASE_PROTOCOL}")
-    items = st.items()
-    starts: dict[str, Path] = {}
-    sft_lock = threading.Lock()  # one SFT start at a time (they run in this process), trained lazily
+    starts: dict[str, Path] = {}  # cells whose SFT start is cached (several cells share one)
+    uncached: set[str] = set()  # cells found without a start since the last build
 
-    def start_of(c: str) -> Path:
-        with sft_lock:  # warm_start caches by SFT signature: cells of one model and task share a start
-            if c not in starts:
-                common = common_overrides(st.base, st.cells[c], st.variant)
-                starts[c], _ = warm_start(DEMO, common, cache=cache, launch=launch)
-            return starts[c]
+    def common(c: str) -> list[str]:
+        return common_overrides(st.base, st.cells[c], st.variant)
+
+    def ready(item) -> bool:
+        c, _, _, out = item
+        if (out / collapse.STATUS_FILE).exists():  # a finished run needs no start
+            return True
+        if c not in starts and c not in uncached:
+            hit = cached_start(DEMO, common(c), cache=cache)
+            if hit is None:
+                uncached.add(c)
+            else:
+                starts[c] = hit[0]
+        return c in starts
+
+    def build(item) -> None:  # trains the start in this process; warm_start caches it by signature
+        starts[item[0]], _ = warm_start(DEMO, common(item[0]), cache=cache, launch=launch)
+        uncached.clear()  # cells of the same signature share this start
 
     run_launch = collapse.local_launch(launch, jobs)
 
     def one(item):
         c, a, s, out = item
-        start = None if (out / collapse.STATUS_FILE).exists() else start_of(c)  # a finished run is skipped
+        start = None if (out / collapse.STATUS_FILE).exists() else starts[c]  # a finished run is skipped
         ov = st.overrides(c, a, s)
         return collapse.resumable_run(f"{c} {a} seed {s}", DEMO, ov, out, start=start, launch=run_launch)
 
-    return collapse.in_pool(one, items, jobs)
+    return run_when_ready(st.items(), jobs=jobs, ready=ready, build=build, run=one)
+
+
+def run_when_ready(items: list, *, jobs: int, ready, build, run) -> list:
+    """``[run(x) for x in items]`` with ``jobs`` workers, where an item may first need a start that
+    ``build(x)`` makes (``ready(x)``: its start exists). A free worker builds the start of the
+    first pending item that lacks one when no build is under way (one at a time: SFT starts train
+    in this process), else runs the first pending item that is ready, else waits. So starts are
+    built as early as the order asks, and the other workers run what is ready meanwhile instead
+    of waiting on a start. Results in the order of ``items``; the first error stops the workers
+    and is raised."""
+    pending = list(range(len(items)))
+    results: dict[int, object] = {}
+    errors: list[BaseException] = []
+    cond = threading.Condition()
+    building = [False]
+
+    def next_job():
+        with cond:
+            while not errors and pending:
+                if not building[0]:
+                    j = next((i for i in pending if not ready(items[i])), None)
+                    if j is not None:
+                        building[0] = True
+                        return build, j
+                i = next((i for i in pending if ready(items[i])), None)
+                if i is not None:
+                    pending.remove(i)
+                    return run, i
+                cond.wait()
+            return None
+
+    def worker():
+        while (job := next_job()) is not None:
+            fn, i = job
+            try:
+                out = fn(items[i])
+                if fn is run:
+                    results[i] = out
+                elif not ready(items[i]):
+                    raise RuntimeError(f"building the start of {items[i]} left it not ready")
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                errors.append(e)
+            finally:
+                with cond:
+                    building[0] = building[0] and fn is not build
+                    cond.notify_all()
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [results[i] for i in range(len(items))]
 
 
 def finished(st: Stage) -> tuple[list[tuple], list[dict]]:

@@ -313,6 +313,56 @@ def test_screen_order_covers_every_cell_once_and_deciding_arms_run_first(tmp_pat
     ]
 
 
+def test_run_when_ready_builds_starts_in_order_while_the_other_worker_runs():
+    """Items (name, cell): cells "a" and "c" have no start yet, "b" has. With two workers, one
+    builds a's start, then c's, while the other runs b's items, then a's; builds never overlap;
+    every item runs once, after its start exists; results come back in item order."""
+    import threading
+    import time
+
+    built, log, lock = {"b"}, [], threading.Lock()
+    active = {"build": 0, "max_build": 0}
+
+    def build(item):
+        with lock:
+            active["build"] += 1
+            active["max_build"] = max(active["max_build"], active["build"])
+            log.append(("build start", item[1]))
+        time.sleep(0.5)
+        with lock:
+            built.add(item[1])
+            active["build"] -= 1
+            log.append(("build end", item[1]))
+
+    def run(item):
+        assert item[1] in built
+        with lock:
+            log.append(("run", item[0]))
+        time.sleep(0.05)
+        return item[0].upper()
+
+    items = [("a1", "a"), ("a2", "a"), ("b1", "b"), ("b2", "b"), ("c1", "c")]
+    out = phase.run_when_ready(items, jobs=2, ready=lambda it: it[1] in built, build=build, run=run)
+    assert out == ["A1", "A2", "B1", "B2", "C1"]
+    assert sorted(e[1] for e in log if e[0] == "run") == ["a1", "a2", "b1", "b2", "c1"]
+    assert active["max_build"] == 1 and [e[1] for e in log if e[0] == "build start"] == ["a", "c"]
+    at = log.index
+    assert at(("run", "b1")) < at(("build end", "a"))  # ran while a's start was building
+    assert at(("build end", "a")) < at(("build start", "c"))  # one build at a time, in item order
+    assert at(("run", "a1")) < at(("build end", "c"))  # a's items ran while c's start was building
+
+
+def test_run_when_ready_raises_the_first_error_and_a_build_that_leaves_no_start():
+    def boom(item):
+        raise ValueError(f"run {item} failed")
+
+    with pytest.raises(ValueError, match="run x failed"):
+        phase.run_when_ready(["x", "y"], jobs=2, ready=lambda it: True, build=None, run=boom)
+    with pytest.raises(RuntimeError, match="left it not ready"):
+        phase.run_when_ready(["x"], jobs=1, ready=lambda it: False, build=lambda it: None, run=boom)
+    assert phase.run_when_ready([], jobs=2, ready=None, build=None, run=None) == []
+
+
 def test_the_screen_stops_after_the_base_gate_when_the_base_is_not_stable(tmp_path, monkeypatch):
     ran = []
 
