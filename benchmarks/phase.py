@@ -810,6 +810,9 @@ def plot_diagram(diag: dict, arms: tuple[str, ...], out_png: Path, title: str) -
         left.set_ylabel(f"{lever}\ncollapse rate")
         for i, (k, name) in enumerate(PANEL_INGREDIENTS):
             right.plot(x, [r[k] for r in rows], marker="s", color=plt.get_cmap("Dark2")(i), label=name)
+        right.axhline(
+            PAPER_LEVELS["flip_step"], color="0.4", ls="--", lw=1, label="30B scale: ~10% flip (paper)"
+        )
         right.set_yscale("symlog", linthresh=1e-4)
         right.set_ylabel("mean over the cell's runs")
         for ax in (left, right):
