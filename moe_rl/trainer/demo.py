@@ -1,4 +1,5 @@
-"""``make demo``: SFT once (cached), then GRPO, GRPO + R2 and GSPO from the same start; report.
+"""``make demo``: SFT once (cached), then GRPO, GRPO + R2 and GSPO from the same start; report
+(``report.png``: :func:`moe_rl.trainer.report.story`; ``report-detail.png``: every metric).
 
 The arms are :data:`moe_rl.trainer.arms.DEMO_ARMS`: ``recipes/demo/base.yaml`` plus each arm's
 overrides, so the demo and the benchmarks compare the same algorithm settings.
@@ -17,7 +18,7 @@ from pathlib import Path
 from moe_rl.config import load_recipe
 from moe_rl.megatron.checkpoint import latest_checkpoint
 from moe_rl.trainer.arms import DEMO_ARMS, arm_dir, arm_overrides
-from moe_rl.trainer.report import report
+from moe_rl.trainer.report import load_arm, report, story
 from moe_rl.trainer.timer import StepTimer
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,12 @@ def run_demo(
             _train(base_file, [*overrides, *arm_overrides(name), *rl_only])
             runs[name] = str(arm_out)
     with timer.record("report"):
-        table, rows = report(runs, out / "report.png")
+        table, rows = report(runs, out / "report-detail.png")
+        told = story({name: load_arm(d) for name, d in runs.items()}, out / "report.png")
     t_sft, wall = timer.seconds["sft"], timer.total()
-    (out / "report.json").write_text(json.dumps({"rows": rows, "sft_s": t_sft, "wall_s": wall}, indent=1))
-    return f"{table}\n\nSFT {t_sft:.0f}s, total {wall:.0f}s; curves: {out / 'report.png'}"
+    doc = {"rows": rows, "story": told, "sft_s": t_sft, "wall_s": wall}
+    (out / "report.json").write_text(json.dumps(doc, indent=1))
+    return (
+        f"{table}\n\n{told['title']}; {told['ingredient']}: {told['why']}\n"
+        f"SFT {t_sft:.0f}s, total {wall:.0f}s; picture: {out / 'report.png'} (every metric: {out / 'report-detail.png'})"
+    )

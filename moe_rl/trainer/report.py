@@ -161,6 +161,109 @@ def plot(arms: dict[str, dict], out_png: str | Path) -> Path:
     return out_png
 
 
+STORY_INGREDIENTS = [
+    ("ratio/seq_log_sum_abs", "max |sequence log-ratio| (what GSPO clips)"),
+    ("entropy/mean", "token entropy"),
+    ("grad_norm", "gradient norm"),
+    ("flip/step/rate", "expert flip rate per optimizer step"),
+    ("flip/drift/rate", "expert drift vs pi_old"),
+]
+"""Candidates for the report's third panel: what could drive a fall (clip fractions are left out:
+GSPO clips ~100x more than GRPO by construction, fallen or not)."""
+_PRECURSOR_STEPS = 20
+
+
+def _late_mean(rows: list[dict], key: str, lo: int, hi: int) -> float:
+    _, ys = _series([r for r in rows if lo <= r["step"] <= hi], key)
+    ys = [abs(y) for y in ys if y is not None and math.isfinite(y)]
+    return _mean(ys)
+
+
+def differing_ingredient(arms: dict[str, dict], verdicts: dict) -> tuple[str, str, str]:
+    """The ingredient of :data:`STORY_INGREDIENTS` that separates the arms most, with why.
+
+    When an arm collapsed: the one whose mean over the ``_PRECURSOR_STEPS`` steps before the first
+    collapse is furthest (in ratio) between the collapsed arms and the others, over the same steps.
+    When none did: the max |sequence log-ratio| (the quantity the two ratio granularities treat
+    differently)."""
+    fallen = {a: arms[a]["rl"][v.step]["step"] for a, v in verdicts.items() if v.collapsed}
+    if not fallen or len(fallen) == len(arms):
+        why = "no arm collapsed" if not fallen else "every arm collapsed"
+        return STORY_INGREDIENTS[0][0], STORY_INGREDIENTS[0][1], why
+    hi = min(fallen.values())
+    lo = hi - _PRECURSOR_STEPS
+    best = None
+    for key, title in STORY_INGREDIENTS:
+        bad = _mean([_late_mean(arms[a]["rl"], key, lo, hi) for a in fallen])
+        good = _mean([_late_mean(arms[a]["rl"], key, lo, hi) for a in arms if a not in fallen])
+        if not (math.isfinite(bad) and math.isfinite(good)) or bad <= 0 or good <= 0:
+            continue
+        score = abs(math.log(bad / good))
+        if best is None or score > best[0]:
+            best = (score, key, title, bad / good)
+    if best is None:
+        return STORY_INGREDIENTS[0][0], STORY_INGREDIENTS[0][1], "no ingredient measured before the fall"
+    _, key, title, ratio = best
+    return key, title, f"{ratio:.2g}x in the collapsed arm(s) over steps {max(lo, 0)}-{hi} (before the fall)"
+
+
+def story(arms: dict[str, dict], out_png: str | Path) -> dict:
+    """The ten-second picture: reward (trailing mean, the fixed collapse rule's smoothing; a cross
+    where an arm collapsed), held-out accuracy, and :func:`differing_ingredient`; the title says
+    which arms collapsed. Returns the verdicts and the ingredient shown."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from moe_rl.trainer.collapse import CRITERION, collapse_verdict, smoothed
+
+    k = CRITERION.smooth
+    verdicts = {a: collapse_verdict([r.get("reward/mean") for r in arm["rl"]]) for a, arm in arms.items()}
+    key, title, why = differing_ingredient(arms, verdicts)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    for i, (name, arm) in enumerate(arms.items()):
+        color = plt.get_cmap("tab10")(i)
+        xs, ys = _series(arm["rl"], "reward/mean")
+        if len(ys) >= k:
+            axes[0].plot(xs[k - 1 :], smoothed(ys, k), color=color, label=name)
+        v = verdicts[name]
+        if v.collapsed:
+            axes[0].plot([xs[v.step]], [smoothed(ys, k)[v.step - k + 1]], "x", color=color, ms=12, mew=3)
+        ex, ey = _series(arm["eval"], "eval/accuracy")
+        axes[1].plot(ex, ey, marker="o", color=color, label=name)
+        ix, iy = _series(arm["rl"], key)
+        axes[2].plot(ix, iy, color=color, label=name, alpha=0.85)
+    axes[0].set_title(f"reward (trailing mean of {k} steps; x = collapsed)")
+    axes[1].set_title("held-out greedy accuracy")
+    axes[2].set_title(f"{title}\n{why}", fontsize=10)
+    for ax in axes:
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fallen = {a: arms[a]["rl"][v.step]["step"] for a, v in verdicts.items() if v.collapsed}
+    held = [a for a in arms if a not in fallen]
+    head = (
+        f"collapsed: {', '.join(f'{a} (step {s})' for a, s in fallen.items())}; held: {', '.join(held) or 'none'}"
+        if fallen
+        else f"no arm collapsed ({', '.join(arms)})"
+    )
+    fig.suptitle(
+        head + f"  [rule: reward below {CRITERION.drop_frac:g} x its best for {CRITERION.window} steps]"
+    )
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return {
+        "verdicts": {a: v.state for a, v in verdicts.items()},
+        "ingredient": key,
+        "why": why,
+        "title": head,
+    }
+
+
 def report(runs: dict[str, str | Path], out_png: str | Path) -> tuple[str, list[dict]]:
     """Plot and tabulate named run directories; return the table text and summary rows."""
     if Path(out_png).is_dir():
