@@ -12,8 +12,9 @@ operands, every step written out: about twice the demo's), and a deeper MoE than
 (8 layers), at the demo's learning rate.
 
 Collapse is decided by :func:`collapse_verdict`, with constants fixed in :data:`CRITERION`
-(both in ``moe_rl.trainer.collapse``, shared with ``moe-rl demo``) before any run (see its docstring): the trainer sentinel's rule (``moe_rl.trainer.sentinel.reward_drop``)
-over a smoothed reward curve; a run the trainer stops (non-finite steps) counts as
+before any run (both in ``moe_rl.trainer.collapse``, shared with ``moe-rl demo``; see its
+docstring): the trainer sentinel's rule (``moe_rl.trainer.sentinel.reward_drop``) over a
+smoothed reward curve; a run the trainer stops (non-finite steps) counts as
 collapsed too. Reported per arm: collapsed runs / runs, final and best reward, held-out accuracy,
 clip fractions at both granularities, flip rates, the sequence log-ratio range; curves in a PNG.
 
