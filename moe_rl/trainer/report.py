@@ -240,7 +240,7 @@ def story(arms: dict[str, dict], out_png: str | Path) -> dict:
     for ax in axes:
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
-    axes[0].legend()
+    axes[1].legend()  # the accuracy panel always has every arm (a short run has no smoothed reward)
     fallen = {a: arms[a]["rl"][v.step]["step"] for a, v in verdicts.items() if v.collapsed}
     held = [a for a in arms if a not in fallen]
     head = (
