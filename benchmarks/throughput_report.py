@@ -286,19 +286,31 @@ def _phase_series(res: dict) -> list[tuple[str, dict]]:
 
 
 def _plot_overheads(a, res: dict) -> None:
+    """Per model: each replay combo's paired overhead and the flip probes' paired share (medians
+    over the timed steps, :func:`paired_replay_overheads` / :func:`paired_probe_fracs`), against
+    the targets (3% and 5%)."""
     labels, vals = [], []
     for model, d in res["models"].items():
-        ov = d["overheads"]
-        for name, v in ov["replay"].items():
-            labels.append(f"{model} {name}\nreplay")
-            vals.append(v["old_logprob_plus_train_cpu"])
-        probe = [v["probe_over_train_cpu"] for v in ov["probe"].values()]
-        labels.append(f"{model}\nprobe/train")
-        vals.append(statistics.median(probe))
-    a.bar(range(len(vals)), vals, color=["C1" if "probe" in s else "C0" for s in labels])
-    a.axhline(1.0, color="k", lw=0.8)
+        combos = d["combos"]
+        for name, c in combos.items():
+            algo, _, mode = name.partition("/")
+            if mode in REPLAY_PHASES and f"{algo}/none" in combos:
+                none = combos[f"{algo}/none"]["cpu_s_per_step"]
+                labels.append(f"{model} {name}")
+                vals.append(statistics.median(paired_replay_overheads(none, c["cpu_s_per_step"], mode)))
+        labels.append(f"{model}\nprobes")
+        vals.append(statistics.median(paired_probe_fracs(combos["gspo/none"]["cpu_s_per_step"])))
+    a.bar(range(len(vals)), [100 * v for v in vals], color=["C1" if "probe" in s else "C0" for s in labels])
+    a.axhline(0.0, color="k", lw=0.8)
+    a.axhline(3.0, color="C0", ls="--", lw=1, label="replay target 3%")
+    a.axhline(5.0, color="C1", ls="--", lw=1, label="probe target 5%")
     a.set_xticks(range(len(vals)), labels, rotation=70, fontsize=7)
-    a.set_title("replay: (old_logprob + train) CPU s vs no replay; probe: probe / train CPU s", fontsize=10)
+    a.set_ylabel("% of the step's CPU seconds")
+    a.legend(fontsize=7)
+    a.set_title(
+        "replay: CPU s added to the phases it changes; probes: share of the step (paired per step)",
+        fontsize=9,
+    )
 
 
 def _plot_trl(a, res: dict) -> None:
