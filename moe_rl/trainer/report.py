@@ -179,6 +179,11 @@ def _late_mean(rows: list[dict], key: str, lo: int, hi: int) -> float:
     return _mean(ys)
 
 
+def fallen_at(arms: dict[str, dict], verdicts: dict) -> dict[str, int]:
+    """The RL step at which each collapsed arm's sustained drop began (its verdict's index)."""
+    return {a: arms[a]["rl"][v.step]["step"] for a, v in verdicts.items() if v.collapsed}
+
+
 def differing_ingredient(arms: dict[str, dict], verdicts: dict) -> tuple[str, str, str]:
     """The ingredient of :data:`STORY_INGREDIENTS` that separates the arms most, with why.
 
@@ -186,7 +191,7 @@ def differing_ingredient(arms: dict[str, dict], verdicts: dict) -> tuple[str, st
     collapse is furthest (in ratio) between the collapsed arms and the others, over the same steps.
     When none did: the max |sequence log-ratio| (the quantity the two ratio granularities treat
     differently)."""
-    fallen = {a: arms[a]["rl"][v.step]["step"] for a, v in verdicts.items() if v.collapsed}
+    fallen = fallen_at(arms, verdicts)
     if not fallen or len(fallen) == len(arms):
         why = "no arm collapsed" if not fallen else "every arm collapsed"
         return STORY_INGREDIENTS[0][0], STORY_INGREDIENTS[0][1], why
@@ -241,7 +246,7 @@ def story(arms: dict[str, dict], out_png: str | Path) -> dict:
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
     axes[1].legend()  # the accuracy panel always has every arm (a short run has no smoothed reward)
-    fallen = {a: arms[a]["rl"][v.step]["step"] for a, v in verdicts.items() if v.collapsed}
+    fallen = fallen_at(arms, verdicts)
     held = [a for a in arms if a not in fallen]
     head = (
         f"collapsed: {', '.join(f'{a} (step {s})' for a, s in fallen.items())}; held: {', '.join(held) or 'none'}"
