@@ -121,15 +121,17 @@ def _reusable(sig: dict) -> Path | None:
     return None
 
 
-def cached_start(
-    base: str | Path, overrides: list[str] = (), *, cache: Path = CACHE
-) -> tuple[Path, dict] | None:
-    """The finished SFT checkpoint of ``base`` + ``overrides`` and its info, if one exists (a
-    finished ``runs/demo/sft`` of the same signature, or the cache's), else None; trains nothing."""
+def _sft_recipe(base: str | Path, overrides: list[str]):
     from moe_rl.config import load_recipe
+
+    return load_recipe(base, [*overrides, "train.stages=[sft]"])
+
+
+def _finished_start(recipe, cache: Path) -> tuple[Path, dict] | None:
+    """The finished SFT start of ``recipe``'s signature (a finished ``runs/demo/sft`` of it, or the
+    cache's: checkpoints and ``sft.json``) and its info, else None."""
     from moe_rl.megatron.checkpoint import latest_checkpoint
 
-    recipe = load_recipe(base, [*overrides, "train.stages=[sft]"])
     reuse = _reusable(sft_signature(recipe))
     if reuse is not None:
         return reuse, {"checkpoint": str(reuse), "reused": True, "key": sft_key(recipe)}
@@ -140,6 +142,14 @@ def cached_start(
     return None
 
 
+def cached_start(
+    base: str | Path, overrides: list[str] = (), *, cache: Path = CACHE
+) -> tuple[Path, dict] | None:
+    """The finished SFT checkpoint of ``base`` + ``overrides`` and its info, if one exists (a
+    finished ``runs/demo/sft`` of the same signature, or the cache's), else None; trains nothing."""
+    return _finished_start(_sft_recipe(base, overrides), cache)
+
+
 def warm_start(
     base: str | Path, overrides: list[str] = (), *, cache: Path = CACHE, launch: str | None = None
 ) -> tuple[Path, dict]:
@@ -147,15 +157,14 @@ def warm_start(
 
     The SFT saves every :data:`SFT_CHECKPOINT_EVERY` steps; one stopped or killed before its end
     (checkpoints but no ``sft.json``) is resumed from its newest intact checkpoint."""
-    from moe_rl.config import load_recipe
     from moe_rl.megatron.checkpoint import latest_checkpoint
     from moe_rl.trainer.metrics import read_metrics
 
-    hit = cached_start(base, overrides, cache=cache)
+    recipe = _sft_recipe(base, overrides)
+    hit = _finished_start(recipe, cache)
     if hit is not None:
         log.info("reusing the SFT start %s", hit[0])
         return hit
-    recipe = load_recipe(base, [*overrides, "train.stages=[sft]"])
     sig = sft_signature(recipe)
     root = cache / sft_key(recipe)
     ckpt, info_file = root / "checkpoints", root / "sft.json"

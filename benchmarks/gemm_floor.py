@@ -72,14 +72,12 @@ class GemmRecorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.calls: Counter = Counter()
-        self.funcs: dict = {}
+        "(op, args signature, kwargs signature) -> calls"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.overloadpacket.__name__ in GEMM_OPS:
-            key = (str(func), _sig(list(args)), tuple((k, _sig(v)) for k, v in sorted(kwargs.items())))
-            self.calls[key] += 1
-            self.funcs.setdefault(str(func), func)
+            self.calls[(func, _sig(list(args)), tuple((k, _sig(v)) for k, v in sorted(kwargs.items())))] += 1
         return func(*args, **kwargs)
 
 
@@ -90,8 +88,7 @@ def own_gemm_seconds(rec: GemmRecorder, reps: int = 3, flush_mib: int = 0) -> di
     total, by_op = 0.0, Counter()
     scratch = torch.zeros(flush_mib * 2**18) if flush_mib else None
     with torch.no_grad():
-        for (name, args_sig, kwargs_sig), count in rec.calls.items():
-            func = rec.funcs[name]
+        for (func, args_sig, kwargs_sig), count in rec.calls.items():
             args, kwargs = _fresh(args_sig), {k: _fresh(v) for k, v in kwargs_sig}
             func(*args, **kwargs)
             best = float("inf")

@@ -473,17 +473,18 @@ def run_when_ready(items: list, *, jobs: int, ready, build, run) -> list:
     results: dict[int, object] = {}
     errors: list[BaseException] = []
     cond = threading.Condition()
-    building = [False]
+    building = False
 
     def next_job():
+        nonlocal building
         with cond:
             while not errors and pending:
-                if not building[0]:
-                    j = next((i for i in pending if not ready(items[i])), None)
-                    if j is not None:
-                        building[0] = True
-                        return build, j
-                i = next((i for i in pending if ready(items[i])), None)
+                is_ready = {i: ready(items[i]) for i in pending}
+                lacking = next((i for i in pending if not is_ready[i]), None)
+                if lacking is not None and not building:
+                    building = True
+                    return build, lacking
+                i = next((i for i in pending if is_ready[i]), None)
                 if i is not None:
                     pending.remove(i)
                     return run, i
@@ -491,6 +492,7 @@ def run_when_ready(items: list, *, jobs: int, ready, build, run) -> list:
             return None
 
     def worker():
+        nonlocal building
         while (job := next_job()) is not None:
             fn, i = job
             try:
@@ -503,7 +505,8 @@ def run_when_ready(items: list, *, jobs: int, ready, build, run) -> list:
                 errors.append(e)
             finally:
                 with cond:
-                    building[0] = building[0] and fn is not build
+                    if fn is build:
+                        building = False
                     cond.notify_all()
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, jobs))]

@@ -131,6 +131,18 @@ def paired_replay_overheads(
     return [sum(mode_cpu[p][i] - none[p][i] for p in REPLAY_PHASES[mode]) / none["step"][i] for i in range(n)]
 
 
+def paired_replay_by_combo(combos: dict) -> dict[str, list[float]]:
+    """:func:`paired_replay_overheads` of every replay combo (``algo/r2``, ``algo/r3``) against its
+    algorithm's routing-none combo, both from one run's per-step CPU seconds."""
+    out = {}
+    for name, c in combos.items():
+        algo, _, mode = name.partition("/")
+        if mode in REPLAY_PHASES and f"{algo}/none" in combos:
+            none = combos[f"{algo}/none"]["cpu_s_per_step"]
+            out[name] = paired_replay_overheads(none, c["cpu_s_per_step"], mode)
+    return out
+
+
 def headline(res: dict) -> dict:
     """The figures issue 17 asks for, from one run (None where the run did not measure them).
 
@@ -156,15 +168,8 @@ def headline(res: dict) -> dict:
         return statistics.median(paired_probe_fracs(c["cpu_s_per_step"]))
 
     def replay(name, mode):
-        combos = models[name]["combos"]
-        r = [
-            x
-            for a in ("grpo", "gspo", "gspo_token")
-            if f"{a}/{mode}" in combos and f"{a}/none" in combos
-            for x in paired_replay_overheads(
-                combos[f"{a}/none"]["cpu_s_per_step"], combos[f"{a}/{mode}"]["cpu_s_per_step"], mode
-            )
-        ]
+        paired = paired_replay_by_combo(models[name]["combos"])
+        r = [x for combo, xs in paired.items() if combo.endswith(f"/{mode}") for x in xs]
         return statistics.median(r) if r else None
 
     small = "small" if "small" in models else None
@@ -291,15 +296,11 @@ def _plot_overheads(a, res: dict) -> None:
     the targets (3% and 5%)."""
     labels, vals = [], []
     for model, d in res["models"].items():
-        combos = d["combos"]
-        for name, c in combos.items():
-            algo, _, mode = name.partition("/")
-            if mode in REPLAY_PHASES and f"{algo}/none" in combos:
-                none = combos[f"{algo}/none"]["cpu_s_per_step"]
-                labels.append(f"{model} {name}")
-                vals.append(statistics.median(paired_replay_overheads(none, c["cpu_s_per_step"], mode)))
+        for name, xs in paired_replay_by_combo(d["combos"]).items():
+            labels.append(f"{model} {name}")
+            vals.append(statistics.median(xs))
         labels.append(f"{model}\nprobes")
-        vals.append(statistics.median(paired_probe_fracs(combos["gspo/none"]["cpu_s_per_step"])))
+        vals.append(statistics.median(paired_probe_fracs(d["combos"]["gspo/none"]["cpu_s_per_step"])))
     a.bar(range(len(vals)), [100 * v for v in vals], color=["C1" if "probe" in s else "C0" for s in labels])
     a.axhline(0.0, color="k", lw=0.8)
     a.axhline(3.0, color="C0", ls="--", lw=1, label="replay target 3%")
