@@ -196,7 +196,7 @@ def test_paper_gap_names_the_highest_cell_and_the_best_cells_effect():
 
 
 def test_scale_trends_fit_a_power_law_and_extrapolate_to_the_paper_scale():
-    def cell(flip, rollout=0.0):
+    def cell(flip, rollout=3e-7):  # fp32 engine: round-off, not a mismatch
         return {"ingredients": {"flip_step": flip, "flip_rollout": rollout}}
 
     # depth is turned from minibatches-4 (its 4-layer level); flip/step doubles with the depth
@@ -215,7 +215,7 @@ def test_scale_trends_fit_a_power_law_and_extrapolate_to_the_paper_scale():
     g = t["granularity"]["flip_step"]
     assert g["measured"] == {"8": 0.001, "64": 0.0005} and g["exponent"] < 0
     assert g["reaches_paper_level_at_x"] is None and g["at_paper_x"] < 0.0005
-    assert "flip_rollout" not in t["depth"]  # zero everywhere (fp32 engine): nothing to fit
+    assert set(t["depth"]) == {"flip_step"}  # fp32 round-off is not fitted
     assert phase.scale_trends({"minibatches-4": cell(0.001)}) == {}  # one level: no trend
     assert phase.paper_gap(tables, None)["trend"] == t
 
