@@ -71,8 +71,7 @@ class GemmRecorder(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.calls: Counter = Counter()
-        "(op, args signature, kwargs signature) -> calls"
+        self.calls: Counter = Counter()  # (op, args signature, kwargs signature) -> calls
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

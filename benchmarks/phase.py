@@ -479,15 +479,20 @@ def run_when_ready(items: list, *, jobs: int, ready, build, run) -> list:
         nonlocal building
         with cond:
             while not errors and pending:
-                is_ready = {i: ready(items[i]) for i in pending}
-                lacking = next((i for i in pending if not is_ready[i]), None)
-                if lacking is not None and not building:
-                    building = True
-                    return build, lacking
-                i = next((i for i in pending if is_ready[i]), None)
-                if i is not None:
-                    pending.remove(i)
-                    return run, i
+                # one pass, each item asked once; it stops once nothing later can change the pick
+                first_ready = None
+                for i in pending:
+                    if not ready(items[i]):
+                        if not building:
+                            building = True
+                            return build, i
+                    elif first_ready is None:
+                        first_ready = i
+                        if building:
+                            break
+                if first_ready is not None:
+                    pending.remove(first_ready)
+                    return run, first_ready
                 cond.wait()
             return None
 
