@@ -80,9 +80,28 @@ SMOKE_BASE = {
 
 
 def cpu_seconds() -> float:
-    """CPU seconds of this process and its finished children (comparable on a shared machine)."""
+    """CPU seconds of this process and its finished children (comparable on a shared machine).
+    The children's share counts every child reaped in between, those of concurrent runs too: a
+    run in a child process is timed by :func:`run_child` instead."""
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
+
+
+def run_child(cmd: list[str], env: dict | None = None) -> float:
+    """``subprocess.run(cmd, check=True)``, returning the CPU seconds of that child and of the
+    descendants it waited for: its own ``wait4`` resource usage, which runs going on beside it in
+    other threads do not enter (as they enter :func:`cpu_seconds`)."""
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    except BaseException:  # interrupted: do not leave the child running
+        proc.kill()
+        proc.wait()
+        raise
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+    return usage.ru_utime + usage.ru_stime
 
 
 # -- SFT warm starts -----------------------------------------------------------------------------
@@ -222,12 +241,14 @@ def run_recipe(
     ``launch`` is a command prefix, e.g. ``".venv/bin/python -m moe_rl.cli train"`` (a fresh
     process per arm), ``launch/torchrun.sh`` (one node) or ``"sbatch --wait --nodes=3
     launch/slurm.sbatch"`` (Slurm; ``--wait`` makes the harness wait for each arm).
+
+    Returns, launched, ``{"cpu_s": ...}`` (:func:`run_child`: the launcher's process tree on this
+    machine, so under ``sbatch`` the job's own CPU is not in it); in process, the run's result.
     """
     if launch:
         cmd = [*shlex.split(launch), str(base), *overrides, *(["--resume"] if resume else [])]
         log.info("launching %s", shlex.join(cmd))
-        subprocess.run(cmd, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        return {}
+        return {"cpu_s": run_child(cmd, {**os.environ, "PYTHONWARNINGS": "ignore"})}
     from moe_rl.config import load_recipe
     from moe_rl.trainer.run import run
 
@@ -265,9 +286,10 @@ def run_arm(
     else:
         shutil.rmtree(out_dir, ignore_errors=True)  # metrics.jsonl appends: start clean
     t0, c0 = time.perf_counter(), cpu_seconds()
-    status, reason = "done", None
+    status, reason, child = "done", None, {}
     try:
-        run_recipe(base, ov, launch, resume=resume)
+        done = run_recipe(base, ov, launch, resume=resume)
+        child = done if launch else {}
     except TrainingStopped as e:
         status, reason = "stopped", str(e)
     except subprocess.CalledProcessError as e:
@@ -276,7 +298,7 @@ def run_arm(
         "status": status,
         "reason": reason,
         "wall_s": time.perf_counter() - t0,
-        "cpu_s": cpu_seconds() - c0,
+        "cpu_s": child.get("cpu_s", cpu_seconds() - c0),
         "out_dir": str(out_dir),
         "resumed": resume,
     }

@@ -80,13 +80,14 @@ def cmd_check(args) -> int:
 def cmd_demo(args) -> int:
     from pathlib import Path
 
-    from moe_rl.errors import PathError
-    from moe_rl.trainer.demo import run_demo
+    from moe_rl.errors import PathError, UserError
+    from moe_rl.trainer.demo import DEFAULT_RECIPE, run_demo
 
-    if not Path(args.recipe_dir).is_dir():
-        raise PathError(f"--recipe-dir {args.recipe_dir} is not a folder: give the folder holding base.yaml")
-
-    print(run_demo(args.recipe_dir, args.overrides))
+    if not Path(args.recipe).is_file():
+        raise PathError(f"--recipe {args.recipe} is not a file: give a recipe such as {DEFAULT_RECIPE}")
+    if args.jobs is not None and args.jobs < 1:
+        raise UserError(f"--jobs must be >= 1, got {args.jobs}: give how many arms run at a time")
+    print(run_demo(args.recipe, args.overrides, out=args.out, jobs=args.jobs))
     return 0
 
 
@@ -221,8 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace an existing file, non-empty folder or run directory at OUT (never the checkpoint exported)",
     )
     e.set_defaults(fn=cmd_export)
-    d = sub.add_parser("demo", help="SFT once, then GRPO, GRPO + R2 and GSPO side by side")
-    d.add_argument("--recipe-dir", default="recipes/demo")
+    d = sub.add_parser(
+        "demo", help="GRPO, GRPO + replay and GSPO side by side from one start (the phase's closest cell)"
+    )
+    d.add_argument("--recipe", default="recipes/demo/closest.yaml", help="the demo recipe (see recipes/demo)")
+    d.add_argument("--out", default="runs/demo", help="where the arms and the report go")
+    d.add_argument("--jobs", type=int, default=None, help="arms at a time (default: all)")
     d.add_argument("overrides", nargs="*")
     d.set_defaults(fn=cmd_demo)
     b = sub.add_parser("bench", help="run a benchmark: moe-rl bench NAME --preset P (see benchmarks/)")

@@ -23,8 +23,8 @@ ARMS: dict[str, dict] = {
 """The arms of the comparison, as recipe sections: the GSPO paper's (with its clip bands) and
 GRPO with truncated importance sampling against the train-inference mismatch (C = 2)."""
 
-DEMO_ARMS = ("GRPO", "GRPO+R2", "GSPO")
-"The arms ``moe-rl demo`` runs."
+DEMO_ARMS = ("GRPO", "GRPO+R3", "GSPO")
+"The arms ``moe-rl demo`` runs: the replay arm is the repro's (benchmarks/phase.py, REPLAY_RULE)."
 
 
 def arm_dir(name: str) -> str:

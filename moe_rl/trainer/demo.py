@@ -1,8 +1,14 @@
-"""``make demo``: SFT once (cached), then GRPO, GRPO + R2 and GSPO from the same start; report
-(``report.png``: :func:`moe_rl.trainer.report.story`; ``report-detail.png``: every metric).
+"""``make demo``: GRPO, GRPO + Routing Replay and GSPO from one start, seed and prompt order, side by
+side; report (``report.png``: :func:`moe_rl.trainer.report.story`; ``report-detail.png``: every metric).
 
-The arms are :data:`moe_rl.trainer.arms.DEMO_ARMS`: ``recipes/demo/base.yaml`` plus each arm's
-overrides, so the demo and the benchmarks compare the same algorithm settings.
+The default recipe, ``recipes/demo/closest.yaml``, is a short form of the phase diagram's closest cell
+(docs/phase.md, "The demo"): it starts from the SFT start shipped in ``recipes/demo/start``
+(``model.hf_path``) and runs the RL arms only. A recipe whose ``train.stages`` holds ``sft`` (e.g.
+``recipes/demo/base.yaml``) first gets its SFT start trained once and cached under its
+``train.out_dir``. The arms are :data:`moe_rl.trainer.arms.DEMO_ARMS`, each the recipe plus the arm's
+overrides, so the demo and the benchmarks compare the same algorithm settings. They run as one
+process each, ``jobs`` at a time (default: all of them), the machine's cores shared between them;
+each arm's output goes to ``<out>/<arm>.log``.
 """
 
 from __future__ import annotations
@@ -13,9 +19,11 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from moe_rl.config import load_recipe
+from moe_rl.errors import UserError
 from moe_rl.megatron.checkpoint import latest_checkpoint
 from moe_rl.trainer.arms import DEMO_ARMS, arm_dir, arm_overrides
 from moe_rl.trainer.report import load_arm, report, story
@@ -23,43 +31,96 @@ from moe_rl.trainer.timer import StepTimer
 
 log = logging.getLogger(__name__)
 
+DEFAULT_RECIPE = "recipes/demo/closest.yaml"
 
-def _train(recipe: Path, overrides: list[str]) -> None:
+
+def _train(
+    recipe: Path, overrides: list[str], *, threads: int | None = None, log_file: Path | None = None
+) -> None:
+    """``moe-rl train recipe overrides`` as a child process (its output to ``log_file`` when given)."""
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", str(recipe), *overrides]
     log.info("running %s", " ".join(cmd))
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    subprocess.run(cmd, check=True, env=env)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if log_file is None:
+        subprocess.run(cmd, check=True, env=env)
+        return
+    with open(log_file, "w") as f:
+        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc:
+        raise UserError(f"{log_file.stem} failed (exit status {rc}): its output is in {log_file}")
+
+
+def _start(recipe: Path, overrides: list[str]) -> list[str]:
+    """The overrides that start every arm from the same weights, training the SFT start first
+    when the recipe has an SFT stage and no earlier demo left one."""
+    base = load_recipe(recipe, overrides)
+    if "sft" in base.train.stages:
+        sft_ckpt = Path(base.train.out_dir) / "checkpoints"
+        if latest_checkpoint(sft_ckpt) is None:
+            _train(recipe, [*overrides, "train.stages=[sft]"])
+        else:
+            log.info("reusing the SFT start at %s (delete it to retrain)", sft_ckpt)
+        return [f"checkpoint.load={sft_ckpt}"]
+    if not (base.model.hf_path or base.checkpoint.load):
+        raise UserError(
+            f"{recipe}: train.stages has no sft and neither model.hf_path nor checkpoint.load names a "
+            "start: the arms would begin from random weights. Add sft to train.stages or name a start"
+        )
+    return []
 
 
 def run_demo(
-    recipe_dir: str | Path = "recipes/demo", overrides: list[str] = (), *, out: str | Path = "runs/demo"
+    recipe: str | Path = DEFAULT_RECIPE,
+    overrides: list[str] = (),
+    *,
+    out: str | Path = "runs/demo",
+    jobs: int | None = None,
 ) -> str:
-    """Run (or reuse) the SFT start and the RL arms; write report.png and report.json under ``out``."""
-    recipe_dir, out = Path(recipe_dir), Path(out)
-    base_file = recipe_dir / "base.yaml"
+    """Run (or reuse) the start, then the RL arms; write report.png and report.json under ``out``."""
+    recipe, out, overrides = Path(recipe), Path(out), list(overrides)
+    if not recipe.is_file():
+        raise UserError(f"demo recipe {recipe} is not a file: give a recipe such as {DEFAULT_RECIPE}")
+    jobs = max(1, min(jobs or len(DEMO_ARMS), len(DEMO_ARMS)))
+    threads = max(1, (os.cpu_count() or 1) // jobs)
     timer = StepTimer()
     with timer.record("sft"):
-        base = load_recipe(base_file, overrides)
-        sft_ckpt = Path(base.train.out_dir) / "checkpoints"
-        if latest_checkpoint(sft_ckpt) is None:
-            _train(base_file, list(overrides))
-        else:
-            log.info("reusing the SFT start at %s (delete it to retrain)", sft_ckpt)
-    runs = {}
+        start = _start(recipe, overrides)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = {name: out / arm_dir(name) for name in DEMO_ARMS}
+
+    def one(name: str) -> None:
+        shutil.rmtree(runs[name], ignore_errors=True)
+        rl_only = ["train.stages=[rl]", f"train.out_dir={runs[name]}", *start]
+        logf = out / f"{arm_dir(name)}.log"
+        _train(recipe, [*overrides, *arm_overrides(name), *rl_only], threads=threads, log_file=logf)
+        log.info("%s finished (%s)", name, logf)
+
     with timer.record("arms"):
-        for name in DEMO_ARMS:
-            arm_out = out / arm_dir(name)
-            shutil.rmtree(arm_out, ignore_errors=True)
-            rl_only = ["train.stages=[rl]", f"train.out_dir={arm_out}", f"checkpoint.load={sft_ckpt}"]
-            _train(base_file, [*overrides, *arm_overrides(name), *rl_only])
-            runs[name] = str(arm_out)
+        log.info("running %s, %d at a time (%d threads each)", ", ".join(DEMO_ARMS), jobs, threads)
+        with ThreadPoolExecutor(jobs) as pool:
+            list(pool.map(one, DEMO_ARMS))
     with timer.record("report"):
-        table, rows = report(runs, out / "report-detail.png")
+        table, rows = report({n: str(d) for n, d in runs.items()}, out / "report-detail.png")
         told = story({name: load_arm(d) for name, d in runs.items()}, out / "report.png")
-    t_sft, wall = timer.seconds["sft"], timer.total()
-    doc = {"rows": rows, "story": told, "sft_s": t_sft, "wall_s": wall}
+    t_sft, t_arms, wall = timer.seconds["sft"], timer.seconds["arms"], timer.total()
+    doc = {
+        "recipe": str(recipe),
+        "overrides": overrides,
+        "arms": list(DEMO_ARMS),
+        "rows": rows,
+        "story": told,
+        "sft_s": t_sft,
+        "arms_s": t_arms,
+        "wall_s": wall,
+        "jobs": jobs,
+        "threads_per_arm": threads,
+        "cpu_count": os.cpu_count(),
+    }
     (out / "report.json").write_text(json.dumps(doc, indent=1))
     return (
         f"{table}\n\n{told['title']}; {told['ingredient']}: {told['why']}\n"
-        f"SFT {t_sft:.0f}s, total {wall:.0f}s; picture: {out / 'report.png'} (every metric: {out / 'report-detail.png'})"
+        f"start {t_sft:.0f}s, arms {t_arms:.0f}s, total {wall:.0f}s; picture: {out / 'report.png'} "
+        f"(every metric: {out / 'report-detail.png'})"
     )

@@ -14,7 +14,8 @@ import pytest
 
 from tests.badinput.conftest import assert_kept, run_cli, snapshot
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "recipes" / "tiny.yaml"
 cli_case = pytest.mark.bad_input("cli")
 
 
@@ -163,8 +164,23 @@ def test_bench_unknown_name(cli):
 
 
 @cli_case
-def test_demo_missing_recipe_dir(cli, tmp_path):
-    cli("demo", "--recipe-dir", tmp_path / "gone").one_line(r"--recipe-dir .*gone is not a folder")
+def test_demo_missing_recipe(cli, tmp_path):
+    cli("demo", "--recipe", tmp_path / "gone.yaml").one_line(r"--recipe .*gone\.yaml is not a file")
+
+
+@cli_case
+def test_demo_bad_jobs(cli):
+    cli("demo", "--jobs", "0").one_line(r"--jobs must be >= 1, got 0")
+
+
+def test_demo_without_a_start_is_refused(tmp_path):
+    from moe_rl.errors import UserError
+    from moe_rl.trainer.demo import run_demo
+
+    (tmp_path / "r.yaml").write_text(f"include: {ROOT / 'recipes/demo/base.yaml'}\ntrain: {{stages: [rl]}}\n")
+    with pytest.raises(UserError, match="neither model.hf_path nor checkpoint.load names a start"):
+        run_demo(tmp_path / "r.yaml", out=tmp_path / "demo")
+    assert not (tmp_path / "demo").exists()
 
 
 @cli_case

@@ -1,6 +1,9 @@
-"""benchmarks.arms: an interrupted SFT start resumes and ends where an uninterrupted one does."""
+"""benchmarks.arms: an interrupted SFT start resumes and ends where an uninterrupted one does; a
+run in a child process is timed alone."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -101,3 +104,20 @@ def test_a_stopped_rl_arm_resumes_and_ends_as_one_that_never_saved(tmp_path, par
     # another run's directory (a different recipe) is never resumed: it starts over
     other = arms.run_arm(arms.DEMO, [*ov, "train.seed=8"], tmp_path / "cut", start=start)
     assert other["status"] == "done" and not other["resumed"]
+
+
+def test_a_child_run_is_timed_alone_while_others_end_beside_it():
+    """Two runs side by side (the sweep's two jobs): the idle one's CPU seconds do not take in the
+    busy one that ended during it, as the process-wide children totals would."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from benchmarks.arms import run_child
+
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass"
+    idle = "import time; time.sleep(4)"
+    with ThreadPoolExecutor(2) as pool:
+        idle_s, busy_s = pool.map(lambda code: run_child([sys.executable, "-c", code]), (idle, busy))
+    assert busy_s >= 0.95 and idle_s < 0.5, (busy_s, idle_s)
+    with pytest.raises(subprocess.CalledProcessError) as e:
+        run_child([sys.executable, "-c", "raise SystemExit(3)"])
+    assert e.value.returncode == 3

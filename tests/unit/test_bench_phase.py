@@ -381,3 +381,24 @@ def test_the_screen_stops_after_the_base_gate_when_the_base_is_not_stable(tmp_pa
     with pytest.raises(SystemExit, match="base is not stable"):
         phase.execute(phase.screen_stage(tmp_path), jobs=1, cache=tmp_path, launch=None)
     assert sorted(ran) == sorted(f"base {a} seed {s}" for a in ("GRPO", "GSPO") for s in (0, 1))
+
+
+def test_the_demo_is_the_closest_cell_from_its_shipped_start():
+    """recipes/demo/closest.yaml is the phase's minibatches-8 cell (seed 0) field for field, apart
+    from where it starts and writes; the start it ships is that cell's SFT start (same SFT key) and
+    its files are the ones recorded when it was exported."""
+    import hashlib
+
+    from moe_rl.config import to_dict
+
+    root = Path(__file__).resolve().parents[2]
+    ov = phase.common_overrides(phase.STABLE_BASE, phase.cells()["minibatches-8"])
+    cell, demo = to_dict(load_recipe(DEMO, ov)), to_dict(load_recipe(root / "recipes/demo/closest.yaml"))
+    for d in (cell, demo):
+        d["model"].pop("hf_path"), d["train"].pop("stages"), d["train"].pop("out_dir")
+    assert demo == cell
+    start = json.loads((root / "recipes/demo/start.json").read_text())
+    assert start["sft_key"] == sft_key(load_recipe(DEMO, [*ov, "train.stages=[sft]"]))
+    files = {p.name: p for p in (root / "recipes/demo/start").iterdir()}
+    assert set(files) == set(start["sha256"])
+    assert all(hashlib.sha256(p.read_bytes()).hexdigest() == start["sha256"][n] for n, p in files.items())

@@ -50,11 +50,13 @@ def test_without_a_collapse_the_sequence_log_ratio_is_shown():
 
 
 def test_the_demo_writes_its_picture_detail_and_verdicts(tmp_path):
-    """``moe-rl demo`` end to end on a micro policy: SFT, three arms, report.png (the story),
-    report-detail.png (every metric) and report.json with the verdicts."""
+    """``moe-rl demo`` end to end on a micro policy: SFT, three arms side by side, report.png (the
+    story), report-detail.png (every metric) and report.json with the verdicts; a second demo
+    reuses the SFT start."""
     import json
     from pathlib import Path
 
+    from moe_rl.trainer.arms import DEMO_ARMS
     from moe_rl.trainer.demo import run_demo
 
     root = Path(__file__).resolve().parents[2]
@@ -78,10 +80,40 @@ def test_the_demo_writes_its_picture_detail_and_verdicts(tmp_path):
         "train.flip_probe_sequences=2",
         f"train.out_dir={tmp_path / 'sft'}",
     ]
-    text = run_demo(root / "recipes" / "demo", ov, out=tmp_path / "demo")
+    text = run_demo(root / "recipes/demo/base.yaml", ov, out=tmp_path / "demo")
     out = tmp_path / "demo"
     for png in ("report.png", "report-detail.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG", png
     doc = json.loads((out / "report.json").read_text())
-    assert set(doc["story"]["verdicts"]) == {"GRPO", "GRPO+R2", "GSPO"} and len(doc["rows"]) == 3
+    assert set(doc["story"]["verdicts"]) == set(DEMO_ARMS) and len(doc["rows"]) == 3
     assert doc["story"]["title"] in text and doc["wall_s"] > 0
+    assert all((out / f"{a.lower().replace('+', '_')}.log").stat().st_size > 0 for a in DEMO_ARMS)
+    sft = sorted((tmp_path / "sft" / "checkpoints").iterdir())
+    run_demo(root / "recipes/demo/base.yaml", [*ov, "train.rl_steps=1"], out=tmp_path / "again", jobs=1)
+    assert sorted((tmp_path / "sft" / "checkpoints").iterdir()) == sft  # reused, not retrained
+    assert json.loads((tmp_path / "again" / "report.json").read_text())["jobs"] == 1
+
+
+def test_the_shipped_demo_start_runs_every_arm(tmp_path):
+    """The default demo (recipes/demo/closest.yaml) starts every arm from the shipped SFT start
+    (model.hf_path, no SFT stage): one short step each at the shipped policy's own size."""
+    import json
+    from pathlib import Path
+
+    from moe_rl.trainer.demo import DEFAULT_RECIPE, run_demo
+
+    root = Path(__file__).resolve().parents[2]
+    ov = [
+        f"model.hf_path={root / 'recipes/demo/start'}",
+        "train.rl_steps=1",
+        "train.prompts_per_step=2",
+        "train.group_size=2",
+        "train.minibatches=1",
+        "train.max_new_tokens=8",
+        "train.eval_prompts=2",
+        "train.flip_probe_sequences=1",
+    ]
+    run_demo(root / DEFAULT_RECIPE, ov, out=tmp_path / "demo")
+    doc = json.loads((tmp_path / "demo" / "report.json").read_text())
+    assert doc["sft_s"] < 5 and len(doc["rows"]) == 3  # no SFT ran: the arms loaded the start
+    assert not (tmp_path / "demo" / "sft").exists()
