@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/moe-rl demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

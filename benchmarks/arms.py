@@ -44,6 +44,10 @@ CACHE = ROOT / "runs" / "bench_cache"
 "Where SFT starts are cached, one directory per SFT signature."
 REUSABLE_SFT = (ROOT / "runs" / "demo" / "sft",)
 "Finished SFT runs (recipe.yaml + checkpoints/) reused when their SFT signature matches."
+SHIPPED_STARTS = (ROOT / "recipes" / "demo" / "start.json",)
+"""SFT starts shipped in the repository as HF safetensors (fp32, so the weights are the cached
+checkpoint's bit for bit): each JSON names its ``sft_key`` and its files' sha256; a recipe of that
+key starts from the folder beside it (``model.hf_path``) instead of training the start again."""
 SFT_CHECKPOINT_EVERY = 100
 """An SFT start saves every this many steps: a stopped or killed one resumes where it was (an
 uninterrupted one and a resumed one give the same weights: tests/unit/test_bench_arms.py)."""
@@ -146,9 +150,45 @@ def _sft_recipe(base: str | Path, overrides: list[str]):
     return load_recipe(base, [*overrides, "train.stages=[sft]"])
 
 
+def shipped_start(key: str, shipped: tuple[Path, ...] = SHIPPED_STARTS) -> Path | None:
+    """The HF folder of a shipped SFT start of SFT key ``key`` (:data:`SHIPPED_STARTS`), else None.
+    Its files are checked against the sha256 its JSON records: a changed file is an error, never a
+    silently different start."""
+    from moe_rl.errors import UserError
+
+    for info_file in shipped:
+        if not info_file.exists():
+            continue
+        info = json.loads(info_file.read_text())
+        if info.get("sft_key") != key:
+            continue
+        folder = info_file.with_suffix("")
+        for name, digest in info["sha256"].items():
+            f = folder / name
+            got = hashlib.sha256(f.read_bytes()).hexdigest() if f.exists() else "missing"
+            if got != digest:
+                raise UserError(
+                    f"shipped SFT start {folder}: {name} is {got[:12]}, {info_file.name} records "
+                    f"{digest[:12]}: restore it (git checkout -- {folder}) or delete {info_file}"
+                )
+        return folder
+    return None
+
+
+def is_hf_start(start: Path) -> bool:
+    """Whether an SFT start is an HF safetensors folder (loaded by ``model.hf_path``) rather than a
+    checkpoint directory (loaded by ``checkpoint.load``)."""
+    return (Path(start) / "config.json").is_file()
+
+
+def start_overrides(start: Path) -> list[str]:
+    """The overrides that begin a run from SFT start ``start`` (weights only, either kind)."""
+    return [f"model.hf_path={start}" if is_hf_start(start) else f"checkpoint.load={start}"]
+
+
 def _finished_start(recipe, cache: Path) -> tuple[Path, dict] | None:
-    """The finished SFT start of ``recipe``'s signature (a finished ``runs/demo/sft`` of it, or the
-    cache's: checkpoints and ``sft.json``) and its info, else None."""
+    """The finished SFT start of ``recipe``'s signature (a finished ``runs/demo/sft`` of it, the
+    cache's checkpoints with ``sft.json``, or a shipped HF start) and its info, else None."""
     from moe_rl.megatron.checkpoint import latest_checkpoint
 
     reuse = _reusable(sft_signature(recipe))
@@ -158,6 +198,9 @@ def _finished_start(recipe, cache: Path) -> tuple[Path, dict] | None:
     ckpt, info_file = root / "checkpoints", root / "sft.json"
     if info_file.exists() and latest_checkpoint(ckpt) is not None:
         return ckpt, {**json.loads(info_file.read_text()), "reused": True}
+    shipped = shipped_start(sft_key(recipe))
+    if shipped is not None:
+        return shipped, {"checkpoint": str(shipped), "reused": True, "key": sft_key(recipe), "shipped": True}
     return None
 
 
@@ -279,7 +322,7 @@ def run_arm(
     out_dir = Path(out_dir)
     ov = [f"checkpoint.every={ARM_CHECKPOINT_EVERY}", *overrides, f"train.out_dir={out_dir}"]
     if start is not None:
-        ov += ["train.stages=[rl]", f"checkpoint.load={start}"]
+        ov += ["train.stages=[rl]", *start_overrides(start)]
     resume = resumable(out_dir, base, ov)
     if resume:
         log.info("resuming %s from its checkpoint", out_dir)

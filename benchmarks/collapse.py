@@ -162,7 +162,7 @@ def resumable_run(
     log.info("%s: %s in %.0fs", label, st["status"], st["wall_s"])
     if st["status"] != "failed":  # a crash is retried by the next invocation
         tmp = done.with_suffix(".tmp")
-        tmp.write_text(json.dumps(st))
+        tmp.write_text(json.dumps({**st, "ended_at": time.time()}))
         tmp.replace(done)
     return st
 

@@ -43,6 +43,7 @@ from benchmarks.arms import (
     flatten,
     mean,
     sft_key,
+    start_overrides,
     warm_start,
 )
 from benchmarks.common import commit, machine, result_path
@@ -196,6 +197,8 @@ REPLAY_RULE = (
 )
 REPRO_SUCCESS = {"seeds": 5, "grpo_min_collapsed": 4, "gspo_max_collapsed": 1, "gspo_acc_at_least_sft": True}
 "Fixed by issue 14: GRPO collapses in >= 4 of 5, GSPO in <= 1 of 5, GSPO final accuracy >= SFT start."
+REPRO_WALL_BUDGET_S = 3600
+"Issue 14: the cpu repro runs in at most 60 minutes on the 2-core machine."
 REPRO_VARIANTS = {
     "cpu": {},  # the cell as screened; its wall time is measured against the 60-minute budget
     "gpu": {"train": {"prompts_per_step": 32, "eval_prompts": 256, "flip_probe_sequences": 16}},
@@ -529,7 +532,14 @@ def finished(st: Stage) -> tuple[list[tuple], list[dict]]:
     done = [
         (it, it[3] / collapse.STATUS_FILE) for it in st.items() if (it[3] / collapse.STATUS_FILE).exists()
     ]
-    return [it for it, _ in done], [json.loads(f.read_text()) for _, f in done]
+    statuses = [{"ended_at": f.stat().st_mtime, **json.loads(f.read_text())} for _, f in done]
+    return [it for it, _ in done], statuses  # ended_at: written last, so the file's time is the end
+
+
+def runs_span_s(statuses: list[dict]) -> float:
+    """Wall seconds from the first run's start to the last run's end (each ``ended_at`` less its
+    ``wall_s``): what the runs took on this machine, whatever invocations ran or reported them."""
+    return max(s["ended_at"] for s in statuses) - min(s["ended_at"] - s["wall_s"] for s in statuses)
 
 
 def analyse(items: list[tuple], statuses: list[dict]) -> list[dict]:
@@ -782,9 +792,14 @@ def dry_run(st: Stage, cache: Path, launch: str | None) -> list[str]:
     """The commands of every run of ``st`` (the SFT starts they load named by cache key)."""
     lines = []
     for c, a, s, out in st.items():
-        sft = [*common_overrides(st.base, st.cells[c], st.variant), "train.stages=[sft]"]
-        start = cache / sft_key(load_recipe(DEMO, sft)) / "checkpoints"
-        ov = [*st.overrides(c, a, s), "train.stages=[rl]", f"checkpoint.load={start}"]
+        common = common_overrides(st.base, st.cells[c], st.variant)
+        hit = cached_start(DEMO, common, cache=cache)
+        start = (
+            hit[0]
+            if hit
+            else cache / sft_key(load_recipe(DEMO, [*common, "train.stages=[sft]"])) / "checkpoints"
+        )
+        ov = [*st.overrides(c, a, s), "train.stages=[rl]", *start_overrides(start)]
         done = "# done: " if (out / collapse.STATUS_FILE).exists() else ""
         lines.append(done + collapse.arm_command(DEMO, ov, out, launch))
     return lines
@@ -854,7 +869,10 @@ def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
     if st.name.startswith("repro"):
         (c,) = st.cells
         replay = next((a for a in st.arms if "+R" in a), None)
-        headline = {"cell": c, **repro_headline(tables[c]["arms"], replay)}
+        span = runs_span_s(statuses)
+        headline = {"cell": c, **repro_headline(tables[c]["arms"], replay), "wall_s": span}
+        if st.name == "repro-cpu":
+            headline |= {"wall_budget_s": REPRO_WALL_BUDGET_S, "within_budget": span <= REPRO_WALL_BUDGET_S}
         png = collapse.plot(runs, path.with_suffix(".png"))
     else:
         ranked = ranking({c: t["arms"] for c, t in tables.items()}, list(st.cells))

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks/ is a package there
 
-from benchmarks import phase
+from benchmarks import arms, phase
 from benchmarks.arms import DEMO, flatten, sft_key
 from benchmarks.collapse import CRITERION
 from moe_rl.config import ConfigError, load_recipe
@@ -402,3 +402,44 @@ def test_the_demo_is_the_closest_cell_from_its_shipped_start():
     files = {p.name: p for p in (root / "recipes/demo/start").iterdir()}
     assert set(files) == set(start["sha256"])
     assert all(hashlib.sha256(p.read_bytes()).hexdigest() == start["sha256"][n] for n, p in files.items())
+
+
+def test_runs_of_the_shipped_starts_key_begin_from_it_and_a_changed_file_is_refused(tmp_path):
+    """With nothing cached, a phase run whose SFT key is the shipped start's begins from that HF folder
+    (``model.hf_path``) instead of training 1200 SFT steps; another key finds nothing; a shipped file
+    that no longer matches its recorded hash is an error naming the file and the fix."""
+    import shutil
+
+    from moe_rl.errors import UserError
+
+    ov = phase.common_overrides(phase.STABLE_BASE, phase.cells()["minibatches-8"])
+    start, info = arms.cached_start(DEMO, ov, cache=tmp_path / "empty")
+    assert start == arms.ROOT / "recipes/demo/start" and info["shipped"] and info["reused"]
+    assert arms.start_overrides(start) == [f"model.hf_path={start}"]
+    assert arms.start_overrides(tmp_path / "ckpts") == [f"checkpoint.load={tmp_path / 'ckpts'}"]
+    other = phase.common_overrides(phase.STABLE_BASE, phase.cells()["depth-8"])
+    assert arms.cached_start(DEMO, other, cache=tmp_path / "empty") is None
+
+    copy = tmp_path / "start"
+    shutil.copytree(start, copy)
+    shutil.copy(start.with_suffix(".json"), tmp_path / "start.json")
+    assert arms.shipped_start(info["key"], (tmp_path / "start.json",)) == copy
+    (copy / "config.json").write_text((copy / "config.json").read_text() + " ")
+    with pytest.raises(UserError, match=r"config\.json is .* restore it"):
+        arms.shipped_start(info["key"], (tmp_path / "start.json",))
+
+
+def test_runs_span_is_first_start_to_last_end_and_finished_reads_each_end(tmp_path):
+    """The repro's wall time is measured from its runs: two jobs, each running two runs back to back."""
+    statuses = [
+        {"ended_at": 600.0, "wall_s": 500.0},  # 100 -> 600
+        {"ended_at": 650.0, "wall_s": 550.0},  # 100 -> 650, beside it
+        {"ended_at": 1200.0, "wall_s": 600.0},
+        {"ended_at": 1100.0, "wall_s": 450.0},
+    ]
+    assert phase.runs_span_s(statuses) == 1100.0
+    st = phase.Stage("repro-cpu", {}, {"c": {"skip_arms": []}}, ("GRPO",), (0,), tmp_path)
+    (out := tmp_path / "c" / "GRPO-s0").mkdir(parents=True)
+    (out / "status.json").write_text(json.dumps({"status": "done", "wall_s": 5.0}))
+    (_, statuses) = phase.finished(st)
+    assert statuses[0]["ended_at"] == (out / "status.json").stat().st_mtime and statuses[0]["wall_s"] == 5.0
