@@ -98,15 +98,15 @@ WORLD_COMBOS = (("gspo", "none", "recompute"), ("gspo", "r2", "recompute"), ("gs
 PRESETS = {
     "smoke": dict(models=MICRO, warmup=1, repeats=1, world=(), world_combos=(("gspo", "none", "recompute"),),
                   trl_models=("tiny",), train=dict(prompts_per_step=2, group_size=4, minibatches=2,
-                                                   max_new_tokens=8, flip_probe_sequences=4)),
+                                                   max_new_tokens=8, flip_probe_sequences=3)),
     "cpu": dict(models=MODELS, warmup=1, repeats=3, world=("dp2", "ep2", "tp2"), world_combos=WORLD_COMBOS,
                 trl_models=("tiny", "small"), train=dict(prompts_per_step=8, group_size=8, minibatches=4,
-                                                         max_new_tokens=48, flip_probe_sequences=4)),
+                                                         max_new_tokens=48, flip_probe_sequences=3)),
     "gpu": dict(models=MODELS, warmup=2, repeats=5, world=("dp2", "ep2", "tp2"), world_combos=WORLD_COMBOS,
                 trl_models=("tiny", "small"), train=dict(prompts_per_step=32, group_size=8, minibatches=4,
-                                                         max_new_tokens=256, flip_probe_sequences=4)),
+                                                         max_new_tokens=256, flip_probe_sequences=3)),
 }
-"""Probes: ``flip_probe_sequences`` is TrainConfig's default (4), as a user's run has it."""
+"""Probes: ``flip_probe_sequences`` is TrainConfig's default (3), as a user's run has it."""
 LAYOUTS = {"ep2": dict(expert_parallel=2, data_parallel=2), "tp2": dict(tensor_parallel=2),
            "dp2": dict(data_parallel=2)}
 TRL_VENV = ROOT / "benchmarks" / ".venv-trl"
