@@ -536,6 +536,39 @@ def finished(st: Stage) -> tuple[list[tuple], list[dict]]:
     return [it for it, _ in done], statuses  # ended_at: written last, so the file's time is the end
 
 
+TIMING_KEYS = ("step_s",)
+"Summary fields that are times: they vary between reruns of one computation."
+
+
+def same_runs(runs: list[dict], results: Path) -> dict:
+    """Each of ``runs`` against the run of the same cell, arm and seed in the committed screen and
+    confirmation reports under ``results`` (``phase-*-screen-*.json``, ``phase-*-confirm-*.json``;
+    where several hold it, the last by name): identical when every summary number but the times and every held-out evaluation
+    are equal. The repro's seeds are those runs' seeds (docs/phase.md), so this says whether a run
+    is reproducible bit for bit."""
+    earlier = {}
+    for f in sorted(results.glob("phase-*-screen-*.json")) + sorted(results.glob("phase-*-confirm-*.json")):
+        for r in json.loads(f.read_text()).get("runs", []):
+            earlier[(r["cell"], r["arm"], r["seed"])] = (f.name, r)
+
+    def kept(r: dict) -> dict:
+        row = json.loads(json.dumps({"summary": r["summary"], "eval": r["eval"]}))  # tuples as lists
+        return row | {"summary": {k: v for k, v in row["summary"].items() if k not in TIMING_KEYS}}
+
+    out = {"compared": 0, "identical": 0, "differ": [], "from": set()}
+    for r in runs:
+        hit = earlier.get((r["cell"], r["arm"], r["seed"]))
+        if hit is None:
+            continue
+        out["compared"] += 1
+        out["from"].add(hit[0])
+        if kept(r) == kept(hit[1]):
+            out["identical"] += 1
+        else:
+            out["differ"].append(f"{r['arm']}-s{r['seed']}")
+    return out | {"from": sorted(out["from"])}
+
+
 def runs_span_s(statuses: list[dict]) -> float:
     """Wall seconds from the first run's start to the last run's end (each ``ended_at`` less its
     ``wall_s``): what the runs took on this machine, whatever invocations ran or reported them."""
@@ -871,6 +904,7 @@ def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
         replay = next((a for a in st.arms if "+R" in a), None)
         span = runs_span_s(statuses)
         headline = {"cell": c, **repro_headline(tables[c]["arms"], replay), "wall_s": span}
+        headline["same_as_earlier_runs"] = same_runs(runs, path.parent)
         if st.name == "repro-cpu":
             headline |= {"wall_budget_s": REPRO_WALL_BUDGET_S, "within_budget": span <= REPRO_WALL_BUDGET_S}
         png = collapse.plot(runs, path.with_suffix(".png"))

@@ -443,3 +443,20 @@ def test_runs_span_is_first_start_to_last_end_and_finished_reads_each_end(tmp_pa
     (out / "status.json").write_text(json.dumps({"status": "done", "wall_s": 5.0}))
     (_, statuses) = phase.finished(st)
     assert statuses[0]["ended_at"] == (out / "status.json").stat().st_mtime and statuses[0]["wall_s"] == 5.0
+
+
+def test_same_runs_ignores_times_and_names_a_run_that_differs(tmp_path):
+    def run(seed, reward_last, step_s):
+        summary = {"reward_last": reward_last, "step_s": step_s, "flip_step": 1e-3}
+        return {"cell": "c", "arm": "GRPO", "seed": seed, "summary": summary, "eval": [(0, 0.5), (99, 0.25)]}
+
+    committed = [run(0, 0.15, 4.4), run(1, 0.6, 6.0)]
+    (tmp_path / "phase-m-screen-deciding-abc.json").write_text(json.dumps({"runs": committed}))
+    again = [run(0, 0.15, 3.5), run(1, 0.61, 6.0), run(2, 0.7, 1.0)]  # s1 differs, s2 is new
+    got = phase.same_runs(again, tmp_path)
+    assert got == {
+        "compared": 2,
+        "identical": 1,
+        "differ": ["GRPO-s1"],
+        "from": ["phase-m-screen-deciding-abc.json"],
+    }
