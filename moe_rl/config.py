@@ -425,7 +425,7 @@ class TrainConfig:
     log_every: int = 1
     "Print a progress line every N steps."
     flip_probe_sequences: int = 3
-    "Sequences of each rollout batch whose routes are compared just before and after every optimizer step (0: off; each probe is a forward of them to the last router, so its cost is their token count: 3 keeps it under 5% of a step, docs/algorithms.md)."
+    "Sequences of each rollout batch whose routes are compared just before and after every optimizer step (0: off; each probe is a forward of them to the last router: ~5% of a step at 3, docs/algorithms.md)."
     flip_probe_every: int = 1
     "Measure the per-step flip rate every N optimizer steps."
     max_bad_steps: int = 3
