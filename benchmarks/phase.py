@@ -11,6 +11,7 @@ Each (cell, arm, seed) is one run from its cell's SFT start (cached by SFT signa
     python -m benchmarks.phase --stage screen [--jobs 2] [--cells base,minibatches-4] [--dry-run]
     python -m benchmarks.phase --stage confirm [--jobs 2]     # the best-separating screened cell
     python -m benchmarks.phase --stage repro [--variant cpu|gpu] [--jobs 2]
+    python -m benchmarks.phase --stage explore [--jobs 2]    # cells outside the plan (EXPLORE)
     python -m benchmarks.phase --stage screen --report        # tabulate the finished runs only
     python -m benchmarks.phase --stage smoke                  # tiny end-to-end check
 
@@ -216,6 +217,29 @@ SMOKE = {
 "The smoke stage: the tiny policy, 2 cells x 2 arms x 1 seed x 3 steps."
 
 
+def _merged(a: dict, b: dict) -> dict:
+    """``b`` over ``a``, one level of sections deep (recipe overrides)."""
+    return {k: {**a.get(k, {}), **b.get(k, {})} for k in {**a, **b}}
+
+
+EXPLORE = {
+    "minibatches-8+bf16-bypass": {
+        "lever": "minibatches x precision",
+        "level": "8 x bf16-bypass",
+        "overrides": _merged(LEVERS["minibatches"]["8"], LEVERS["precision"]["bf16-bypass"]),
+        "skip_arms": list(NEEDS_RECOMPUTE),
+        "reference": "minibatches-8",
+    },
+}
+"""Cells outside the pre-registered plan (``--stage explore``): levers turned together after no
+lever turned alone separated the arms. Here the closest cell's 8 minibatch updates per rollout
+batch with a bf16 engine whose log-probs are pi_old, uncorrected (off-policy updates on top of a
+train-inference mismatch, the setting of arXiv 2512.01374). Never in the plan, the best-cell
+rule or the repro; their counts are leads for a new plan, not evidence."""
+EXPLORE_DOC = "not pre-registered: levers turned together after the plan's single levers did not separate"
+EXPLORE_ARMS = ("GRPO", "GRPO+R3", "GSPO")
+"The explore stage's arms: the deciding two and R3, which replays the bf16 engine's routes."
+
 CROSSED = {"lever": "minibatches", "level": "4", "levers": ("length", "granularity", "depth")}
 """Levers turned from the ``minibatches-4`` cell instead of the base (:data:`PLAN_REVISIONS` 1):
 their cells add ``train.minibatches=4`` and their first level is that cell."""
@@ -245,11 +269,6 @@ PLAN_REVISIONS = (
     },
 )
 """Revisions of the plan after its first commit: what changed, why, and the evidence."""
-
-
-def _merged(a: dict, b: dict) -> dict:
-    """``b`` over ``a``, one level of sections deep (recipe overrides)."""
-    return {k: {**a.get(k, {}), **b.get(k, {})} for k in {**a, **b}}
 
 
 def reference_cell(lever: str) -> str:
@@ -797,7 +816,7 @@ def replay_arm(runs_dir: Path, cell: str) -> str:
 
 
 def make_stage(args) -> Stage:
-    all_cells, runs_dir = cells(), Path(args.runs_dir)
+    all_cells, runs_dir = (EXPLORE if args.stage == "explore" else cells()), Path(args.runs_dir)
     names = [c.strip() for c in (args.cells or "").split(",") if c.strip()]
     unknown = [c for c in names if c not in all_cells]
     if unknown:
@@ -809,6 +828,10 @@ def make_stage(args) -> Stage:
         return Stage("smoke", sm["base"], sel, sm["arms"], sm["seeds"], runs_dir / "smoke", sm["steps"])
     if args.stage == "screen":
         return screen_stage(runs_dir, pick)
+    if args.stage == "explore":
+        return Stage(
+            "explore", STABLE_BASE, pick or dict(EXPLORE), EXPLORE_ARMS, SEEDS["screen"], runs_dir / "explore"
+        )
     if pick is None:
         c = chosen_cell(runs_dir)
         log.info("best-separating screened cell: %s", c)
@@ -908,6 +931,16 @@ def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
         if st.name == "repro-cpu":
             headline |= {"wall_budget_s": REPRO_WALL_BUDGET_S, "within_budget": span <= REPRO_WALL_BUDGET_S}
         png = collapse.plot(runs, path.with_suffix(".png"))
+    elif st.name == "explore":  # cells outside the plan: counts, ingredients and curves, no diagram
+        ranked = ranking({c: t["arms"] for c, t in tables.items()}, list(st.cells))
+        gap = paper_gap(tables, ranked[0] if ranked else None)
+        headline = {
+            "exploratory": EXPLORE_DOC,
+            "ranking": ranked,
+            "reached": gap["reached"],
+            "effect": gap["effect"],
+        }
+        png = collapse.plot(runs, path.with_suffix(".png"))
     else:
         ranked = ranking({c: t["arms"] for c, t in tables.items()}, list(st.cells))
         best = ranked[0] if ranked else None
@@ -939,7 +972,7 @@ def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
             "best_cell": BEST_CELL_RULE,
         },
         "cells": tables,
-        "diagram": None if st.name.startswith("repro") else diagram(tables, st.arms),
+        "diagram": None if st.name.startswith("repro") or st.name == "explore" else diagram(tables, st.arms),
         "runs": runs,
         "plot": png.name,
     }
@@ -951,7 +984,7 @@ def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
 # -- driver --------------------------------------------------------------------------------------
 def parse(argv):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.phase", description=__doc__.split("\n")[0])
-    ap.add_argument("--stage", default="screen", choices=("screen", "confirm", "repro", "smoke"))
+    ap.add_argument("--stage", default="screen", choices=("screen", "confirm", "repro", "explore", "smoke"))
     ap.add_argument("--cells", default=None, help="comma-separated cells (default: the stage's)")
     ap.add_argument("--variant", default="cpu", choices=REPRO_VARIANTS, help="repro settings")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (> 1: each in its own process)")
