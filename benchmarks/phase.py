@@ -230,12 +230,22 @@ EXPLORE = {
         "skip_arms": list(NEEDS_RECOMPUTE),
         "reference": "minibatches-8",
     },
+    "minibatches-8+lr-1e-4": {
+        "lever": "minibatches x learning rate",
+        "level": "8 x 1e-4",
+        "overrides": _merged(LEVERS["minibatches"]["8"], {"optim": {"lr": 1e-4}}),
+        "skip_arms": [],
+        "reference": "minibatches-8",
+    },
 }
 """Cells outside the pre-registered plan (``--stage explore``): levers turned together after no
-lever turned alone separated the arms. Here the closest cell's 8 minibatch updates per rollout
-batch with a bf16 engine whose log-probs are pi_old, uncorrected (off-policy updates on top of a
-train-inference mismatch, the setting of arXiv 2512.01374). Never in the plan, the best-cell
-rule or the repro; their counts are leads for a new plan, not evidence."""
+lever turned alone separated the arms. ``minibatches-8+bf16-bypass``: the closest cell's 8
+minibatch updates per rollout batch with a bf16 engine whose log-probs are pi_old, uncorrected
+(off-policy updates on top of a train-inference mismatch, the setting of arXiv 2512.01374).
+``minibatches-8+lr-1e-4``: the closest cell at 3.3x its learning rate, the one knob that raised the
+flip rate per step on this policy (``benchmarks/volatility.py``), below the 2e-4 at which the
+collapse preset broke every arm. Never in the plan, the best-cell rule or the repro; their counts
+are leads for a new plan, not evidence."""
 EXPLORE_DOC = "not pre-registered: levers turned together after the plan's single levers did not separate"
 EXPLORE_ARMS = ("GRPO", "GRPO+R3", "GSPO")
 "The explore stage's arms: the deciding two and R3, which replays the bf16 engine's routes."

@@ -465,11 +465,14 @@ def test_same_runs_ignores_times_and_names_a_run_that_differs(tmp_path):
 def test_explore_cells_stay_outside_the_plan_and_turn_their_levers_together(tmp_path):
     st = phase.make_stage(phase.parse(["--stage", "explore", "--runs-dir", str(tmp_path)]))
     assert st.root == tmp_path / "explore" and st.arms == ("GRPO", "GRPO+R3", "GSPO") and st.seeds == (0, 1)
-    assert len(st.items()) == 6 and not set(phase.EXPLORE) & set(phase.cells())
+    assert len(st.items()) == 6 * len(phase.EXPLORE) and not set(phase.EXPLORE) & set(phase.cells())
     assert not set(phase.EXPLORE) & set(phase.plan_doc()["cells"])
     r = load_recipe(DEMO, st.overrides("minibatches-8+bf16-bypass", "GRPO", 0))
     ref = load_recipe(DEMO, phase.screen_stage(tmp_path).overrides("minibatches-8", "GRPO", 0))
     assert (r.train.minibatches, r.rollout.dtype, r.algo.old_logprobs) == (8, "bf16", "rollout")
     assert r.train == ref.train and r.model == ref.model and r.optim == ref.optim  # only the engine differs
+    r = load_recipe(DEMO, st.overrides("minibatches-8+lr-1e-4", "GSPO", 1))
+    ref = load_recipe(DEMO, phase.screen_stage(tmp_path).overrides("minibatches-8", "GSPO", 1))
+    assert r.optim.lr == 1e-4 and r.train == ref.train and r.rollout == ref.rollout and r.algo == ref.algo
     with pytest.raises(SystemExit, match="unknown cell"):
         phase.make_stage(phase.parse(["--stage", "explore", "--cells", "base"]))
