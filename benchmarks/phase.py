@@ -572,9 +572,9 @@ TIMING_KEYS = ("step_s",)
 def same_runs(runs: list[dict], results: Path) -> dict:
     """Each of ``runs`` against the run of the same cell, arm and seed in the committed screen and
     confirmation reports under ``results`` (``phase-*-screen-*.json``, ``phase-*-confirm-*.json``;
-    where several hold it, the last by name): identical when every summary number but the times and every held-out evaluation
-    are equal. The repro's seeds are those runs' seeds (docs/phase.md), so this says whether a run
-    is reproducible bit for bit."""
+    where several hold it, the last by name): identical when every summary number but the times
+    and every held-out evaluation are equal. The repro's seeds are those runs' seeds
+    (docs/phase.md), so this says whether a run is reproducible bit for bit."""
     earlier = {}
     for f in sorted(results.glob("phase-*-screen-*.json")) + sorted(results.glob("phase-*-confirm-*.json")):
         for r in json.loads(f.read_text()).get("runs", []):
