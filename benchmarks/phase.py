@@ -47,7 +47,7 @@ from benchmarks.arms import (
     start_overrides,
     warm_start,
 )
-from benchmarks.common import commit, machine, result_path
+from benchmarks.common import RESULTS, commit, machine, result_path
 from benchmarks.volatility import PAPER, _lstsq
 from moe_rl.config import load_recipe
 
@@ -561,8 +561,9 @@ def finished(st: Stage) -> tuple[list[tuple], list[dict]]:
     done = [
         (it, it[3] / collapse.STATUS_FILE) for it in st.items() if (it[3] / collapse.STATUS_FILE).exists()
     ]
+    # status files older than its ended_at field: written last, so the file's time is the end
     statuses = [{"ended_at": f.stat().st_mtime, **json.loads(f.read_text())} for _, f in done]
-    return [it for it, _ in done], statuses  # ended_at: written last, so the file's time is the end
+    return [it for it, _ in done], statuses
 
 
 TIMING_KEYS = ("step_s",)
@@ -856,16 +857,20 @@ def make_stage(args) -> Stage:
 
 def dry_run(st: Stage, cache: Path, launch: str | None) -> list[str]:
     """The commands of every run of ``st`` (the SFT starts they load named by cache key)."""
-    lines = []
-    for c, a, s, out in st.items():
+
+    def start_of(c: str) -> Path:  # the finished start, else where warm_start will put it
         common = common_overrides(st.base, st.cells[c], st.variant)
         hit = cached_start(DEMO, common, cache=cache)
-        start = (
+        return (
             hit[0]
             if hit
             else cache / sft_key(load_recipe(DEMO, [*common, "train.stages=[sft]"])) / "checkpoints"
         )
-        ov = [*st.overrides(c, a, s), "train.stages=[rl]", *start_overrides(start)]
+
+    starts = {c: start_of(c) for c in st.cells}  # once per cell: a shipped start is hashed to check it
+    lines = []
+    for c, a, s, out in st.items():
+        ov = [*st.overrides(c, a, s), "train.stages=[rl]", *start_overrides(starts[c])]
         done = "# done: " if (out / collapse.STATUS_FILE).exists() else ""
         lines.append(done + collapse.arm_command(DEMO, ov, out, launch))
     return lines
@@ -937,10 +942,10 @@ def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
         replay = next((a for a in st.arms if "+R" in a), None)
         span = runs_span_s(statuses)
         headline = {"cell": c, **repro_headline(tables[c]["arms"], replay), "wall_s": span}
-        headline["same_as_earlier_runs"] = same_runs(runs, path.parent)
+        headline["same_as_earlier_runs"] = same_runs(runs, RESULTS)
         if st.name == "repro-cpu":
             headline |= {"wall_budget_s": REPRO_WALL_BUDGET_S, "within_budget": span <= REPRO_WALL_BUDGET_S}
-        png = collapse.plot(runs, path.with_suffix(".png"))
+        diag, png = None, collapse.plot(runs, path.with_suffix(".png"))
     elif st.name == "explore":  # cells outside the plan: counts, ingredients and curves, no diagram
         ranked = ranking({c: t["arms"] for c, t in tables.items()}, list(st.cells))
         gap = paper_gap(tables, ranked[0] if ranked else None)
@@ -950,7 +955,7 @@ def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
             "reached": gap["reached"],
             "effect": gap["effect"],
         }
-        png = collapse.plot(runs, path.with_suffix(".png"))
+        diag, png = None, collapse.plot(runs, path.with_suffix(".png"))
     else:
         ranked = ranking({c: t["arms"] for c, t in tables.items()}, list(st.cells))
         best = ranked[0] if ranked else None
@@ -961,7 +966,8 @@ def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
             "paper_gap": paper_gap(tables, best),
         }
         title = f"phase diagram ({st.name}, {machine()}): collapse rate per arm, ingredients per cell"
-        png = plot_diagram(diagram(tables, st.arms), st.arms, path.with_suffix(".png"), title)
+        diag = diagram(tables, st.arms)
+        png = plot_diagram(diag, st.arms, path.with_suffix(".png"), title)
         if best:  # the best cell's runs over time: reward, accuracy and ingredients per arm
             best_runs = [r for r in runs if r["cell"] == best["cell"]]
             headline["best_plot"] = collapse.plot(best_runs, path.with_name(path.stem + "-best.png")).name
@@ -982,7 +988,7 @@ def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
             "best_cell": BEST_CELL_RULE,
         },
         "cells": tables,
-        "diagram": None if st.name.startswith("repro") or st.name == "explore" else diagram(tables, st.arms),
+        "diagram": diag,
         "runs": runs,
         "plot": png.name,
     }
