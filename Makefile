@@ -39,4 +39,101 @@ format: $(STAMP)
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .venv312 runs .pytest_cache
+
+# -- a lent GPU (docs/gpu_check.md): `make gpu-wheels` here, with network; `make gpu-check` there,
+# offline, over its preinstalled torch and Triton (venv with --system-site-packages).
+.PHONY: gpu-wheels gpu-check
+WHL ?= .whl
+GPU_PYTHON ?= python3
+GPU_PY_VERSION ?= 3.12
+GPU_VENV ?= /tmp/moe-rl-venv-gpu
+GPU_CHECK_S ?= 470
+GPU_CHECK_ARGS ?=
+# the commit the results are named by, where the copy has no .git (the device machine's)
+GPU_COMMIT ?=
+# on the lent GPUs' image already (KINDS.md): numpy, matplotlib; name them here for a machine without
+GPU_WHEELS_EXTRA ?=
+# the newest megatron-core the tests cover (pyproject's bound; `make test-megatron-newest`)
+GPU_MEGATRON ?= megatron-core==0.19.2
+GPU_DOWNLOAD = $(BIN)/python -m pip download -q --only-binary=:all: --python-version $(GPU_PY_VERSION) \
+	--implementation cp --abi cp$(subst .,,$(GPU_PY_VERSION)) --platform manylinux_2_28_x86_64 \
+	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $(WHL)
+
+gpu-wheels: $(STAMP)
+	mkdir -p $(WHL)
+	# pyproject's dependencies and build requirements + what the check needs, less torch and
+	# triton (the GPU's own), numpy (the image's), tensorboard (optional); megatron-core without
+	# its dependencies (torch, numpy, packaging)
+	$(BIN)/python -m benchmarks.gpu_check --requirements $(GPU_WHEELS_EXTRA) > $(WHL)/requirements.txt
+	$(GPU_DOWNLOAD) -r $(WHL)/requirements.txt
+	$(GPU_DOWNLOAD) --no-deps "$(GPU_MEGATRON)"
+	du -sh $(WHL)
+
+gpu-check:
+	# the lent GPU's python3 is itself a venv (/opt/torch/.venv): a venv made from it sees only its
+	# base interpreter's packages, so a .pth adds its site-packages (torch, triton, numpy) after the
+	# new venv's own (what is installed here wins)
+	test -x $(GPU_VENV)/bin/python || { $(GPU_PYTHON) -m venv --system-site-packages --without-pip $(GPU_VENV) && \
+		$(GPU_PYTHON) -c 'import site; print("import site;", *(f"site.addsitedir({p!r});" for p in site.getsitepackages()))' \
+		> "$$($(GPU_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/gpu_base.pth"; }
+	# pip: the base environment's, else bootstrapped from its wheel
+	$(GPU_VENV)/bin/python -m pip --version >/dev/null 2>&1 || \
+		$(GPU_VENV)/bin/python $$(ls $(WHL)/pip-*.whl | tail -1)/pip install -q --no-index --find-links $(WHL) pip
+	$(GPU_VENV)/bin/python -m pip install -q --no-index --find-links $(WHL) -r $(WHL)/requirements.txt
+	$(GPU_VENV)/bin/python -m pip install -q --no-index --find-links $(WHL) --no-deps "$(GPU_MEGATRON)"
+	$(GPU_VENV)/bin/python -m pip install -q --no-index --find-links $(WHL) --no-deps -e .
+	PYTHONUNBUFFERED=1 MOE_RL_COMMIT=$(GPU_COMMIT) timeout -k 15 $(GPU_CHECK_S) $(GPU_VENV)/bin/python -m benchmarks.gpu_check \
+		--budget-s $$(( $(GPU_CHECK_S) - 20 )) $(GPU_CHECK_ARGS)
+
+# SGLang's own weight-push decoding for tests/unit/test_sglang_weight_push.py: each version's wheel
+# (its Python files only, no dependencies, whatever this Python is) unpacked into .sglang/<version>,
+# with pybase64, which its deserializer uses. The tests skip, naming this target, without it.
+.PHONY: sglang-wheels
+SGLANG_VERSIONS ?= 0.5.11 0.5.23
+SGLANG_PYBASE64 ?= pybase64==1.5.1
+sglang-wheels: $(STAMP)
+	@for v in $(SGLANG_VERSIONS); do \
+	  d=.sglang/$$v; test -f $$d/sglang/srt/weight_sync/tensor_bucket.py && continue; \
+	  echo "fetching sglang==$$v into $$d"; rm -rf $$d.tmp && mkdir -p $$d.tmp && \
+	  $(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
+	    --platform manylinux_2_34_x86_64 -d $$d.tmp "sglang==$$v" && \
+	  $(BIN)/python -m zipfile -e $$d.tmp/sglang-$$v-*.whl $$d.tmp && rm $$d.tmp/sglang-$$v-*.whl && \
+	  $(BIN)/python -m pip install -q --no-deps --target $$d.tmp "$(SGLANG_PYBASE64)" && \
+	  rm -rf $$d && mv $$d.tmp $$d || exit 1; \
+	done
+
+# -- the newest megatron-core (docs/megatron_cpu.md#install): it declares Python >= 3.12, so it
+# gets a venv of its own (`make test` runs 0.16.1, what pip picks on Python 3.11). Torch first and
+# pinned as in $(STAMP); on 3.12 that is PyPI's CUDA build of 2.13.0 (runs on CPU; about 1 min to
+# install), which pins its own triton, so of the dev extras only what these tests need. Runs the
+# megatron-core tests of model, optimizer, routing replay, packing, checkpoints (across layer
+# specs), HF export / import, both decoders, one EP and one TP+EP multi-process test, then the tiny
+# recipe's per-step losses against $(VENV)'s megatron-core (tests/megatron_losses.py).
+.PHONY: test-megatron-newest
+VENV_NEWEST ?= .venv312
+# the first Python >= 3.12 that runs (a pyenv shim of an inactive version does not)
+PY_NEWEST ?= $(shell for p in python3.12 python3.13 $$(ls -d $$HOME/.pyenv/versions/3.1[2-9]*/bin/python3 2>/dev/null); do \
+	$$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && { echo $$p; break; }; done)
+STAMP_NEWEST := $(VENV_NEWEST)/.installed
+# of the dev extras, what these tests import
+NEWEST_DEV ?= pytest pytest-timeout transformers tokenizers
+MEGATRON_NEWEST_TESTS ?= tests/unit/test_megatron_versions.py tests/unit/test_checkpoint_specs.py \
+	tests/unit/test_local_layers.py tests/unit/test_policy.py tests/unit/test_optim.py \
+	tests/unit/test_routing_replay.py tests/unit/test_replay_pitfall.py tests/unit/test_packing.py \
+	tests/unit/test_hf.py tests/unit/test_decode.py \
+	'tests/dist/test_parallel_equivalence.py::test_layout_matches_single_process[layout0]' \
+	'tests/dist/test_hf_parallel.py::test_import_export_at_layout[tp2ep2]'
+
+$(STAMP_NEWEST): pyproject.toml
+	@test -n "$(PY_NEWEST)" || { echo "test-megatron-newest needs python3.12 or newer (PY_NEWEST=...)"; exit 1; }
+	test -x $(VENV_NEWEST)/bin/python || $(PY_NEWEST) -m venv $(VENV_NEWEST)
+	$(VENV_NEWEST)/bin/python -m pip install -q --upgrade pip
+	$(VENV_NEWEST)/bin/python -c "import torch" 2>/dev/null || $(VENV_NEWEST)/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	$(VENV_NEWEST)/bin/python -m pip install -q -e . $(NEWEST_DEV)
+	touch $(STAMP_NEWEST)
+
+test-megatron-newest: $(STAMP_NEWEST) $(STAMP)
+	$(VENV_NEWEST)/bin/python -c "import megatron.core, sys; print('megatron-core', megatron.core.__version__, 'on Python', sys.version.split()[0])"
+	$(VENV_NEWEST)/bin/python -m pytest -q -p no:cacheprovider $(MEGATRON_NEWEST_TESTS)
+	$(BIN)/python -m tests.megatron_losses compare $(BIN)/python $(VENV_NEWEST)/bin/python

@@ -116,9 +116,12 @@ def measure(run, dtype: str, router: str, length: int, prompts: int, group: int)
     c0, w0 = time.process_time(), time.perf_counter()
     rollouts = engine.generate(encode_prompts(run, batch), group, sampling)
     cpu_s, wall_s = time.process_time() - c0, time.perf_counter() - w0
+    if hasattr(rollouts, "to"):  # the engine's batch is on the host; the trainer's policy may be on CUDA
+        rollouts = rollouts.to(run.info.device)
     mask_BT = rollouts.response_mask_BT
     s = rollouts.tokens_BT.shape[1] - 1
-    valid_BS = (torch.arange(s)[None, :] < (rollouts.total_lens_B[:, None] - 1)).float()
+    positions_S = torch.arange(s, device=rollouts.tokens_BT.device)
+    valid_BS = (positions_S[None, :] < (rollouts.total_lens_B[:, None] - 1)).float()
     old_logp_BT, natural_BSLK, _ = old_policy_pass(run, rollouts.tokens_BT, None, valid_BS.sum(1).long())
     tokens = float(mask_BT.sum())
     out = {

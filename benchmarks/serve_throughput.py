@@ -17,6 +17,15 @@ records the engines' CPU seconds (psutil), since other work on a shared machine 
 
 Writes benchmarks/results/serve_throughput-<machine>-tiny-<commit>.json (+ .png with the router
 section), with a top-level "headline" object.
+
+Pushes section (``--sections pushes``): the tiny and small policies (benchmarks/throughput.py's
+MODELS), each served by one ``moe-rl serve``; 3 pushes by each path (distributed: gloo broadcast;
+tensor: the colocated path's buckets with the ``bytes`` serializer, as on a CPU; disk: safetensors),
+the median wall time and the trainer process's peak resident memory above its level before the
+push (psutil, sampled every millisecond). ``--before FILE`` puts another commit's pushes JSON (the
+same command run there with ``--out``) beside this one, with the ratios in the headline:
+
+    python -m benchmarks.serve_throughput --sections pushes [--before OLD.json] [--out FILE]
 """
 
 from __future__ import annotations
@@ -172,7 +181,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--sections", default="single,router", help="comma list of: single, router")
+    ap.add_argument("--sections", default="single,router", help="comma list of: single, router, pushes")
+    ap.add_argument("--before", default=None, help="pushes: another commit's result JSON to compare with")
+    ap.add_argument("--out", default=None, help="pushes: where to write the JSON (default: results/)")
     a = ap.parse_args(argv)
     sections = set(a.sections.split(","))
     torch.set_num_threads(a.threads)
@@ -188,6 +199,8 @@ def main(argv=None) -> dict:
     res = {"model": TINY, "batch": a.batch, "new_tokens": a.new_tokens, "threads": a.threads}
 
     info = init_parallel(ParallelConfig(), seed=1)
+    if sections == {"pushes"}:
+        return bench_pushes(a, tmp, info)
     policy = build_policy(ModelConfig(**TINY), ParallelConfig(), info)
     if "router" in sections:
         res["router"] = bench_router(a, tmp, policy)
@@ -252,6 +265,103 @@ def _bench_single(a, tmp: Path, policy, prompts) -> dict:
         launcher.stop()
     res["served_over_in_process"] = res["served"]["tokens_per_s"] / res["in_process"]["tokens_per_s"]
     return res
+
+
+class _PeakRSS:
+    """This process's peak resident memory above its level at entry (psutil, every millisecond)."""
+
+    def __enter__(self):
+        import threading
+
+        import psutil
+
+        self._proc, self._stop = psutil.Process(), threading.Event()
+        self.base = self.peak = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    @property
+    def extra_bytes(self) -> int:
+        return self.peak - self.base
+
+
+def bench_pushes(a, tmp: Path, info) -> dict:
+    """Push time and peak trainer memory per push, tiny and small policies, every CPU path."""
+    from benchmarks.throughput import MODELS
+    from moe_rl.config import ModelConfig, ParallelConfig
+    from moe_rl.megatron.hf import PolicyHFSource
+    from moe_rl.megatron.policy import build_policy
+    from moe_rl.rollout.sglang_launcher import SGLangLauncher, SGLangServerConfig
+    from moe_rl.rollout.weight_sync import DiskWeightSync, DistributedWeightSync, TensorWeightSync
+
+    res: dict = {"pushes": {}}
+    for model, shape in MODELS.items():
+        cfg = {**TINY, **shape}
+        (tmp / f"{model}.yaml").write_text(yaml.safe_dump({"model": cfg}))
+        policy = build_policy(ModelConfig(**cfg), ParallelConfig(), info)
+        launcher = SGLangLauncher(
+            SGLangServerConfig(model_path=str(tmp / f"{model}.yaml"), module="moe_rl.serve.embedded"),
+            log_path=tmp / f"server-{model}.log",
+            startup_timeout_s=300,
+            env={**os.environ, "OMP_NUM_THREADS": str(a.threads), "PYTHONWARNINGS": "ignore"},
+        )
+        client = launcher.start()
+        out = res["pushes"][model] = {"params": sum(p.numel() for p in policy.model.parameters())}
+        try:
+            for name, sync in (
+                ("distributed", DistributedWeightSync(client)),
+                ("tensor", TensorWeightSync(client, serializer="bytes")),
+                ("disk", DiskWeightSync(client, tmp / f"w-{model}")),
+            ):
+                seconds, extra, nbytes = [], [], 0
+                for i in range(3):
+                    with _PeakRSS() as rss:
+                        rep = sync.push(PolicyHFSource(policy), f"{name}-{i}")
+                    seconds.append(rep.seconds)
+                    extra.append(rss.extra_bytes)
+                    nbytes = rep.bytes
+                out[name] = {"seconds": seconds, "peak_extra_rss_bytes": extra, "bytes": nbytes}
+                if hasattr(sync, "close"):
+                    sync.close()
+        finally:
+            launcher.stop()
+    res["headline"] = _push_headline(res, json.loads(Path(a.before).read_text()) if a.before else None)
+    if a.before:
+        res["before"] = json.loads(Path(a.before).read_text())
+    path = result_path("serve_throughput", "pushes", a.out)
+    tmp_path = path.with_suffix(".tmp")
+    tmp_path.write_text(json.dumps(res, indent=1, allow_nan=False))
+    os.replace(tmp_path, path)
+    print(json.dumps(res["headline"], indent=1))
+    return res
+
+
+def _push_headline(res: dict, before: dict | None) -> dict:
+    """Median push seconds and median peak extra RSS (MiB) per model and path (and, with ``before``,
+    before / after ratios)."""
+    head: dict = {}
+    for model, paths in res["pushes"].items():
+        for name, r in paths.items():
+            if not isinstance(r, dict):
+                continue
+            key = f"{model}_{name}"
+            head[f"{key}_s"] = sorted(r["seconds"])[1]
+            head[f"{key}_peak_mib"] = sorted(r["peak_extra_rss_bytes"])[1] / 2**20
+            old = (before or {}).get("pushes", {}).get(model, {}).get(name)
+            if old:
+                head[f"{key}_s_before"] = sorted(old["seconds"])[1]
+                head[f"{key}_peak_mib_before"] = sorted(old["peak_extra_rss_bytes"])[1] / 2**20
+    return head
 
 
 if __name__ == "__main__":

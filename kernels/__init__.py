@@ -7,7 +7,8 @@
   ``TRITON_INTERPRET=1`` was set before triton was imported: tests).
 
 ``logprobs_from_hidden(..., impl="auto")`` picks the kernel on CUDA when triton is
-importable and the reference elsewhere. Importing this package needs only torch.
+importable and one of its tiles fits the GPU's shared memory in the inputs' dtype, and the
+reference elsewhere. Importing this package needs only torch.
 """
 
 from __future__ import annotations
@@ -27,12 +28,25 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_logprob_impl(impl: str, device: torch.device) -> str:
-    """``triton`` or ``torch`` for ``impl`` on ``device``; an unknown name lists the valid ones."""
+def triton_tile_fits(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a tile of the Triton kernel fits ``device``'s shared memory in ``dtype`` (CUDA;
+    ``fused_logprob.device_tile``, which logs one line when none does)."""
+    from moe_rl.kernels.fused_logprob import device_tile
+
+    return device_tile(device, dtype) is not None
+
+
+def resolve_logprob_impl(impl: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """``triton`` or ``torch`` for ``impl`` on ``device``; an unknown name lists the valid ones.
+
+    ``auto`` is the Triton kernel on CUDA when triton is importable and, given the inputs'
+    ``dtype``, one of its tiles fits the GPU's shared memory; else the torch reference."""
     if impl not in LOGPROB_IMPLS:
         raise ValueError(f"unknown log-prob impl {impl!r}; valid: {', '.join(LOGPROB_IMPLS)}")
     if impl == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type != "cuda" or not triton_available():
+            return "torch"
+        return "triton" if dtype is None or triton_tile_fits(device, dtype) else "torch"
     if impl == "triton" and not triton_available():
         raise ValueError("impl='triton' needs the triton package (pip install moe-rl[gpu]); use impl='torch'")
     return impl
@@ -65,7 +79,7 @@ def logprobs_from_hidden(
         with_entropy=with_entropy,
         vocab_chunk=vocab_chunk,
     )
-    if resolve_logprob_impl(impl, hidden_NH.device) == "triton":
+    if resolve_logprob_impl(impl, hidden_NH.device, hidden_NH.dtype) == "triton":
         from moe_rl.kernels.fused_logprob import fused_logprobs
 
         return fused_logprobs(hidden_NH, weight_VH, target_N, **kw)
@@ -78,4 +92,5 @@ __all__ = [
     "logprobs_from_hidden",
     "resolve_logprob_impl",
     "triton_available",
+    "triton_tile_fits",
 ]

@@ -32,6 +32,9 @@ the tensor cores as bf16.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import triton
 import triton.language as tl
@@ -44,6 +47,8 @@ from moe_rl.kernels.hidden_logprob_reference import (
     check_inputs,
     vocab_chunk_width,
 )
+
+log = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -206,16 +211,92 @@ def interpreting() -> bool:
 
 
 GPU_TILE = {"BM": 128, "BV": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
-"""Default tile of both kernels on CUDA (bf16 on sm_90: wgmma, 3-stage cp.async pipeline,
-96 KiB shared memory, no register spills per ptxas). ``benchmarks/kernels.py`` sweeps GPU_TILES."""
+"""Preferred tile of both kernels on CUDA (bf16 on sm_90: wgmma, 3-stage cp.async pipeline, no
+register spills per ptxas), used where it fits the device's shared memory (:func:`device_tile`).
+``benchmarks/kernels.py`` sweeps GPU_TILES."""
 GPU_TILES = {
     "128x128x64-w8-s3": GPU_TILE,
     "128x256x64-w8-s3": {"BM": 128, "BV": 256, "BK": 64, "num_warps": 8, "num_stages": 3},
     "128x128x64-w4-s4": {"BM": 128, "BV": 128, "BK": 64, "num_warps": 4, "num_stages": 4},
     "64x128x64-w4-s4": {"BM": 64, "BV": 128, "BK": 64, "num_warps": 4, "num_stages": 4},
     "128x64x64-w4-s4": {"BM": 128, "BV": 64, "BK": 64, "num_warps": 4, "num_stages": 4},
+    "128x128x32-w8-s3": {"BM": 128, "BV": 128, "BK": 32, "num_warps": 8, "num_stages": 3},
+    "64x64x32-w4-s2": {"BM": 64, "BV": 64, "BK": 32, "num_warps": 4, "num_stages": 2},
 }
 "Named tiles the benchmark can sweep (``tile=`` of fused_logprobs)."
+TILE_PREFERENCE = ("128x128x64-w8-s3", "128x128x32-w8-s3", "64x64x32-w4-s2")
+"""GPU_TILES names :func:`choose_tile` tries in order: the default, then half its K step (half its
+shared memory: fp32 on 99 KiB parts), then a small tile that fits any CUDA GPU's 48 KiB."""
+MAX_SHARED_BY_CC = {
+    (7, 0): 98_304,
+    (7, 5): 65_536,
+    (8, 0): 166_912,
+    (8, 6): 101_376,
+    (8, 7): 166_912,
+    (8, 9): 101_376,
+    (9, 0): 232_448,
+    (10, 0): 232_448,
+    (12, 0): 101_376,
+}
+"""Shared memory per block (opt-in maximum, bytes) by compute capability, from the CUDA programming
+guide: V100, T4, A100, A10/A40/RTX 30, Jetson Orin, L4/L40/RTX 40, H100/H200, B200, RTX 50. Used
+where torch does not report ``shared_memory_per_block_optin``; unknown parts get 48 KiB."""
+
+
+def tile_shared_bytes(tile: dict, dtype: torch.dtype, cc: tuple[int, int] | None = None) -> int:
+    """Shared memory one program of either kernel needs at ``tile`` for ``dtype`` inputs on a GPU
+    of compute capability ``cc`` (None: unknown, counted at the most).
+
+    Triton software-pipelines the H loop of ``_logits_tile``: each buffer holds one iteration's
+    h [BM, BK] and w [BV, BK] blocks, and nothing else outlives them (the reductions' scratch
+    reuses that memory). It keeps ``num_stages - 1`` buffers (cp.async in flight) for the fp32
+    FMA dot and for 16-bit mma.sync before Hopper, and ``num_stages`` for 16-bit wgmma (sm_90 and
+    up). This is what triton 3.9 compiles (``metadata.shared`` of both kernels at the alignment
+    its JIT infers, sm_80 / sm_89 / sm_90, fp32 and bf16; ``benchmarks/kernels.py --codegen``):
+    at GPU_TILE 131,072 bytes in fp32, 65,536 in bf16 before sm_90 and 98,304 on sm_90.
+    """
+    wgmma = dtype.itemsize == 2 and (cc is None or cc[0] >= 9)
+    buffers = tile["num_stages"] if wgmma else max(tile["num_stages"] - 1, 1)
+    return buffers * (tile["BM"] + tile["BV"]) * tile["BK"] * dtype.itemsize
+
+
+def choose_tile(dtype: torch.dtype, max_shared: int, cc: tuple[int, int] | None = None) -> dict | None:
+    """The first tile of TILE_PREFERENCE whose :func:`tile_shared_bytes` fits ``max_shared`` bytes
+    (a GPU of compute capability ``cc``) in ``dtype``; None if none does."""
+    for name in TILE_PREFERENCE:
+        if tile_shared_bytes(GPU_TILES[name], dtype, cc) <= max_shared:
+            return GPU_TILES[name]
+    return None
+
+
+def max_shared_memory(device: torch.device) -> tuple[int, tuple[int, int]]:
+    """(shared memory per block (opt-in maximum, bytes), compute capability) of a CUDA device."""
+    props = torch.cuda.get_device_properties(device)
+    cc = (props.major, props.minor)
+    optin = getattr(props, "shared_memory_per_block_optin", 0)
+    return (int(optin) if optin else MAX_SHARED_BY_CC.get(cc, 48 * 1024)), cc
+
+
+@functools.cache
+def _device_tile(device_index: int, dtype: torch.dtype) -> dict | None:
+    smem, cc = max_shared_memory(torch.device("cuda", device_index))
+    tile = choose_tile(dtype, smem, cc)
+    if tile is None:
+        log.warning(
+            "no Triton log-prob tile fits %d bytes of shared memory (sm_%d%d) in %s: using the torch path",
+            smem,
+            *cc,
+            dtype,
+        )
+    return tile
+
+
+def device_tile(device: torch.device, dtype: torch.dtype) -> dict | None:
+    """:func:`choose_tile` for a CUDA ``device`` (cached per device and dtype); None if none fits."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_tile(index, dtype)
+
+
 _INTERP_TILE = {"BM": 16, "BV": 32, "BK": 16}
 "Small tile for the CPU interpreter: several blocks per axis at test sizes."
 
@@ -235,7 +316,14 @@ def _setup(h: torch.Tensor, tile: dict | None) -> tuple[dict, dict, dict]:
             "TRITON_INTERPRET=1 before triton is first imported, or use impl='torch'"
         )
     kernels = KERNELS
-    tile = dict(tile or (_INTERP_TILE if interp else GPU_TILE))
+    if tile is None and not interp:
+        tile = device_tile(h.device, h.dtype)
+        if tile is None:
+            raise ValueError(
+                f"no Triton log-prob tile fits this GPU's shared memory ({max_shared_memory(h.device)[0]} "
+                f"bytes) in {h.dtype}: use impl='torch'"
+            )
+    tile = dict(tile or _INTERP_TILE)
     flags = {
         "UPCAST": interp and h.dtype != torch.float32,
         # fp32 inputs are for testing: keep them exact instead of TF32
@@ -367,7 +455,8 @@ def fused_logprobs(
     target logit and E[z] reduced over ``group``. The gradient of hidden_NH is this shard's
     contribution (the caller all-reduces it under TP). ``vocab_chunk``: backward chunk
     width C (default N * C <= 2**26 on CUDA, 2**24 elsewhere); ``num_splits``: forward
-    vocab splits P (default fills the GPU); ``tile``: kernel tile (default ``GPU_TILE``).
+    vocab splits P (default fills the GPU); ``tile``: kernel tile (default: the first of
+    ``TILE_PREFERENCE`` that fits the GPU's shared memory in the inputs' dtype, :func:`device_tile`).
     """
     check_inputs(hidden_NH, weight_VH, target_N, temperature)
     n, v = hidden_NH.shape[0], weight_VH.shape[0]

@@ -356,8 +356,8 @@ class RolloutConfig:
     "Engine in moe_rl.rollout.ROLLOUT_ENGINES: embedded (in-process, every machine) | sglang."
     embedded_decoder: Literal["auto", "lean", "megatron"] = "auto"
     "Forward of the embedded engine: lean (moe_rl.megatron.decode; TP=1) | megatron | auto (lean where it runs)."
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    "Precision of the engine's own copy of the weights and its compute (embedded engine, moe-rl serve)."
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    "Precision the engine serves: auto (the embedded engine: the policy's own, no copy; SGLang: bf16) | fp32 | bf16 | fp16."
     router_dtype: Literal["same", "fp32"] = "same"
     "Router logits and softmax of the engine: same (as rollout.dtype) | fp32 (kept in fp32)."
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
@@ -370,15 +370,24 @@ class RolloutConfig:
     "Timeout of one engine request, seconds."
     retries: int = 3
     "Retries of a failed request (connection errors and 5xx only)."
+    verify_every: int = 10
+    "Read pushed weights back by name after the first push and every N-th (0: never; SGLang engines)."
 
     def __post_init__(self) -> None:
         check_choices(self, "rollout")
         require_positive(self, "rollout", "timeout_s")
         require(self.retries >= 0, f"rollout.retries={self.retries} must be >= 0")
+        require(self.verify_every >= 0, f"rollout.verify_every={self.verify_every} must be >= 0 (0: never)")
         require(self.weight_sync_dir != "", "rollout.weight_sync_dir is empty: give a directory or null")
         require(
             self.weight_sync != "tensor" or self.sglang.colocate,
             "rollout.weight_sync=tensor hands SGLang CUDA-IPC handles: it needs rollout.sglang.colocate=true",
+        )
+        require(
+            not (self.sglang.colocate and self.weight_sync == "distributed"),
+            "rollout.sglang.colocate=true with rollout.weight_sync=distributed: trainer rank 0 and the "
+            "engine's first TP rank would join one NCCL group on the same GPU, which NCCL refuses "
+            "('Duplicate GPU detected'); set rollout.weight_sync=tensor (CUDA IPC, as verl and slime) or disk",
         )
 
 
@@ -576,6 +585,16 @@ class Recipe:
             m.dtype == "float32" or p.backend != "gloo",
             "model.dtype=bfloat16 needs CUDA (nccl); set model.dtype=float32 on CPU",
         )
+
+    @property
+    def rollout_dtype(self) -> str:
+        """The precision the rollout engine serves (``rollout.dtype``, auto resolved): the embedded
+        engine the policy's own, SGLang bf16 (what verl and slime serve)."""
+        if self.rollout.dtype != "auto":
+            return self.rollout.dtype
+        if self.rollout.engine == "sglang":
+            return "bf16"
+        return "bf16" if self.model.dtype == "bfloat16" else "fp32"
 
 
 # ---------------------------------------------------------------------------------------

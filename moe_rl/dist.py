@@ -3,6 +3,10 @@
 Torch only (no megatron-core). Every function takes an explicit group (``None`` = the
 world) and is a no-op, or the identity, when torch.distributed is not initialised or the
 group has one member, so the same code runs in a single CPU process and under torchrun.
+
+A collective's tensors live on its group's device (:func:`group_device`: CUDA for NCCL, the
+host for gloo); one elsewhere is refused with the tensor's device named, before the backend
+sees it (NCCL would fail later, or hang, with less to go on).
 """
 
 from __future__ import annotations
@@ -36,6 +40,24 @@ def _active(group: Any) -> bool:
     return is_distributed() and dist.get_world_size(group) > 1
 
 
+def group_device(group: Any = None) -> torch.device:
+    """Where ``group``'s collectives take their tensors: this process's CUDA device for NCCL, else
+    the host (the CPU without distributed)."""
+    if is_distributed() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _on_group_device(t: torch.Tensor, group: Any, what: str) -> None:
+    want = group_device(group)
+    if t.device.type != want.type:
+        raise RuntimeError(
+            f"moe_rl.dist.{what}: a {dist.get_backend(group)} collective got a tensor on {t.device}, "
+            f"its group reduces tensors on {want.type}: make it on the policy's device "
+            "(the rollout batch moves there once, in moe_rl.trainer.rl.from_engine)"
+        )
+
+
 def barrier(group: Any = None) -> None:
     """Wait for every member of ``group``."""
     if _active(group):
@@ -45,6 +67,7 @@ def barrier(group: Any = None) -> None:
 def all_reduce(t: torch.Tensor, group: Any = None, op: Any = ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce of ``t`` over ``group``; returns ``t``."""
     if _active(group):
+        _on_group_device(t, group, "all_reduce")
         dist.all_reduce(t, op=op, group=group)
     return t
 
@@ -53,28 +76,27 @@ def all_gather_cat(t: torch.Tensor, group: Any = None, dim: int = 0) -> torch.Te
     """Every member's ``t`` (same shape on all) concatenated along ``dim`` in rank order."""
     if not _active(group):
         return t
+    _on_group_device(t, group, "all_gather_cat")
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, t.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 
 
-def any_rank(flag: bool, group: Any = None, device: Any = None) -> bool:
-    """True when ``flag`` is true on at least one member of ``group``.
-
-    ``device``: where the one-element tensor lives (a CUDA device for an NCCL group)."""
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+def any_rank(flag: bool, group: Any = None) -> bool:
+    """True when ``flag`` is true on at least one member of ``group``."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=group_device(group))
     return bool(all_reduce(t, group, ReduceOp.MAX).item())
 
 
-def all_ranks(flag: bool, group: Any = None, device: Any = None) -> bool:
-    """True when ``flag`` is true on every member of ``group`` (``device`` as in :func:`any_rank`)."""
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+def all_ranks(flag: bool, group: Any = None) -> bool:
+    """True when ``flag`` is true on every member of ``group``."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=group_device(group))
     return bool(all_reduce(t, group, ReduceOp.MIN).item())
 
 
-def max_over(value: int | float, group: Any = None, device: Any = None) -> int | float:
-    """The largest ``value`` over the members of ``group`` (``device`` as in :func:`any_rank`)."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+def max_over(value: int | float, group: Any = None) -> int | float:
+    """The largest ``value`` over the members of ``group``."""
+    t = torch.tensor([value], dtype=torch.float64, device=group_device(group))
     out = all_reduce(t, group, ReduceOp.MAX).item()
     return type(value)(out)
 
@@ -94,7 +116,8 @@ def new_group(ranks: Sequence[int], backend: str | None = None) -> Any:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
-    with socket.socket() as s:
+    """A TCP port that is free on ``host`` (IPv4 or IPv6; all interfaces for ``""``) right now."""
+    host = host.strip("[]")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -39,6 +39,13 @@ main copy of bf16 weights)
     A layout fits when the sum is at most 90% of the GPU's memory (the rest is the CUDA
     context, NCCL buffers and allocator fragmentation). KV cache is SGLang's business.
 
+Colocated SGLang engines (rollout.sglang.colocate) share the trainer's GPUs; each phase must fit:
+    train    the sum above (the engines have released their memory)
+    push     trainer weights + the engine's weights (B_r bytes of rollout.dtype x parameters / its TP)
+             + gradients and optimizer unless rollout.sglang.offload_trainer (then on the host)
+    rollout  rollout.sglang.mem_fraction x GPU memory (SGLang's static pool: weights + KV cache)
+             + weights, gradients and optimizer unless offload_trainer (then nothing)
+
 Per step: routing-replay bytes = rollout tokens x L x K x itemsize
 (moe_rl.routing.codec.route_bytes_per_token); weight sync = bf16 full model (2 bytes x total).
 """
@@ -243,7 +250,8 @@ def plan(
     total = param_counts(m)
     mem = memory(recipe, p, micro_batch)
     budget = USABLE * gpu_mem_gib * GIB
-    fits = mem["total"] <= budget
+    phases = colocated_phases(recipe, mem, total["total"], gpu_mem_gib * GIB)
+    fits = mem["total"] <= budget and all(v <= budget for v in (phases or {}).values())
     rollout_tokens = recipe.train.prompts_per_step * recipe.train.group_size * m.max_seq_len
     from moe_rl.routing.codec import route_bytes_per_token
 
@@ -259,17 +267,56 @@ def plan(
         "routing_replay_on": recipe.algo.routing != "none",
         "weight_sync_bytes_per_update": 2 * total["total"],
         "weight_sync_on": recipe.rollout.engine != "embedded",
+        "colocated": phases,
         "refusal": None
         if fits
         else (
             f"layout TP={p.tensor_parallel} EP={p.expert_parallel} DP={p.data_parallel} needs "
             f"{mem['total'] / GIB:.1f} GiB per GPU, more than {USABLE:.0%} of {gpu_mem_gib:g} GiB: "
             + _suggest(recipe, p, mem, budget, micro_batch)
+            if mem["total"] > budget
+            else _colocated_refusal(recipe, mem, phases, budget, gpu_mem_gib)
         ),
     }
     if not fits and not allow_unfit:
         raise PlanError(out["refusal"])
     return out
+
+
+def colocated_phases(r: Recipe, mem: dict, total_params: int, gpu_bytes: float) -> dict | None:
+    """Per-GPU bytes of each phase when SGLang engines share the trainer's GPUs (module
+    docstring), or None when they do not."""
+    cfg = r.rollout.sglang
+    if r.rollout.engine != "sglang" or not cfg.colocate:
+        return None
+    t = mem["terms"]
+    state = 0 if cfg.offload_trainer else t["gradients"] + t["optimizer"]
+    engine_weights = {"fp32": 4, "bf16": 2, "fp16": 2}[r.rollout_dtype] * total_params / cfg.tp
+    return {
+        "train": int(mem["total"]),
+        "push": int(t["weights"] + state + engine_weights),
+        "rollout": int(cfg.mem_fraction * gpu_bytes + (0 if cfg.offload_trainer else t["weights"] + state)),
+    }
+
+
+def _colocated_refusal(r: Recipe, mem: dict, phases: dict, budget: float, gpu_mem_gib: float) -> str:
+    """Which colocated phase does not fit, and the setting that makes it fit."""
+    cfg, gpu = r.rollout.sglang, gpu_mem_gib * GIB
+    phase = max(phases, key=lambda k: phases[k] - (budget if k != "train" else mem["total"]))
+    head = (
+        f"colocated with SGLang, the {phase} phase needs {phases[phase] / GIB:.1f} GiB per GPU, more than "
+        f"{USABLE:.0%} of {gpu_mem_gib:g} GiB"
+    )
+    if phase == "rollout":
+        resident = phases["rollout"] - cfg.mem_fraction * gpu
+        room = (budget - resident) / gpu
+        tips = [f"lower rollout.sglang.mem_fraction to {room:.2f} or less"] if room > 0.05 else []
+        if not cfg.offload_trainer:
+            tips.append("set rollout.sglang.offload_trainer=true (the trainer's state waits in host memory)")
+        return head + ": " + "; or ".join(tips or ["give the engines their own GPUs (rollout.sglang.gpus)"])
+    tips = [] if cfg.offload_trainer else ["set rollout.sglang.offload_trainer=true"]
+    tips += ["raise rollout.sglang.tp (shards the engine's weights)", "or raise parallel.expert_parallel"]
+    return head + " (trainer weights + the engine's copy): " + "; ".join(tips)
 
 
 def _n(x: float) -> str:
@@ -323,7 +370,15 @@ def format_plan(pl: dict) -> str:
         f"{pl['weight_sync_bytes_per_update'] / GIB:.2f} GiB bf16 per update"
         f"{'' if pl['weight_sync_on'] else ' (embedded engine: none)'}"
     )
-    lines.append("            KV cache: SGLang's business (--mem-fraction-static on its own GPUs)")
+    co = pl.get("colocated")
+    if co:
+        lines.append(
+            "colocated   SGLang on these GPUs, per phase: "
+            + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in co.items())
+            + f" (each within {pl['budget_bytes'] / GIB:.1f} GiB)"
+        )
+    else:
+        lines.append("            KV cache: SGLang's business (--mem-fraction-static on its own GPUs)")
     if pl["refusal"]:
         lines.append(f"refused     {pl['refusal']}")
     return "\n".join(lines)

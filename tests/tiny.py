@@ -37,3 +37,32 @@ def tiny_policy(**overrides: Any):
 
     info = init_parallel(ParallelConfig(), seed=1)
     return build_policy(tiny_model_config(**overrides), ParallelConfig(), info)
+
+
+TINY_RL: dict[str, Any] = {
+    "model": {**TINY_MODEL, "vocab_size": 104},  # the char tokenizer's vocabulary
+    "optim": {"lr": 1e-3},
+    "task": {"name": "arithmetic", "arithmetic": {"min_operands": 2, "max_operands": 2, "digits": 1}},
+    "train": {
+        "stages": ["rl"],
+        "rl_steps": 1,
+        "prompts_per_step": 2,
+        "group_size": 2,
+        "minibatches": 2,
+        "max_new_tokens": 6,
+        "eval_prompts": 2,
+        "flip_probe_sequences": 2,
+    },
+}
+"The smallest RL recipe of the tiny policy (one step of 2 prompts x 2 samples, 2 minibatches)."
+
+
+def tiny_rl_recipe(out_dir, **sections: dict):
+    """:data:`TINY_RL` with ``sections`` merged into its sections, writing to ``out_dir``."""
+    from moe_rl.config import recipe_from_dict
+
+    data = {k: dict(v) for k, v in TINY_RL.items()}
+    for k, v in sections.items():
+        data[k] = {**data.get(k, {}), **v}
+    data["train"]["out_dir"] = str(out_dir)
+    return recipe_from_dict(data)

@@ -37,6 +37,7 @@ import torch
 
 from moe_rl import dist
 from moe_rl.errors import UserError
+from moe_rl.megatron import spec_keys
 
 log = logging.getLogger(__name__)
 META = "meta.json"
@@ -119,6 +120,58 @@ def _match_main_weights(sharded: dict, ckpt: Path) -> dict:
     return missing
 
 
+def _sharded_items(tree, path=()):
+    """``(path, node, key, ShardedBase)`` of every sharded leaf of a (nested) sharded state dict."""
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    for k, v in list(tree.items()) if isinstance(tree, dict) else enumerate(tree):
+        if isinstance(v, ShardedBase):
+            yield (*path, k), tree, k, v
+        elif isinstance(v, dict | list):
+            yield from _sharded_items(v, (*path, k))
+
+
+def _layout(model_sd: dict) -> str | None:
+    """The layer-spec key layout (``spec_keys``) of a model's sharded state dict."""
+    return spec_keys.layout_of(v.key for *_, v in _sharded_items(model_sd))
+
+
+def _match_layout(sharded: dict, ckpt: Path, meta: dict) -> None:
+    """Point every request of ``sharded`` at the key ``ckpt`` holds it under, when the checkpoint
+    was written under the other layer spec's key layout (``spec_keys``: local vs
+    transformer-engine; from the meta, else from its keys).
+
+    A request absent from the checkpoint takes its name in the checkpoint's layout; an
+    ``_extra_state`` request with no counterpart is dropped (the module keeps its own); any other
+    key with no counterpart is refused (:class:`CheckpointError`, one line naming both layouts).
+    The optimizer's fp32 main-weight requests are renamed and left to :func:`_match_main_weights`.
+    """
+    import dataclasses
+
+    # tensors and objects (``_extra_state``); not re-exported by dist_checkpointing from 0.17 on
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    mine = _layout(sharded["model"])
+    # an object is listed by its unique key (``<key>/shard_<offsets>``); its ``key`` is what a request names
+    saved = {getattr(v, "key", k) for k, v in load_sharded_metadata(str(ckpt)).items()}
+    theirs = meta.get("layer_spec") or spec_keys.layout_of(saved)
+    if mine is None or theirs is None or mine == theirs:
+        return
+    for _path, node, k, v in list(_sharded_items(sharded)):
+        if v.key in saved:
+            continue
+        other = spec_keys.convert(v.key, mine, theirs)
+        if other in saved or (other != v.key and _MAIN.match(v.key)):
+            node[k] = dataclasses.replace(v, key=other)
+        elif v.key.endswith(spec_keys.EXTRA_STATE) and isinstance(node, dict):
+            del node[k]
+        else:
+            raise CheckpointError(
+                f"checkpoint {ckpt} holds the {theirs} layer spec's keys and this model has the "
+                f"{mine} layer spec's: {v.key} has no counterpart there (moe_rl/megatron/spec_keys.py)"
+            )
+
+
 def _containers_copy(tree):
     """A copy of the dicts and lists of ``tree`` holding the same leaves."""
     if isinstance(tree, dict):
@@ -176,8 +229,7 @@ def weights_finite(model, group=None) -> bool:
     params = [p.detach() for p in model.parameters()]
     sums = torch.stack([p.sum(dtype=torch.float32) for p in params])
     finite = bool(torch.isfinite(sums).all()) or all(bool(torch.isfinite(p).all()) for p in params)
-    device = params[0].device
-    return dist.all_ranks(finite, group, device=device if device.type == "cuda" else None)
+    return dist.all_ranks(finite, group)
 
 
 def _sha256(path: Path) -> str:
@@ -247,7 +299,8 @@ def _writer_server_init() -> None:
 def signal_proof_writer_queue() -> None:
     """megatron-core's checkpoint writer hands its results back through a multiprocessing
     Manager queue, whose server process it starts at the first save (``filesystem_async.
-    _get_write_results_queue``, megatron-core 0.16.1). A SIGTERM sent to the whole process group
+    _get_write_results_queue``, megatron-core 0.16.1; ``get_write_results_queue`` from 0.17, the
+    same module-level ``_results_queue``). A SIGTERM sent to the whole process group
     (Slurm's time limit or ``scancel``, ``kill -- -PGID``) ended that server, and the save the
     signal asked for failed with ``BrokenPipeError``. Start the queue here instead, with a server
     that ignores SIGTERM and SIGINT and exits when its parent process ends. Idempotent; nothing
@@ -299,9 +352,9 @@ def save_checkpoint(
     dist.barrier()
     stepped = optimizer is not None and optimizer.step_count > 0
     signal_proof_writer_queue()
-    dist_checkpointing.save(
-        _sharded_state(model, optimizer, is_loading=False, with_optimizer=stepped), str(tmp)
-    )
+    state = _sharded_state(model, optimizer, is_loading=False, with_optimizer=stepped)
+    layout = _layout(state["model"])
+    dist_checkpointing.save(state, str(tmp))
     torch.save(_rng_state(), tmp / f"rng-{dist.rank()}.pt")
     dist.barrier()
     final = root / name
@@ -312,6 +365,7 @@ def save_checkpoint(
             "optimizer_step": optimizer.step_count if optimizer is not None else None,
             "extra": extra or {},
             "owner": owner,
+            "layer_spec": layout,
             "finite": True,
             "sha256": _checksums(tmp),
         }
@@ -434,6 +488,7 @@ def load_checkpoint(path: str | Path, model, optimizer=None, *, load_rng: bool =
     # An optimizer saved before its first step has no state: loading it is a reset.
     with_optimizer = optimizer is not None and meta["optimizer_step"] > 0
     sharded = _sharded_state(model, optimizer, is_loading=True, with_optimizer=with_optimizer)
+    _match_layout(sharded, ckpt, meta)
     request = _containers_copy(sharded)  # load fills ``sharded`` in place
     missing = _match_main_weights(sharded, ckpt) if with_optimizer else {}
     loaded = dist_checkpointing.load(sharded, str(ckpt))

@@ -196,7 +196,10 @@ class PolicyHFSource:
 
     ``hf_tensors()`` is collective: every rank of the policy must iterate it to the end, in
     lockstep (it all-gathers over the TP and EP groups); every rank then receives the same full
-    CPU tensors (copies, never views of live parameters), cast to ``dtype`` when given.
+    CPU tensors (copies, never views of live parameters), cast to ``dtype`` when given, or, with
+    ``hf_tensors(device=...)`` another device, tensors left there (no CPU copy: what a colocated
+    push hands SGLang by CUDA IPC), which may be views of live parameters: read them before the
+    next optimizer step.
     ``hf_param_meta`` and ``load_hf_tensors`` are local (no collectives): each rank takes its
     own slices of the full tensors it is given.
     """
@@ -213,8 +216,11 @@ class PolicyHFSource:
             self._shapes = hf_shapes(self.policy.cfg)
         return self._shapes
 
-    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, full tensor) one at a time: per-expert names, no lm_head when tied."""
+    def hf_tensors(self, *, device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, full tensor) one at a time: per-expert names, no lm_head when tied;
+        CPU copies, or tensors on ``device`` (not copied when already there)."""
+        device = torch.device(device)
+        copy = device.type == "cpu"
         cfg, info = self.policy.cfg, self.policy.info
         shapes, local_experts = self.shapes, cfg.num_experts // info.ep_size
         for name, p in self.policy.model.named_parameters():
@@ -228,7 +234,7 @@ class PolicyHFSource:
                 fulls = [(name, p.detach())]
             for full_name, full in fulls:
                 for hf_name, t in hf_from_full(full_name, full, cfg, shapes):
-                    yield hf_name, t.to(device="cpu", dtype=self.dtype or t.dtype, copy=True).contiguous()
+                    yield hf_name, t.to(device=device, dtype=self.dtype or t.dtype, copy=copy).contiguous()
 
     def hf_param_meta(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """HF name -> (full shape, dtype of the policy's parameters)."""
@@ -325,11 +331,11 @@ def export_hf(
     if dist.rank() != 0:
         for _ in source.hf_tensors():
             pass
-        if not dist.all_ranks(True, device=policy.info.device):
+        if not dist.all_ranks(True):
             raise RuntimeError(f"export_hf to {out} failed on rank 0 (see its log)")
         return out
     error = _write(source, out, tokenizer, max_shard_bytes)
-    dist.all_ranks(error is None, device=policy.info.device)
+    dist.all_ranks(error is None)
     if error is not None:
         raise error
     return out

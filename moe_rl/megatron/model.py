@@ -7,6 +7,8 @@ top-k logits), no shared expert, no biases. Every layer is an MoE layer.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 
 import torch
@@ -53,8 +55,16 @@ def use_transformer_engine(cfg: ModelConfig) -> bool:
 
 
 def transformer_config(cfg: ModelConfig, par: ParallelConfig):
-    """megatron-core TransformerConfig for the policy."""
+    """megatron-core TransformerConfig for the policy.
+
+    Random init (``cfg.seed``) runs on CPU: megatron-core then draws each TP-split weight in full
+    and slices it, so every layout gets the same weights. With ``cfg.hf_path`` the import fills
+    every parameter (``hf.import_hf`` checks each one is written in full), so nothing is drawn:
+    parameters are allocated uninitialised, directly on the GPU where there is one.
+    """
     from megatron.core.transformer import TransformerConfig
+
+    from_hf = bool(cfg.hf_path)
 
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     recompute = (
@@ -93,8 +103,8 @@ def transformer_config(cfg: ModelConfig, par: ParallelConfig):
         init_method_std=cfg.init_std,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=True,
-        perform_initialization=True,
+        use_cpu_initialization=not (from_hf and torch.cuda.is_available()),
+        perform_initialization=not from_hf,
         gradient_accumulation_fusion=False,
         moe_permute_fusion=False,
         moe_router_fusion=False,
@@ -108,6 +118,73 @@ def transformer_config(cfg: ModelConfig, par: ParallelConfig):
         sequence_parallel=par.tensor_parallel > 1,
         pipeline_dtype=dtype,
         **recompute,
+    )
+
+
+def megatron_core_version() -> str:
+    """The installed megatron-core's version (for messages)."""
+    try:
+        from megatron.core import __version__
+
+        return str(__version__)
+    except ImportError:
+        return "unknown"
+
+
+def spec_module(spec):
+    """The class a layer-spec entry builds: a ``ModuleSpec``'s ``module``, a ``functools.partial``'s
+    function (megatron-core >= 0.17 builds some submodules from partials), or the class itself."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    while isinstance(spec, ModuleSpec | functools.partial):
+        spec = spec.module if isinstance(spec, ModuleSpec) else spec.func
+    return spec
+
+
+def spec_submodules(spec):
+    """The submodules dataclass of a layer-spec entry (``ModuleSpec.submodules``, or the
+    ``submodules=`` keyword of a ``functools.partial``); None when it has none."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, ModuleSpec):
+        return spec.submodules
+    if isinstance(spec, functools.partial):
+        return spec.keywords.get("submodules")
+    return None
+
+
+def replace_spec(spec, module=None, **submodules):
+    """A copy of the layer-spec entry ``spec`` that builds ``module`` (when given) with the named
+    fields of its submodules replaced; ``spec`` itself is left as it was.
+
+    megatron-core's specs are ``ModuleSpec`` dataclasses up to 0.16 and, for the MLP / MoE layer
+    and its experts, ``functools.partial(cls, submodules=...)`` from 0.17 on (a partial has no
+    ``module`` or ``submodules`` to set: an assignment either raises or lands on the partial's
+    ``__dict__`` and is never read). Both shapes are rebuilt here; any other raises."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    def fields(sub):
+        if not submodules:
+            return sub
+        if sub is None or not dataclasses.is_dataclass(sub):
+            raise TypeError(
+                f"{spec!r} has no submodules dataclass to set {sorted(submodules)} on "
+                f"(megatron-core {megatron_core_version()})"
+            )
+        return dataclasses.replace(sub, **submodules)
+
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(spec, module=module or spec.module, submodules=fields(spec.submodules))
+    if isinstance(spec, functools.partial):
+        kw = dict(spec.keywords)
+        if submodules:
+            kw["submodules"] = fields(kw.get("submodules"))
+        return functools.partial(module or spec.func, *spec.args, **kw)
+    if isinstance(spec, type) and module is not None and not submodules:
+        return module
+    raise TypeError(
+        f"cannot override the layer-spec entry {spec!r} (megatron-core {megatron_core_version()}): "
+        "neither a ModuleSpec nor a functools.partial"
     )
 
 
@@ -127,17 +204,85 @@ def layer_spec(cfg: ModelConfig, config, *, stock_local: bool = False):
         num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=cfg.qk_norm, normalization="RMSNorm"
     )
     sub = spec.submodules
-    sub.input_layernorm = RMSNorm
-    sub.pre_mlp_layernorm = RMSNorm
+    attention, mlp = {}, sub.mlp
     if not stock_local:
         from moe_rl.megatron.local_layers import GroupedExperts, SDPAttention
 
-        sub.self_attention.submodules.core_attention = SDPAttention
-        sub.mlp.submodules.experts.module = GroupedExperts
+        attention["core_attention"] = SDPAttention
+        mlp = replace_spec(mlp, experts=replace_spec(spec_submodules(mlp).experts, GroupedExperts))
     if cfg.qk_norm:
-        sub.self_attention.submodules.q_layernorm = RMSNorm
-        sub.self_attention.submodules.k_layernorm = RMSNorm
+        attention.update(q_layernorm=RMSNorm, k_layernorm=RMSNorm)
+    sub = dataclasses.replace(
+        sub,
+        input_layernorm=RMSNorm,
+        pre_mlp_layernorm=RMSNorm,
+        self_attention=replace_spec(sub.self_attention, **attention),
+        mlp=mlp,
+    )
+    spec = dataclasses.replace(spec, submodules=sub)
     return TransformerBlockSubmodules(layer_specs=[spec] * cfg.num_layers, layer_norm=RMSNorm)
+
+
+def check_built(model, cfg: ModelConfig, *, stock_local: bool = False) -> None:
+    """Raise when the built model lacks the modules :func:`layer_spec` asked for (local spec):
+    GroupedExperts experts and SDPAttention in every layer, our RMSNorm for every norm. A spec
+    override that did not take (a megatron-core whose spec shape is new) builds a model that
+    runs, slower and on other code paths; this makes it an error naming the version."""
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from moe_rl.megatron.local_layers import GroupedExperts, SDPAttention
+
+    wrong = []
+
+    def want(module, attr, cls):
+        got = getattr(module, attr, None)
+        if not isinstance(got, cls):
+            wrong.append(f"{attr}: {type(got).__name__}, not {cls.__name__}")
+
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    for layer in layers:
+        want(layer, "input_layernorm", RMSNorm)
+        want(layer, "pre_mlp_layernorm", RMSNorm)
+    attentions = [m for m in model.modules() if isinstance(m, SelfAttention)]
+    moes = [m for m in model.modules() if isinstance(m, MoELayer)]
+    for attn in attentions:
+        if not stock_local:
+            want(attn, "core_attention", SDPAttention)
+        if cfg.qk_norm:
+            want(attn, "q_layernorm", RMSNorm)
+            want(attn, "k_layernorm", RMSNorm)
+    for moe in moes:
+        if not stock_local:
+            want(moe, "experts", GroupedExperts)
+    n = len(layers)
+    if len(attentions) != n or len(moes) != n:
+        wrong.append(f"{n} layers, {len(attentions)} self-attentions, {len(moes)} MoE layers")
+    if wrong:
+        raise RuntimeError(
+            f"megatron-core {megatron_core_version()} built a model other than the local layer spec "
+            f"asked for ({'; '.join(sorted(set(wrong)))}): moe_rl.megatron.model.layer_spec does not "
+            "know this version's spec shape"
+        )
+
+
+class _GPTModelDeprecation(logging.Filter):
+    """Drops megatron-core 0.19's "GPTModel IS DEPRECATED" warning, logged at every GPTModel.
+
+    Its recommendation, ``HybridModel`` (docs/user-guide/hybrid-model-migration.md of
+    megatron-core), is a different module tree: other parameter names, so other checkpoint keys,
+    HF mapping and decoders, and absent from 0.16-0.18, which moe-rl also runs. GPTModel still
+    receives critical fixes there, so moe-rl keeps it and silences just this one record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("GPTModel IS DEPRECATED")
+
+
+def _quiet_gpt_model_deprecation() -> None:
+    logger = logging.getLogger("megatron.core.models.gpt.gpt_model")
+    if not any(isinstance(f, _GPTModelDeprecation) for f in logger.filters):
+        logger.addFilter(_GPTModelDeprecation())
 
 
 def build_gpt(cfg: ModelConfig, par: ParallelConfig, *, stock_local: bool = False):
@@ -148,7 +293,9 @@ def build_gpt(cfg: ModelConfig, par: ParallelConfig, *, stock_local: bool = Fals
     # Routers register their RouterReplay in a class-level list; a second model in one
     # process would join the same list. Each Policy keeps its own routers instead.
     RouterReplay.clear_global_router_replay_instances()
+    _quiet_gpt_model_deprecation()
     config = transformer_config(cfg, par)
+    te = use_transformer_engine(cfg)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(cfg, config, stock_local=stock_local),
@@ -160,6 +307,8 @@ def build_gpt(cfg: ModelConfig, par: ParallelConfig, *, stock_local: bool = Fals
         parallel_output=True,
     )
     RouterReplay.clear_global_router_replay_instances()
+    if not te:
+        check_built(model, cfg, stock_local=stock_local)
     for name, p in model.named_parameters():
         # Experts are replicated over the expert-data-parallel group whatever EP is (under
         # TP with expert-TP 1 each TP rank routes only its sequence-parallel share of the

@@ -25,6 +25,7 @@ import math
 import torch
 
 from moe_rl.config import OptimConfig
+from moe_rl.megatron.offload import HostOffload
 from moe_rl.megatron.parallel import ParallelInfo
 from moe_rl.megatron.shims import cuda_as_cpu
 
@@ -128,6 +129,26 @@ def _fuse_cpu_adam(optimizers: list) -> None:
                 group.update(fused=True, foreach=False)
 
 
+def _set_adam_step(inner: torch.optim.Optimizer, step: int) -> None:
+    """Set Adam's step count (its bias correction) to ``step`` in whichever layout ``inner`` keeps it.
+
+    torch's Adam/AdamW (megatron-core's fallback, so on CPU) keeps a per-parameter ``step`` tensor;
+    transformer-engine's and apex's ``FusedAdam`` (megatron-core's choice wherever either is
+    installed) keep one ``step`` per param group, which their loaders take from the param groups
+    the caller passes in. Step 0 is a fresh optimizer: the first update then uses step 1.
+    """
+    if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+        for st in inner.state.values():
+            if st:
+                st["step"] = torch.tensor(float(step), dtype=torch.float32)
+        return
+    for group in inner.param_groups:
+        if step:
+            group["step"] = step
+        else:
+            group.pop("step", None)
+
+
 class Optimizer:
     """megatron-core DDP + optimizer with the trainer's interface: ``step()`` -> skipped /
     grad_norm / lr, ``step_count`` (drives the LR schedule) and ``lr_scale`` (sentinel rollbacks).
@@ -155,6 +176,7 @@ class Optimizer:
         self.step_count = 0
         self.lr_scale = 1.0  # lowered by the collapse sentinel's rollback
         self._synced = False
+        self._offload = HostOffload()
         self.zero_grad()
 
     @property
@@ -256,18 +278,48 @@ class Optimizer:
     def load_state_dict(self, state: dict, step_count: int) -> None:
         """Load what :meth:`sharded_state_dict` described, as ``dist_checkpointing.load`` returns it.
 
-        torch's Adam (megatron-core's fallback without transformer-engine or apex, so on CPU) keeps
-        a per-parameter ``step``, which megatron-core's loaders restore as one tensor shared by all
-        parameters (then advanced once per parameter at each step): every parameter gets its own,
-        equal to ``step_count``, the number of applied updates.
+        Adam's step count is set from ``step_count``, the number of applied updates, in whichever
+        layout the optimizer keeps it (:func:`_set_adam_step`): megatron-core's loaders restore torch
+        Adam's per-parameter ``step`` as one tensor shared by all parameters (then advanced once per
+        parameter at each step), and FusedAdam's param-group ``step`` comes from the loading
+        optimizer's own param groups (``checkpoint._own_common``), i.e. 1 after a fresh start's
+        :meth:`_materialise_state` or the live count on a rollback, never the checkpoint's.
         """
         with cuda_as_cpu():
             self.opt.load_state_dict(state)
         for opt in self.inner:
-            if isinstance(opt.optimizer, torch.optim.Adam | torch.optim.AdamW):
-                for st in opt.optimizer.state.values():
-                    st["step"] = torch.tensor(float(step_count), dtype=torch.float32)
+            _set_adam_step(opt.optimizer, step_count)
         self.step_count = step_count
+
+    # -- colocated engines: the trainer's memory given up while they work -------------------------
+    def release_memory(self, *, weights: bool) -> int:
+        """Free this rank's gradients (DDP's grad buffers, clear between steps: no copy), Adam
+        moments and fp32 main weights and, with ``weights``, the model's weights (copied to host
+        memory) for a colocated engine; the bytes freed. :meth:`resume_memory` takes them back.
+        Call it between optimizer steps (after :meth:`step`, whose gradients are then cleared)."""
+        model = [p for p in self.ddp.module.parameters()]
+        model_storages = {p.untyped_storage().data_ptr() for p in model}
+        grads = [b.grad_data for b in self.ddp.buffers + self.ddp.expert_parallel_buffers]
+        state = [
+            t
+            for opt in self.inner
+            for t in [
+                *(p for g in opt.optimizer.param_groups for p in g["params"]),
+                *(v for st in opt.optimizer.state.values() for v in st.values() if torch.is_tensor(v)),
+            ]
+            if t.untyped_storage().data_ptr() not in model_storages  # fp32: the weights are the main ones
+        ]
+        freed = self._offload.release(grads, keep_values=False)
+        return freed + self._offload.release(state + (model if weights else []))
+
+    def resume_memory(self) -> int:
+        """Everything :meth:`release_memory` freed, back on the device as it was (gradients zero)."""
+        return self._offload.resume()
+
+    @property
+    def released_bytes(self) -> int:
+        """Device bytes :meth:`release_memory` holds on the host now."""
+        return self._offload.released_bytes
 
     def reload_model_params(self) -> None:
         """Copy the model's weights into the fp32 main weights (after they were set from outside)."""
@@ -278,5 +330,6 @@ class Optimizer:
         """Back to a fresh optimizer on the model's current weights: no Adam moments, step 0."""
         for opt in self.inner:
             opt.optimizer.state.clear()
+            _set_adam_step(opt.optimizer, 0)  # FusedAdam's step lives in the param groups
         self.reload_model_params()  # fp32 main weights of bf16 parameters
         self.step_count = 0

@@ -169,12 +169,16 @@ class Policy:
         return self.model.output_layer.weight
 
     def _logprob_path(self) -> str:
-        """``model.logprob_impl`` resolved: "logits", "triton" or "torch" ("auto": triton on CUDA)."""
+        """``model.logprob_impl`` resolved: "logits", "triton" or "torch" ("auto": triton on CUDA
+        when one of its tiles fits the GPU's shared memory in the weights' dtype, else the torch
+        chunked path; full logits off CUDA)."""
         path = self.cfg.logprob_impl
         if path == "auto":
-            from moe_rl.kernels import triton_available
+            from moe_rl.kernels import resolve_logprob_impl, triton_available
 
-            return "triton" if self.info.device.type == "cuda" and triton_available() else "logits"
+            if self.info.device.type != "cuda" or not triton_available():
+                return "logits"
+            return resolve_logprob_impl("auto", self.info.device, self.output_weight().dtype)
         return path
 
     def logprobs(

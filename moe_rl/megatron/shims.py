@@ -145,14 +145,16 @@ def _shim_rng() -> None:
 
 
 class _CudaAsCpu(TorchFunctionMode):
-    """Inside megatron-core's optimizer on CPU: ``device="cuda"`` means the CPU, ``.cuda()`` is a
-    no-op and ``Tensor.type()`` names CPU tensors as their CUDA type (``torch.cuda.FloatTensor``)."""
+    """Inside megatron-core's optimizer on CPU: ``device="cuda"`` means the current device (the
+    ``current_device`` shim's: the CPU), ``.cuda()`` is a no-op and ``Tensor.type()`` names CPU
+    tensors as their CUDA type (``torch.cuda.FloatTensor``)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         device = kwargs.get("device")
         if device is not None and torch.device(device).type == "cuda":
-            kwargs = {**kwargs, "device": "cpu"}
+            here = torch.cuda.current_device() if "current_device" in _APPLIED else "cpu"
+            kwargs = {**kwargs, "device": here}
         if func is torch.Tensor.type and len(args) == 1 and not kwargs and not args[0].is_cuda:
             return "torch.cuda." + func(*args).split(".", 1)[1]
         if func is torch.Tensor.cuda:

@@ -32,14 +32,16 @@ class SGLangConfig:
     "Expert-parallel size of each launched SGLang engine."
     port: int = 30000
     "Port of the first launched engine (next engines: free ports; 0: a free port for each)."
-    host: str = "127.0.0.1"
-    "Host launched engines bind to (keep 127.0.0.1 unless the trainer is on another node)."
+    host: str | None = None
+    "Where launched engines bind (None: 127.0.0.1; across nodes rank 0's routable address; docs/multinode.md)."
     gpus: list[int] | None = None
     "GPUs the rollout engines use: engine i gets gpus[i*tp:(i+1)*tp] as its CUDA_VISIBLE_DEVICES."
     colocate: bool = False
     "Engines share the trainer's GPUs: --enable-memory-saver, memory released during training, tensor pushes."
     mem_fraction: float = 0.8
-    "SGLang --mem-fraction-static."
+    "SGLang --mem-fraction-static: the share of each GPU's memory an engine reserves (weights + KV cache)."
+    offload_trainer: bool = True
+    "Colocated: the trainer's weights, gradients and Adam state wait in host memory while the engines work."
     module: str = "sglang.launch_server"
     "Server module the launcher runs (moe_rl.serve.embedded: our SGLang-protocol server, CPU)."
     startup_timeout_s: float = 900.0
@@ -61,7 +63,16 @@ class SGLangConfig:
         require(
             0 <= self.port <= 65535, f"rollout.sglang.port={self.port} must be in 0..65535 (0: a free port)"
         )
-        require(bool(self.host), "rollout.sglang.host is empty: use 127.0.0.1 or the node's address")
+        require(
+            self.host is None or bool(self.host.strip("[] ")),
+            "rollout.sglang.host is empty: use null (chosen), 127.0.0.1 or the node's address",
+        )
+        launches = self.url is None and not isinstance(self.engines, list)
+        require(
+            not (launches and self.host and self.host.strip("[]") in ("0.0.0.0", "::") and not self.api_key),
+            f"rollout.sglang.host={self.host} listens on every interface: set rollout.sglang.api_key too "
+            "(or bind one address)",
+        )
         require(self.tp >= 1 and self.ep >= 1, "rollout.sglang.tp and rollout.sglang.ep must be >= 1")
         require(0 < self.mem_fraction < 1, "rollout.sglang.mem_fraction must be in (0, 1)")
         require(

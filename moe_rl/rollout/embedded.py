@@ -415,7 +415,7 @@ class EmbeddedEngine:
         gens = row_generators(len(rows), sampling.seed)
         size = self.max_batch or max(1, len(rows))
         spans = [(i, min(i + size, len(rows))) for i in range(0, len(rows), size)]
-        n_chunks = dist.max_over(len(spans), device=self.device) if self.decoder.lockstep else len(spans)
+        n_chunks = dist.max_over(len(spans)) if self.decoder.lockstep else len(spans)
         model = self.policy.model
         was_training = model.training
         model.eval()
@@ -445,7 +445,7 @@ class EmbeddedEngine:
         busy = lambda: chunk is not None and not chunk.finished  # noqa: E731
         with session or contextlib.nullcontext():
             try:
-                while dist.any_rank(busy(), device=self.device) if decoder.lockstep else busy():
+                while dist.any_rank(busy()) if decoder.lockstep else busy():
                     if busy():
                         chunk.step()
                     else:
@@ -567,6 +567,13 @@ class EmbeddedEngine:
         """
         self._sink().load_hf_tensors(named)
         self._refresh()
+
+    def served_tensor(self, name: str) -> torch.Tensor | None:
+        """The weight ``name`` (HF name) as the engine serves it (its own copy, in its precision), or
+        None for a name it does not hold; ``moe-rl serve``'s ``/get_weights_by_name``."""
+        from moe_rl.megatron.hf import PolicyHFSource
+
+        return dict(PolicyHFSource(self.policy).hf_tensors()).get(name)
 
     def flush_cache(self) -> None:
         """No cache outlives a generate() call."""

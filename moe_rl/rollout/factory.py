@@ -5,26 +5,38 @@ Every rank of the trainer gets a client to the generation endpoint (the router w
 and generates its own share of the prompts; rank 0 alone pushes weights (one group over every
 engine, or disk, or colocated tensors), the other ranks only take part in gathering the full
 tensors and then adopt the new version. Launched engines and the router run on rank 0's node.
+
+Across nodes (the trainer's world spans more than one: :func:`trainer_spans_nodes`) every rank
+must reach them: launched engines listen on rank 0's routable address, or on all interfaces with
+an API key, and the URL broadcast to the other ranks is never loopback (:func:`engine_address`);
+attached URLs that are loopback are refused.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import torch
 
 from moe_rl import dist
 from moe_rl.config import ConfigError
 from moe_rl.rollout.sglang_client import SGLangClient
 from moe_rl.rollout.sglang_engine import SGLangEngine
 from moe_rl.rollout.types import HFStateSource, Rollouts, SamplingParams
+from moe_rl.rollout.weight_sync.address import host_port, is_loopback, route_address
 
 if TYPE_CHECKING:
     from moe_rl.rollout.config import SGLangConfig
     from moe_rl.trainer.run import Run
 
 log = logging.getLogger(__name__)
+SGLANG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"rollout.dtype -> SGLang's --dtype, passed explicitly (its 'auto' serves an fp32 checkpoint in fp16)."
 
 
 class RankedSGLangEngine:
@@ -55,7 +67,10 @@ class RankedSGLangEngine:
         if self.rank == 0:
             self.inner.update_weights(source, version)
         else:
-            for _ in source.hf_tensors():  # the gathers are collective: take part, keep nothing
+            from moe_rl.rollout.weight_sync.session import source_tensors
+
+            here = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+            for _ in source_tensors(source, torch.device(here)):  # the gathers are collective: take part
                 pass
             self.inner.weight_version = version
         dist.barrier()
@@ -83,6 +98,155 @@ def trainer_gpus(env: dict[str, str] | None = None) -> list[int]:
     return ids[:local]
 
 
+def pin_nccl_for_engines(recipe, *, nccl: bool) -> str | None:
+    """Before the process's first NCCL call: ``NCCL_SOCKET_IFNAME`` set to the interface the
+    recipe's remote SGLang engines reach this process at (distributed weight sync over NCCL only;
+    NCCL reads it once per process, so set later it would do nothing). The interface, or None."""
+    from urllib.parse import urlsplit
+
+    from moe_rl.rollout.weight_sync.address import pin_nccl_interface
+
+    rollout = recipe.rollout
+    if rollout.engine != "sglang" or rollout.weight_sync != "distributed" or not nccl:
+        return None
+    cfg = rollout.sglang
+    urls = [cfg.url] if cfg.url else cfg.engines if isinstance(cfg.engines, list) else []
+    hosts = [urlsplit(u if "://" in u else f"http://{u}").hostname or "" for u in urls] or [_launch_host(cfg)]
+    return pin_nccl_interface(hosts, configured=cfg.trainer_address)
+
+
+def _launch_host(cfg: SGLangConfig) -> str:
+    """Before the process groups start: an address of the node launched engines run on (rank 0's),
+    as every rank can tell from its environment (the engines' own is chosen by rank 0 later)."""
+    if cfg.host and not is_wildcard(cfg.host):
+        return cfg.host
+    if not spans_nodes():
+        return "127.0.0.1"
+    return cfg.trainer_address or os.environ.get("MOE_RL_TRAINER_ADDR") or os.environ.get("MASTER_ADDR", "")
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::")
+"Bind addresses that mean every interface of the node."
+
+
+def is_wildcard(host: str) -> bool:
+    """True for 0.0.0.0 and :: (every interface)."""
+    return host.strip("[]") in WILDCARD_HOSTS
+
+
+def spans_nodes(env: Mapping[str, str] | None = None) -> bool:
+    """True when the environment says this trainer's world runs on more than one node:
+    torchrun's (and Slurm + torchrun's) ``LOCAL_WORLD_SIZE`` smaller than ``WORLD_SIZE``."""
+    env = os.environ if env is None else env
+    local = env.get("LOCAL_WORLD_SIZE")
+    try:
+        return bool(local) and int(env.get("WORLD_SIZE", "1")) > int(local)
+    except ValueError:
+        return False
+
+
+def trainer_spans_nodes(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the trainer's ranks are on more than one node, the same answer on every rank
+    (collective): :func:`spans_nodes` on any rank, or ranks on different hosts."""
+    import torch.distributed as tdist
+
+    here = (socket.gethostname(), spans_nodes(env))
+    if dist.world_size() < 2:
+        return here[1]
+    every: list = [None] * dist.world_size()
+    tdist.all_gather_object(every, here)
+    return any(flag for _, flag in every) or len({host for host, _ in every}) > 1
+
+
+def engine_address(
+    cfg: SGLangConfig, *, multi_node: bool, env: Mapping[str, str] | None = None
+) -> tuple[str, str]:
+    """``(bind, dial)`` of engines (and router) launched by rank 0 on its node: the address they
+    listen on and the one every trainer rank dials (what is broadcast).
+
+    One node: ``rollout.sglang.host`` (default 127.0.0.1). Across nodes: the explicit host when it
+    is routable (loopback is refused: ranks elsewhere would dial their own), all interfaces
+    (0.0.0.0 / ::, only with ``rollout.sglang.api_key``) dialled at the node's routable address,
+    else that address (:func:`node_address`). ConfigError, one line, naming what to set."""
+    host = cfg.host
+    if host is not None and is_wildcard(host):
+        if not cfg.api_key:
+            raise ConfigError(
+                f"rollout.sglang.host={host} listens on every interface: set rollout.sglang.api_key too "
+                "(or bind one address)"
+            )
+        if not multi_node:
+            return host, "::1" if ":" in host else "127.0.0.1"
+        return host, node_address(cfg, env)
+    if host is not None:
+        if multi_node and is_loopback(host.strip("[]")):
+            raise ConfigError(
+                f"rollout.sglang.host={host} is loopback but the trainer spans several nodes: ranks on the "
+                "other nodes would dial their own; set it to this node's routable address, or leave it "
+                "unset (null) to use it"
+            )
+        return host, host
+    if not multi_node:
+        return "127.0.0.1", "127.0.0.1"
+    address = node_address(cfg, env)
+    return address, address
+
+
+def node_address(cfg: SGLangConfig, env: Mapping[str, str] | None = None) -> str:
+    """Rank 0's routable address, where the other nodes reach engines it launches:
+    ``rollout.sglang.trainer_address``, else ``$MOE_RL_TRAINER_ADDR``, else the local address of
+    the route to ``$MASTER_ADDR``. Never loopback; it must be an address of this node."""
+    from moe_rl.dist import free_port
+
+    env = os.environ if env is None else env
+    candidates = [
+        ("rollout.sglang.trainer_address", cfg.trainer_address),
+        ("$MOE_RL_TRAINER_ADDR", env.get("MOE_RL_TRAINER_ADDR")),
+    ]
+    master = env.get("MASTER_ADDR")
+    if master:
+        candidates.append((f"the route to $MASTER_ADDR={master}", route_address(master)))
+    for source, address in candidates:
+        if not address:
+            continue
+        address = address.strip("[]")
+        if is_loopback(address):
+            raise ConfigError(
+                f"{source} gives the loopback address {address!r}, which the trainer's other nodes cannot "
+                "reach: set rollout.sglang.host to this node's routable address"
+            )
+        try:
+            free_port(address)
+        except OSError as e:
+            raise ConfigError(
+                f"{source} gives {address!r}, which this node (trainer rank 0's, where engines are launched) "
+                f"cannot listen on ({e.strerror or e}): set rollout.sglang.host to one of its addresses"
+            ) from None
+        log.info(
+            "launched SGLang engines listen on %s (from %s): the trainer spans several nodes", address, source
+        )
+        return address
+    raise ConfigError(
+        "the trainer spans several nodes and no routable address of rank 0's node is known "
+        "(no rollout.sglang.trainer_address, $MOE_RL_TRAINER_ADDR or $MASTER_ADDR): set rollout.sglang.host"
+    )
+
+
+def check_reachable(urls: list[str], router_url: str | None, *, multi_node: bool, what: str) -> None:
+    """Across nodes, a loopback engine or router URL would send every rank to its own node: refused."""
+    from urllib.parse import urlsplit
+
+    if not multi_node:
+        return
+    for url in [*urls, *([router_url] if router_url else [])]:
+        host = urlsplit(url if "://" in url else f"http://{url}").hostname or ""
+        if is_loopback(host):
+            raise ConfigError(
+                f"{what} {url} is loopback but the trainer spans several nodes: ranks on the other nodes "
+                "would dial their own; give an address every node reaches"
+            )
+
+
 def engine_gpus(cfg: SGLangConfig, n: int, trainer: list[int]) -> list[tuple[int, ...] | None]:
     """Device mask of each launched engine; ConfigError when they would land on the trainer's GPUs."""
     from moe_rl.rollout.sglang_launcher import check_disjoint, plan_gpus
@@ -104,13 +268,25 @@ def engine_gpus(cfg: SGLangConfig, n: int, trainer: list[int]) -> list[tuple[int
         raise ConfigError(str(e)) from e
 
 
-def launch_fleet(run: Run, model_path: str):
-    """Rank 0: launch the engines (and the router with 2+); returns (Fleet, engine URLs, router URL)."""
+def launch_fleet(run: Run, model_path: str, *, multi_node: bool | None = None):
+    """Rank 0: launch the engines (and the router with 2+); returns (Fleet, engine URLs, router URL).
+
+    ``multi_node``: whether the trainer spans several nodes (None: :func:`spans_nodes`); the
+    engines then listen where the other nodes reach them (:func:`engine_address`)."""
     from moe_rl.rollout.sglang_launcher import SGLangLauncher, SGLangServerConfig
     from moe_rl.rollout.sglang_router import Fleet, SGLangRouterLauncher
 
     cfg = run.recipe.rollout.sglang
+    bind, dial = engine_address(cfg, multi_node=spans_nodes() if multi_node is None else multi_node)
     masks = engine_gpus(cfg, cfg.num_engines, trainer_gpus())
+    dtype = SGLANG_DTYPES[run.recipe.rollout_dtype]
+    if dtype != run.recipe.model.dtype:
+        log.info(
+            "SGLang engines serve rollout.dtype=%s (--dtype %s) from %s weights: cast on load and on every push",
+            run.recipe.rollout_dtype,
+            dtype,
+            run.recipe.model.dtype,
+        )
     launchers = []
     fleet = Fleet(launchers)
     try:
@@ -119,10 +295,12 @@ def launch_fleet(run: Run, model_path: str):
                 model_path=model_path,
                 tp_size=cfg.tp,
                 ep_size=cfg.ep,
-                host=cfg.host,
+                host=bind,
+                advertise_host=dial,
                 port=(cfg.port or None) if i == 0 else None,
                 enable_return_routed_experts=run.recipe.algo.routing == "r3",
                 mem_fraction_static=cfg.mem_fraction,
+                dtype=dtype,
                 module=cfg.module,
                 gpu_ids=mask,
                 enable_memory_saver=cfg.colocate,
@@ -141,13 +319,14 @@ def launch_fleet(run: Run, model_path: str):
         if len(urls) > 1 and router_url is None:
             fleet.router = SGLangRouterLauncher(
                 urls,
-                host=cfg.host,
+                host=bind,
                 policy=cfg.router_policy,
                 api_key=cfg.api_key,
                 log_path=run.out / "logs" / "sglang-router.log",
                 request_timeout_s=run.recipe.rollout.timeout_s,
             )
-            router_url = fleet.router.start().base_url
+            fleet.router.start()
+            router_url = f"http://{host_port(dial, fleet.router.port)}"  # not 0.0.0.0 / ::
     except BaseException:
         fleet.stop()
         raise
@@ -159,18 +338,19 @@ def build_sglang_engine(run: Run) -> RankedSGLangEngine:
     rollout_cfg, model_cfg = run.recipe.rollout, run.recipe.model
     cfg = rollout_cfg.sglang
     fleet, router_url = None, cfg.router_url
+    multi_node = trainer_spans_nodes()
     if cfg.url is not None or isinstance(cfg.engines, list):
         urls = [cfg.url] if cfg.url is not None else list(cfg.engines)
+        check_reachable(
+            urls, router_url, multi_node=multi_node, what="rollout.sglang.url / engines / router_url"
+        )
     else:
         model_path = cfg.model_path or str(run.out / "hf_init")
         if not cfg.model_path:  # the server starts from the policy as it is now
             from moe_rl.megatron.hf import export_hf
 
             export_hf(run.policy, model_path, tokenizer=run.tok)
-        urls = None
-        if run.info.rank == 0:
-            fleet, urls, router_url = launch_fleet(run, model_path)
-        urls, router_url = dist.broadcast_object((urls, router_url))
+        fleet, urls, router_url = _launch_on_rank0(run, model_path, multi_node)
     if len(urls) > 1 and router_url is None:
         raise ConfigError("rollout.sglang.engines lists several URLs: set rollout.sglang.router_url too")
     key = cfg.admin_api_key or cfg.api_key
@@ -190,8 +370,41 @@ def build_sglang_engine(run: Run) -> RankedSGLangEngine:
         step_deadline_s=cfg.step_deadline_s,
         max_concurrency=cfg.max_concurrency,
         colocated=cfg.colocate,
+        verify_every=rollout_cfg.verify_every,
     )
     return RankedSGLangEngine(inner, run.info.rank)
+
+
+def _launch_on_rank0(run: Run, model_path: str, multi_node: bool):
+    """Rank 0 launches the fleet and broadcasts its URLs (never loopback across nodes); a failure
+    there is raised on every rank (the others would otherwise wait in the broadcast)."""
+    from moe_rl.rollout.sglang_launcher import SGLangLaunchError
+
+    fleet = urls = router_url = failure = None
+    if run.info.rank == 0:
+        try:
+            fleet, urls, router_url = launch_fleet(run, model_path, multi_node=multi_node)
+            check_reachable(urls, router_url, multi_node=multi_node, what="launched SGLang engine")
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks are told
+            failure = e
+            if fleet is not None:
+                fleet.stop()
+    if failure is not None:
+        first = (str(failure).splitlines() or [""])[0]
+        error = (isinstance(failure, ConfigError), first or type(failure).__name__)
+    else:
+        error = None
+    urls, router_url, error = dist.broadcast_object((urls, router_url, error))
+    if failure is not None:
+        raise failure
+    if error is not None:
+        is_config, message = error
+        if is_config:
+            raise ConfigError(message)
+        raise SGLangLaunchError(
+            f"trainer rank 0 could not launch the SGLang engines: {message} (see its log)"
+        )
+    return fleet, urls, router_url
 
 
 def _weight_sync(run: Run, engines: list[SGLangClient]):

@@ -344,6 +344,11 @@ class SGLangClient:
         body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
         return self.request("POST", "/update_weight_version", body, retries=0)
 
+    def get_weights_by_name(self, name: str, *, truncate_size: int = 100) -> Any:
+        """POST /get_weights_by_name (GetWeightsByNameReqInput): the parameter's first
+        ``truncate_size`` rows as nested lists (SGLang: only models that implement it)."""
+        return self.request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+
     def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
         """POST /release_memory_occupation (needs --enable-memory-saver; the server must be idle)."""
         return self.request("POST", "/release_memory_occupation", {"tags": tags}, retries=0)

@@ -42,12 +42,23 @@ from moe_rl.rollout.sglang_client import (
     to_sglang_sampling_params,
 )
 from moe_rl.rollout.types import HFStateSource, Rollouts, SamplingParams
+from moe_rl.rollout.weight_sync.verify import PushVerifier
 from moe_rl.routing.codec import decode_sglang_routes, encode_routes
 
 logger = logging.getLogger(__name__)
 
 RESUME_ORDER = (["weights"], ["kv_cache", "cuda_graph"])
 "Colocated mode: weights come back before a push, the KV cache and CUDA graphs after it (as slime)."
+
+
+def request_id(tag: str, row: int, attempt: int = 0) -> str:
+    """The SGLang request id of ``row`` of one generate call (``tag``: its hex uuid) at its
+    ``attempt``-th try: ``moe-rl-<tag>-<row>-<attempt>.``.
+
+    SGLang's ``/abort_request`` aborts every request whose id *starts with* the given one (its
+    scheduler matches ``req.rid.startswith(recv_req.rid)``, 0.5.x), so no id may be a prefix of
+    another: each ends at its only ``.``, after digits (``moe-rl-t-1`` would also abort rows 10-19)."""
+    return f"moe-rl-{tag}-{row}-{attempt}."
 
 
 class SGLangEngine:
@@ -77,6 +88,7 @@ class SGLangEngine:
         step_deadline_s: float | None = None,
         max_concurrency: int = 256,
         colocated: bool = False,
+        verify_every: int = 0,
     ):
         self.client, self.engines, self.pad_id = client, list(engines or [client]), pad_id
         self.num_layers, self.topk, self.num_experts = num_layers, topk, num_experts
@@ -92,6 +104,8 @@ class SGLangEngine:
         "Release after each rollout / resume before it here (False: the caller does it, e.g. across ranks)."
         self._warned_direct = False
         self.last_push = None
+        self.verifier = PushVerifier(verify_every, num_layers, num_experts)
+        "Reads pushed weights back by name after the first push and every ``verify_every`` (0: never)."
 
     def served_version(self) -> str:
         """The weight_version every engine serves; SGLangError if they disagree."""
@@ -156,7 +170,7 @@ class SGLangEngine:
     ) -> tuple[list[GenerateOutput], list[int]]:
         """One request per row; at the step deadline abort the stragglers and keep what they made."""
         tag = uuid.uuid4().hex[:12]
-        rids = [f"moe-rl-{tag}-{b}" for b in range(len(rows))]
+        rids = [request_id(tag, b) for b in range(len(rows))]
         limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=64)
         async with contextlib.AsyncExitStack() as stack:
             targets = [
@@ -223,7 +237,7 @@ class SGLangEngine:
         for attempt in range(1 + self.retries):
             if attempt:
                 await asyncio.sleep(self.client.backoff_s * 2 ** (attempt - 1))
-                rids[b] = f"{rids[b].split('~')[0]}~{attempt}"
+                rids[b] = request_id(rids[b].split("-")[2], b, attempt)
             i = min(range(len(targets)), key=inflight.__getitem__)
             base, http = targets[i]
             url, body = base + "/generate", generate_body(ids, sp, True, want_routes, rid=rids[b])
@@ -343,8 +357,11 @@ class SGLangEngine:
         released = self.colocated and self._released
         if released:
             self.resume_memory(list(RESUME_ORDER[0]))
+        source, tee = self.verifier.tee(source)
         try:
             self.last_push = self.weight_sync.push(source, version)
+            if tee is not None:
+                self.verifier.verify(self.engines, tee, version)
         except Exception as e:
             if getattr(e, "server_may_be_mixed", False):
                 self._weights_uncertain = (

@@ -1,7 +1,10 @@
 """Start, wait for, and stop SGLang servers and sglang-router; or attach to running ones.
 
-The command is ``<python> -m <module> --model-path ... --host 127.0.0.1 --port ...`` with the
-module ``sglang.launch_server`` by default. Option names are SGLang's ServerArgs
+The command is ``<python> -m <module> --model-path ... --host <host> --port ...`` with the
+module ``sglang.launch_server`` by default; ``host`` is what the server binds (127.0.0.1, a node
+address, or all interfaces) and ``advertise_host`` what clients dial (the choice across nodes:
+:func:`moe_rl.rollout.factory.engine_address`). The server does not inherit the launching trainer
+rank's torchrun variables (:func:`server_environ`). Option names are SGLang's ServerArgs
 (sgl-project/sglang ``python/sglang/srt/server_args.py``): ``--tp-size``, ``--ep-size``,
 ``--mem-fraction-static``, ``--dtype``, ``--skip-tokenizer-init``,
 ``--enable-return-routed-experts``, ``--weight-version`` (initial ``weight_version``, default
@@ -57,7 +60,9 @@ class SGLangServerConfig:
     ep_size: int = 1
     "Expert-parallel size."
     host: str = "127.0.0.1"
-    "Bind address (keep 127.0.0.1 unless the trainer runs on another node)."
+    "Bind address: 127.0.0.1 (this node only), a routable address of the node, or 0.0.0.0 / :: (all)."
+    advertise_host: str | None = None
+    "Address clients dial, in :attr:`SGLangLauncher.url` (None: ``host``; for 0.0.0.0 / ::, loopback)."
     port: int | None = None
     "HTTP port (None: a free one)."
     enable_return_routed_experts: bool = False
@@ -94,6 +99,14 @@ class SGLangServerConfig:
             raise ValueError(f"sglang mem_fraction_static={self.mem_fraction_static}: use a value in (0, 1)")
         if self.gpu_ids is not None and len(self.gpu_ids) != self.tp_size:
             raise ValueError(f"sglang gpu_ids={list(self.gpu_ids)}: give exactly tp_size={self.tp_size} GPUs")
+
+    @property
+    def dial_host(self) -> str:
+        """The address in the server's URL: ``advertise_host``, else ``host`` (loopback for all interfaces)."""
+        if self.advertise_host:
+            return self.advertise_host
+        host = self.host.strip("[]")
+        return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
 
     def env(self) -> dict[str, str]:
         """Environment the server process gets on top of ours (its device mask)."""
@@ -175,6 +188,34 @@ def installed_sglang_version(python: str) -> str | None:
     return out.stdout.strip() or None
 
 
+TRAINER_PROCESS_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+"torchrun's variables of the trainer process that launched a server: not the server's."
+
+
+def server_environ(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a launched server inherits: ours without the launching trainer rank's
+    torchrun variables (:data:`TRAINER_PROCESS_VARS`, ``TORCHELASTIC_*``), which would make the
+    server take itself for a rank of the trainer's world (a world of 2 for a one-process server)."""
+    environ = dict(os.environ if environ is None else environ)
+    return {
+        k: v
+        for k, v in environ.items()
+        if k not in TRAINER_PROCESS_VARS and not k.startswith("TORCHELASTIC_")
+    }
+
+
 def _log_tail(path: Path | None, n: int = 40) -> str:
     if path is None or not path.exists():
         return "(no log)"
@@ -203,7 +244,9 @@ class SGLangLauncher:
 
     @property
     def url(self) -> str:
-        return f"http://{self.cfg.host}:{self.port}"
+        from moe_rl.rollout.weight_sync.address import host_port
+
+        return f"http://{host_port(self.cfg.dial_host, self.port)}"
 
     @property
     def pid(self) -> int | None:
@@ -226,7 +269,7 @@ class SGLangLauncher:
         cmd = build_command(self.cfg, self.port)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, **self.cfg.env(), **(self.env or {})}
+        env = {**server_environ(), **self.cfg.env(), **(self.env or {})}
         logger.info("launching %s (log %s)", " ".join(cmd), self.log_path)
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True

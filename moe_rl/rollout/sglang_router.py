@@ -78,7 +78,9 @@ class SGLangRouterLauncher:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        from moe_rl.rollout.weight_sync.address import host_port
+
+        return f"http://{host_port(self.host, self.port)}"
 
     def start(self) -> SGLangClient:
         """Launch and wait until /health answers 200; return a client for the router."""

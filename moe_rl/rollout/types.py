@@ -16,7 +16,7 @@ Alignment conventions, shared by every engine and the trainer:
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Protocol
 
 import torch
@@ -89,12 +89,26 @@ class Rollouts:
     def num_response_tokens(self) -> int:
         return int(self.response_mask_BT.sum().item())
 
+    def to(self, device: torch.device | str) -> Rollouts:
+        """This batch with every tensor on ``device`` (the same object when all are there already).
+
+        The trainer calls it once, where a step takes the batch from the engine
+        (:func:`moe_rl.trainer.rl.from_engine`): engines return their tensors on the host."""
+        device = torch.device(device)
+        moved = {
+            f.name: v.to(device)
+            for f in fields(self)
+            if isinstance(v := getattr(self, f.name), torch.Tensor) and v.device != device
+        }
+        return replace(self, **moved) if moved else self
+
 
 class HFStateSource(Protocol):
     """Something whose weights can be streamed in Hugging Face Qwen3-MoE names and layout."""
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, full unsharded tensor) one at a time."""
+        """Yield (HF name, full unsharded tensor) one at a time (on the host; a source may take
+        ``device=`` to leave them on the GPU: :func:`moe_rl.rollout.weight_sync.session.source_tensors`)."""
         ...
 
 

@@ -103,6 +103,7 @@ class SGLangProtocolApp(StallGuard, WeightEndpoints):
             "/update_weights_from_tensor": (("POST",), self.update_weights_from_tensor),
             "/update_weights_from_disk": (("POST",), self.update_weights_from_disk),
             "/update_weight_version": (("POST",), self.update_weight_version),
+            "/get_weights_by_name": (("GET", "POST"), self.get_weights_by_name),
             "/release_memory_occupation": (("GET", "POST"), self.release_memory_occupation),
             "/resume_memory_occupation": (("GET", "POST"), self.resume_memory_occupation),
         }
@@ -408,7 +409,8 @@ class SGLangProtocolApp(StallGuard, WeightEndpoints):
             self.abort_all()
         elif rid:
             with self.cond:
-                if rid in self.inflight:
-                    self.inflight[rid] = True
-                    self.cond.notify_all()
+                for r in self.inflight:  # by prefix, as SGLang's scheduler matches AbortReq.rid
+                    if r.startswith(rid):
+                        self.inflight[r] = True
+                self.cond.notify_all()
         return 200, None

@@ -194,7 +194,9 @@ class ServerThread:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        from moe_rl.rollout.weight_sync.address import host_port
+
+        return f"http://{host_port(self.host, self.port)}"
 
     def stop(self) -> None:
         self.server.should_exit = True

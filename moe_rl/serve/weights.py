@@ -10,6 +10,11 @@ and a disk load inside a session is staged too. Tensors with a NaN or infinite v
 weights stay finite. A session abandoned past ``--moe-rl-stall-timeout`` is discarded
 (:mod:`.stall`) and the next session call names the abort. ``/release_memory_occupation`` needs an idle
 server, and generating while memory is released fails, as it cannot work in SGLang.
+``/update_weights_from_tensor`` takes ``load_format="flattened_bucket"`` payloads of the ``bytes``
+serializer (:mod:`moe_rl.rollout.weight_sync.tensor`): SGLang's ``FlattenedTensorBucket`` layout,
+one uint8 tensor and per-tensor metadata with byte offsets, whether the trainer built it with
+SGLang's own classes or without sglang, read by a restricted unpickler (no code runs); CUDA IPC
+(``ipc``) payloads need a GPU server and are refused.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 import torch
 
 from moe_rl.hf_io import read_tensors
-from moe_rl.rollout.weight_sync.address import route_address
+from moe_rl.rollout.weight_sync.address import route_address, tcp_url
 from moe_rl.rollout.weight_sync.distributed import (
     destroy_process_group,
     init_custom_process_group,
@@ -165,7 +170,7 @@ class WeightEndpoints:
         try:
             pg = init_custom_process_group(
                 backend=backend,
-                init_method=f"tcp://{addr}:{port}",
+                init_method=tcp_url(addr, port),
                 world_size=world_size,
                 rank=rank_offset,
                 group_name=name,
@@ -235,7 +240,7 @@ class WeightEndpoints:
             return refused
         self._maybe_abort_all(body)
         try:
-            named = dict(unflatten_bucket(deserialize_bytes(payloads[0])))
+            named = dict(unflatten_bucket(deserialize_bytes(payloads[0])))  # SGLang's bucket layout
         except Exception as e:  # noqa: BLE001 - a payload this CPU server cannot read
             return update_result(
                 False, f"Cannot read the payload (CPU servers take the 'bytes' serializer): {e}"
@@ -253,6 +258,18 @@ class WeightEndpoints:
             return update_result(False, f"Failed to read {path}: {e}", num_paused_requests=0)
         ok, msg = self._apply(named, version)
         return update_result(ok, msg, num_paused_requests=0)
+
+    def get_weights_by_name(self, body: dict) -> tuple[int, Any]:
+        """SGLang's GetWeightsByNameReqInput: the served parameter's first ``truncate_size`` rows as
+        nested float lists (what SGLang's models that implement it return), or 400 "Get parameter
+        by name failed" for a name it does not hold."""
+        name = get_field(body, "name", "str")
+        rows = get_field(body, "truncate_size", "int", 100)
+        with self.engine_lock:
+            t = self.engine.served_tensor(name) if hasattr(self.engine, "served_tensor") else None
+        if t is None:
+            return 400, error_body("Get parameter by name failed")
+        return 200, t.float().tolist()[:rows]
 
     def update_weight_version(self, body: dict) -> tuple[int, Any]:
         version = get_field(body, "new_version", "str")

@@ -11,6 +11,11 @@ padding position is computed; log-probs, entropy and routes come back in the ``[
 The three algorithms differ only in ``algo.name`` and ``algo.routing``; everything else,
 including prompt order and sampling seeds, is shared, so A/B runs change one field.
 
+Devices: engines return their batch on the host; :func:`from_engine` moves it to the policy's
+device once, where the step takes it from the engine, and everything after it (rewards,
+advantages, masks, routes, engine log-probs, the counts the data-parallel collectives reduce)
+lives there. No other function here moves a tensor between devices.
+
 Phases, as :func:`rl_step` times them (``time/<phase>`` in the metrics; they add up to
 ``time/step``): rollout (sample prompts, ``engine.generate``), old_logprob (rewards,
 advantages, the pi_old forward), train (the M updates), probe (the flip probes inside train,
@@ -93,7 +98,8 @@ def rl_step(run: Run, step: int, timer: StepTimer) -> StepResult:
     finite = weights_finite(run.policy.model)  # non-finite weights never reach the engine
     with timer.record("sync"):
         if finite:
-            run.engine.update_weights(run.weights_for_engine(), str(run.optimizer.step_count))
+            with run.memory_for_engine(weights=False):
+                run.engine.update_weights(run.weights_for_engine(), str(run.optimizer.step_count))
     metrics.update(train_metrics)
     metrics["weights/finite"] = float(finite)
     metrics.update({f"time/{phase}": s for phase, s in timer.seconds.items()})
@@ -115,14 +121,22 @@ def collect(run: Run, step: int, timer: StepTimer | None = None) -> tuple[RLBatc
 
 
 def generate(run: Run, step: int) -> tuple[list[Prompt], Rollouts]:
-    """This rank's prompts of step ``step`` and ``train.group_size`` rollouts of each."""
+    """This rank's prompts of step ``step`` and ``train.group_size`` rollouts of each (on the
+    policy's device)."""
     cfg = run.recipe.train
     prompts = local_prompts(run, run.task.sample(step, cfg.prompts_per_step, run.recipe.task.seed))
     want_routes = run.recipe.algo.routing == "r3" or run.engine_gives_routes
-    rollouts = run.engine.generate(
-        encode_prompts(run, prompts), cfg.group_size, sampling_for(run, step, routes=want_routes)
-    )
-    return prompts, rollouts
+    with run.memory_for_engine(weights=True):
+        rollouts = run.engine.generate(
+            encode_prompts(run, prompts), cfg.group_size, sampling_for(run, step, routes=want_routes)
+        )
+    return prompts, from_engine(run, rollouts)
+
+
+def from_engine(run: Run, rollouts: Rollouts) -> Rollouts:
+    """The device boundary: the engine's batch (tokens, masks, lengths, log-probs, routes) on the
+    policy's device, moved once. Rewards and advantages are made there from it (:func:`rewards_of`)."""
+    return rollouts.to(run.info.device)
 
 
 def score(run: Run, prompts: list[Prompt], rollouts: Rollouts) -> tuple[torch.Tensor, dict[str, float]]:
@@ -168,13 +182,15 @@ def encode_prompts(run: Run, prompts: list[Prompt]) -> list[list[int]]:
 
 
 def rewards_of(run: Run, prompts: list[Prompt], rollouts: Rollouts, group: int) -> torch.Tensor:
-    """The task's reward of every rollout row, ``[B]`` float32 (row i answers prompt i // group)."""
-    out = []
-    for i in range(rollouts.batch_size):
-        start, end = int(rollouts.prompt_lens_B[i]), int(rollouts.total_lens_B[i])
-        text = run.tok.decode(rollouts.tokens_BT[i, start:end].tolist())
-        out.append(run.task.reward(prompts[i // group], text))
-    return torch.tensor(out, dtype=torch.float32)
+    """The task's reward of every rollout row, ``[B]`` float32 on the policy's device (row i answers
+    prompt i // group). The token ids come to the host once, for the decoder."""
+    tokens = rollouts.tokens_BT.tolist()
+    starts, ends = rollouts.prompt_lens_B.tolist(), rollouts.total_lens_B.tolist()
+    out = [
+        run.task.reward(prompts[i // group], run.tok.decode(tokens[i][starts[i] : ends[i]]))
+        for i in range(rollouts.batch_size)
+    ]
+    return torch.tensor(out, dtype=torch.float32, device=run.info.device)
 
 
 # -- pi_old -----------------------------------------------------------------------------------------
@@ -184,9 +200,10 @@ def old_policy(run: Run, rollouts: Rollouts, adv_B: torch.Tensor) -> tuple[RLBat
     algo = run.recipe.algo
     tokens_BT, mask_BT = rollouts.tokens_BT, rollouts.response_mask_BT
     s = tokens_BT.shape[1] - 1
-    valid_BS = (torch.arange(s)[None, :] < (rollouts.total_lens_B[:, None] - 1)).float()
+    positions_S = torch.arange(s, device=tokens_BT.device)
+    valid_BS = (positions_S[None, :] < (rollouts.total_lens_B[:, None] - 1)).float()
     rollout_routes_BSLK = engine_routes(run, rollouts)
-    rollout_logp_BT = rollouts.logprobs_BT.to(run.info.device)
+    rollout_logp_BT = rollouts.logprobs_BT
     old_logp_BT, is_weights, metrics = rollout_logp_BT, None, {}
     lens_B = valid_BS.sum(1).to(torch.int64)
     probe_before_BSLK = None
@@ -428,7 +445,7 @@ def _micro_step(
     cfg, algo = run.recipe.train, run.recipe.algo
     replay_BSLK = batch.replay_BSLK[rows] if algo.routing != "none" else None
     action = RouterAction.REPLAY if replay_BSLK is not None else RouterAction.NATURAL
-    mask_BT = batch.mask_BT[rows].to(run.info.device)
+    mask_BT = batch.mask_BT[rows]
     pack = packed(run, batch.tokens_BT[rows], batch.lens_B[rows])
     with RoutingSession(run.policy, action, routes_BSLK=replay_BSLK, pack=pack) as session:
         out = run.policy.logprobs(
@@ -454,8 +471,10 @@ def _micro_step(
 
 
 def _global_counts(run: Run, minibatch_masks: list[torch.Tensor]) -> list[tuple[float, float]]:
-    """(sequences, tokens) of every minibatch summed over data-parallel ranks: one all-reduce."""
-    t = torch.tensor([[mk.shape[0], float(mk.sum())] for mk in minibatch_masks], dtype=torch.float64)
+    """(sequences, tokens) of every minibatch summed over data-parallel ranks: one all-reduce (on the
+    masks' device, the policy's: NCCL reduces CUDA tensors only), one copy to the host."""
+    t = torch.stack([torch.stack([mk.new_tensor(float(mk.shape[0])), mk.sum()]) for mk in minibatch_masks])
+    t = t.to(torch.float64)
     dist.all_reduce(t, run.info.dp_group)
     return [tuple(x) for x in t.tolist()]
 

@@ -5,9 +5,11 @@ Every rank of a torchrun / Slurm job calls :func:`run` with the same recipe.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -73,6 +75,10 @@ class Run:
         check_vocab(recipe, self.tok)  # `moe-rl train` runs all of preflight before this
         self.task = build_task(recipe.task)
         self._owns_dist = not torch.distributed.is_initialized()
+        from moe_rl.megatron.parallel import backend_for
+        from moe_rl.rollout.factory import pin_nccl_for_engines
+
+        pin_nccl_for_engines(recipe, nccl=backend_for(recipe.parallel) == "nccl")  # before NCCL starts
         self.info = init_parallel(recipe.parallel, seed=recipe.train.seed)
         self.policy = build_policy(recipe.model, recipe.parallel, self.info)
         self.optimizer = None
@@ -155,7 +161,7 @@ class Run:
     def stop_if_signalled(self, where: str, *, can_save: bool = True) -> None:
         """After a step: when a rank got SIGTERM / SIGINT, save (if ``can_save`` and the weights
         pass the checks), log one line and raise :class:`StopRequested`."""
-        signum = self.signals.requested(device=self.info.device if self.info.device.type == "cuda" else None)
+        signum = self.signals.requested()
         if not signum:
             return
         import signal
@@ -205,7 +211,7 @@ class Run:
                 pad_id=self.tok.pad_id,
                 eos_id=self.tok.eos_id,
                 decoder=rollout_cfg.embedded_decoder,
-                dtype=rollout_cfg.dtype,
+                dtype=self.recipe.rollout_dtype,
                 router_dtype=rollout_cfg.router_dtype,
             )
             self.engine_gives_routes = True  # free: captured during generation
@@ -214,6 +220,24 @@ class Run:
 
             self.engine = build_sglang_engine(self)
             self.engine_gives_routes = self.recipe.algo.routing == "r3"
+
+    @contextlib.contextmanager
+    def memory_for_engine(self, *, weights: bool) -> Iterator[None]:
+        """Around an engine's work on the trainer's own GPUs (``rollout.sglang.colocate`` with
+        ``offload_trainer``): the trainer's gradients and Adam state (and, with ``weights``, its
+        weights: a rollout needs none of them, a push reads them) wait in host memory; a no-op
+        elsewhere. Every tensor is back, as it was, when the block ends."""
+        cfg = self.recipe.rollout
+        if not (
+            cfg.engine == "sglang" and cfg.sglang.colocate and cfg.sglang.offload_trainer and self.optimizer
+        ):
+            yield
+            return
+        self.optimizer.release_memory(weights=weights)
+        try:
+            yield
+        finally:
+            self.optimizer.resume_memory()
 
     def weights_for_engine(self) -> HFStateSource | None:
         """What ``engine.update_weights`` reads: None for the embedded engine (it shares the

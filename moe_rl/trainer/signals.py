@@ -65,9 +65,9 @@ class StopSignals:
             signal.signal(s, old)
         self._old.clear()
 
-    def requested(self, group=None, device=None) -> int:
+    def requested(self, group=None) -> int:
         """The signal any rank of ``group`` got (the highest number), 0 for none; a collective,
-        every rank must ask (``device`` as in :func:`moe_rl.dist.any_rank`)."""
+        every rank must ask."""
         from moe_rl import dist
 
-        return int(dist.max_over(int(self.signum or 0), group, device=device))
+        return int(dist.max_over(int(self.signum or 0), group))

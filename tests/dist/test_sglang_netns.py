@@ -47,6 +47,19 @@ def _netns_unavailable() -> str | None:
     return None
 
 
+def stop_group(proc: subprocess.Popen) -> None:
+    """End a process this test started: its group (id = its PID, never a name), SIGTERM then SIGKILL."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 @pytest.fixture
 def namespaces():
     reason = _netns_unavailable()
@@ -97,13 +110,6 @@ def test_weight_sync_across_network_namespaces(namespaces, tmp_path):
         found = json.loads(out.stdout.strip().splitlines()[-1])
         assert found["master_address"] == TRAINER_IP  # routable, not loopback
         assert found["served"] == "v1" and found["max_err"] < 1e-4
-    finally:  # the server's process group (its id is the PID we started), never by name
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(15)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+    finally:
+        stop_group(server)
         log.close()

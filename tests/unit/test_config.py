@@ -118,7 +118,7 @@ def test_clip_defaults_come_from_the_loss_registry():
         ),
         (AlgoConfig, {"routing": "r4"}, "algo.routing='r4': use none, r2 or r3"),
         (AlgoConfig, {"aggregation": "sum"}, "algo.aggregation='sum': use seq_mean or token_mean"),
-        (RolloutConfig, {"dtype": "fp8"}, "rollout.dtype='fp8': use fp32, bf16 or fp16"),
+        (RolloutConfig, {"dtype": "fp8"}, "rollout.dtype='fp8': use auto, fp32, bf16 or fp16"),
         (RolloutConfig, {"router_dtype": "bf16"}, "rollout.router_dtype='bf16': use same or fp32"),
         (TrainConfig, {"stages": ("sft", "ppo")}, "train.stages[1]='ppo': use sft or rl"),
         (
@@ -160,7 +160,9 @@ def test_tasks_do_not_import_the_recipe_module():
 def test_rollout_precision_fields():
     r = recipe_from_dict({}, ["rollout.dtype=bf16", "rollout.router_dtype=fp32"])
     assert (r.rollout.dtype, r.rollout.router_dtype) == ("bf16", "fp32")
-    assert (RolloutConfig().dtype, RolloutConfig().router_dtype) == ("fp32", "same")
+    assert (RolloutConfig().dtype, RolloutConfig().router_dtype) == ("auto", "same")
+    assert recipe_from_dict({}).rollout_dtype == "fp32"  # the embedded engine: the policy's own
+    assert recipe_from_dict({}, ["rollout.engine=sglang"]).rollout_dtype == "bf16"
     assert recipe_from_dict({}, ["rollout.dtype=fp16"]).rollout.dtype == "fp16"
 
 

@@ -194,3 +194,28 @@ def test_qwen3_30b_a3b_on_one_node_needs_micro_batches():
     pl = plan(load_recipe(GSPO_30B, [*one_node, "train.micro_batch_size=1"]))  # read from the recipe
     assert pl["fits"] and pl["memory"]["sequences_per_forward"] == 1
     assert pl["memory"]["optimizer_sharding"]["experts_over"] == 1
+
+
+def test_colocated_engines_add_up_with_the_trainer_per_phase():
+    """SGLang on the trainer's GPUs reserves mem_fraction of each while it generates: the plan adds
+    engine and trainer per phase, fits the 30B recipe with the trainer offloaded, and refuses it
+    without, naming the settings that make it fit."""
+    root = Path(__file__).resolve().parents[2]
+    colocated = ["rollout.engine=sglang", "rollout.sglang.colocate=true", "rollout.weight_sync=tensor"]
+    fits = plan(load_recipe(root / "recipes/cluster/qwen3_30b_a3b_gspo.yaml", colocated))
+    co, terms = fits["colocated"], fits["memory"]["terms"]
+    gib = 1024**3
+    assert fits["fits"] and co["train"] == fits["memory"]["total"]
+    assert co["rollout"] == int(0.8 * 80 * gib)  # the trainer's state is on the host
+    assert "colocated   SGLang on these GPUs" in format_plan(fits)
+    recipe = load_recipe(
+        root / "recipes/cluster/qwen3_30b_a3b_gspo.yaml", [*colocated, "rollout.sglang.offload_trainer=false"]
+    )
+    with pytest.raises(
+        PlanError, match=r"rollout phase.*mem_fraction to 0\.\d\d or less.*offload_trainer=true"
+    ):
+        plan(recipe)
+    unfit = plan(recipe, allow_unfit=True)
+    resident = terms["weights"] + terms["gradients"] + terms["optimizer"]
+    assert unfit["colocated"]["rollout"] == int(0.8 * 80 * gib + resident) and not unfit["fits"]
+    assert plan(load_recipe(root / "recipes/cluster/qwen3_30b_a3b_gspo.yaml"))["colocated"] is None

@@ -295,6 +295,22 @@ def test_distributed_push_changes_generation(client, dist_sync, trainer):
     assert (old_lp - ro.logprobs_BT[0, 3 : int(ro.total_lens_B[0])]).abs().max() > 1e-3
 
 
+def test_distributed_push_takes_tensors_where_it_broadcasts(client, dist_sync, trainer):
+    """The source is asked for its tensors on the group's device (CUDA for NCCL): the trainer's GPU
+    tensors are broadcast as they are, with no copy to the host and back."""
+    asked = []
+
+    class OnDevice(DictSource):
+        def hf_tensors(self, *, device="cpu"):
+            asked.append(torch.device(device))
+            yield from super().hf_tensors()
+
+    engine = _engine(client, dist_sync)
+    assert engine.update_weights(OnDevice(trainer["w"]), "v1-again") == "v1-again"
+    assert asked == [dist_sync.device]
+    trainer.update(version="v1-again")
+
+
 def test_disk_push_changes_generation(client, trainer, tmp_path):
     sync = DiskWeightSync(client, tmp_path / "ckpt", max_shard_bytes=8192, keep_last=1)
     engine = _engine(client, sync)

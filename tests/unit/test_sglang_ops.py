@@ -6,6 +6,7 @@ Servers here are ``moe-rl serve`` (FastAPI + uvicorn) in a thread around a tiny 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -87,7 +88,8 @@ def test_engines_never_land_on_the_trainers_gpus():
     r = recipe_from_dict({}, ["rollout.sglang.gpus=[1,2]"]).rollout.sglang
     with pytest.raises(ConfigError, match="overlaps"):
         factory.engine_gpus(r, 2, trainer=[0, 1])
-    r = recipe_from_dict({}, ["rollout.sglang.colocate=true", "rollout.sglang.tp=2"]).rollout.sglang
+    colocated = ["rollout.sglang.colocate=true", "rollout.weight_sync=tensor", "rollout.sglang.tp=2"]
+    r = recipe_from_dict({}, colocated).rollout.sglang
     assert factory.engine_gpus(r, 1, trainer=[0, 1]) == [(0, 1)]  # colocated: the trainer's own
     assert factory.engine_gpus(r, 1, trainer=[]) == [None]  # CPU: nothing to place
     env = {"CUDA_VISIBLE_DEVICES": "3,5,6", "LOCAL_WORLD_SIZE": "2"}
@@ -97,6 +99,11 @@ def test_engines_never_land_on_the_trainers_gpus():
         assert factory.trainer_gpus(env) == []
     with pytest.raises(ConfigError, match="tensor.*colocate"):
         recipe_from_dict({}, ["rollout.weight_sync=tensor"])
+    # one GPU cannot hold two ranks of one NCCL group: colocated engines take tensor (or disk) pushes
+    with pytest.raises(
+        ConfigError, match=r"colocate=true with rollout.weight_sync=distributed.*Duplicate GPU"
+    ):
+        recipe_from_dict({}, ["rollout.sglang.colocate=true"])
 
 
 def test_launcher_refuses_sglang_outside_the_range(monkeypatch, tmp_path):
@@ -122,6 +129,66 @@ def test_rendezvous_address_is_never_loopback_for_a_remote_server():
     for bad in ({"configured": "127.0.0.1", "env": {}}, {"env": {"MOE_RL_TRAINER_ADDR": "localhost"}}):
         with pytest.raises(RendezvousAddressError, match="loopback.*another host"):
             trainer_address(["10.1.2.3"], **bad)
+
+
+def test_addresses_are_ipv6_safe():
+    from moe_rl.rollout.weight_sync.address import host_port, tcp_url
+
+    assert tcp_url("fd00::7", 29500) == "tcp://[fd00::7]:29500"
+    assert tcp_url("[fd00::7]", 1) == "tcp://[fd00::7]:1" and tcp_url("10.0.0.2", 1) == "tcp://10.0.0.2:1"
+    assert host_port("node-3", 80) == "node-3:80"
+    launcher = SGLangLauncher(SGLangServerConfig(model_path="/m", host="::1", port=30000), log_path=None)
+    assert launcher.url == "http://[::1]:30000"
+    assert SGLangClient(launcher.url).base_url == "http://[::1]:30000"
+
+
+def test_nccl_interface_is_pinned_before_the_first_communicator(monkeypatch):
+    """NCCL reads NCCL_SOCKET_IFNAME once per process, at its first communicator: setting it around
+    the weight-update group's creation (as before) did nothing. It is set before the trainer's
+    process groups start, and left alone where the user set it or every engine is local."""
+    from moe_rl.rollout.weight_sync import address
+
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(address, "interface_of", lambda addr: {"10.0.0.2": "ens7"}.get(addr))
+    recipe = recipe_from_dict(
+        {},
+        [
+            "rollout.engine=sglang",
+            "rollout.sglang.url=http://10.0.0.5:30000",
+            "rollout.sglang.trainer_address=10.0.0.2",
+        ],
+    )
+    assert factory.pin_nccl_for_engines(recipe, nccl=False) is None and "NCCL_SOCKET_IFNAME" not in os.environ
+    assert factory.pin_nccl_for_engines(recipe, nccl=True) == "ens7"
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "ens7"
+    with address.bound_to("10.0.0.2", "nccl"):  # the group's creation changes nothing
+        assert os.environ["NCCL_SOCKET_IFNAME"] == "ens7"
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "ens7"
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the user's choice stands
+    assert (
+        factory.pin_nccl_for_engines(recipe, nccl=True) is None and os.environ["NCCL_SOCKET_IFNAME"] == "ib0"
+    )
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME")
+    local = recipe_from_dict({}, ["rollout.engine=sglang"])  # launched on this node: loopback
+    assert factory.pin_nccl_for_engines(local, nccl=True) is None and "NCCL_SOCKET_IFNAME" not in os.environ
+
+
+def test_run_pins_nccl_before_its_process_groups(monkeypatch, tmp_path):
+    from moe_rl.megatron import parallel
+    from moe_rl.trainer import run as run_mod
+
+    order = []
+    monkeypatch.setattr(factory, "pin_nccl_for_engines", lambda recipe, nccl: order.append("pin"))
+
+    def init_parallel(*a, **k):
+        order.append("init_parallel")
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(parallel, "init_parallel", init_parallel)
+    recipe = recipe_from_dict({"train": {"out_dir": str(tmp_path)}}, ["rollout.engine=sglang"])
+    with pytest.raises(RuntimeError, match="stop here"):
+        run_mod.Run(recipe)
+    assert order == ["pin", "init_parallel"]
 
 
 # ---------------------------------------------------------------- auth
@@ -271,3 +338,80 @@ def test_a_failed_row_is_retried_alone():
     assert [s[0] for s in sent].count([1, 2, 3, 4]) == 1  # the healthy row was sent once
     rids = [s[1] for s in sent if s[0] == [5, 6]]
     assert len(rids) == 2 and rids[1] != rids[0]  # the failed row alone, under a new rid
+
+
+def test_no_request_id_is_a_prefix_of_another(server):
+    """SGLang aborts every request whose id starts with AbortReq.rid, so moe-rl's ids of one call
+    (12 rows, one of them retried after a 503) must be prefix-free: ``moe-rl-<tag>-1`` would also
+    abort rows 10 and 11. Aborting row 1 on the server (which matches by prefix, as SGLang does)
+    aborts row 1 alone."""
+    c = SGLangClient(server.url, timeout_s=10, retries=0)
+    engine = SGLangEngine(c, num_layers=2, topk=2, num_experts=8, weight_version="v0")
+    engine.retries, engine.client.backoff_s = 1, 0.0
+    seen: list[str] = []
+    row_of: dict[str, int] = {}
+    original = server.app.handle
+    failed_once: list[bool] = []
+
+    def handle(method, path, body):
+        if path == "/generate":
+            seen.append(body["rid"])
+            row_of[body["rid"]] = body["input_ids"][0]
+            if body["input_ids"] == [3] and not failed_once:  # row 3's first try: retried under a new id
+                failed_once.append(True)
+                return 503, {"error": {"message": "busy"}}
+        return original(method, path, body)
+
+    server.app.handle = handle
+    engine.generate([[b] for b in range(12)], 1, SamplingParams(max_new_tokens=1))
+    assert len(seen) == 13 and failed_once
+    prefixed = [(a, b) for a in seen for b in seen if a != b and b.startswith(a)]
+    assert prefixed == []
+    c.pause_generation(mode="in_place")  # queue the 12 rows' ids, then abort row 1's
+    results: dict = {}
+
+    def send(rid):
+        results[rid] = c.request("POST", "/generate", {"input_ids": [1], "rid": rid, "sampling_params": {}})
+
+    ids = sorted(seen, key=row_of.get)[:12]  # one id per row (row 3's first), in row order
+    threads = [threading.Thread(target=send, args=(r,)) for r in ids]
+    for t in threads:
+        t.start()
+    while len(server.app.inflight) < len(ids):
+        time.sleep(0.01)
+    c.abort_request(ids[1])
+    c.continue_generation()
+    for t in threads:
+        t.join(10)
+    aborted = [r for r in ids if results[r]["meta_info"]["finish_reason"]["type"] == "abort"]
+    assert aborted == [ids[1]]
+
+
+@pytest.mark.parametrize(
+    "rollout_dtype,flag",
+    [("auto", "bfloat16"), ("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")],
+)
+def test_launched_engines_serve_rollout_dtype(monkeypatch, tmp_path, rollout_dtype, flag):
+    """SGLang's --dtype auto serves an fp32 export in fp16: the launcher passes rollout.dtype, bf16
+    unless set (what verl and slime serve); the embedded engine's auto is the policy's own."""
+    from types import SimpleNamespace
+
+    from moe_rl.rollout import sglang_launcher
+
+    started = []
+
+    class Launcher:
+        def __init__(self, cfg, **kw):
+            self.cfg, self.url = cfg, "http://127.0.0.1:1"
+
+        def start(self):
+            started.append(build_command(self.cfg, 1))
+
+    monkeypatch.setattr(sglang_launcher, "SGLangLauncher", Launcher)
+    monkeypatch.setattr(factory, "trainer_gpus", lambda: [])
+    recipe = recipe_from_dict({}, ["rollout.engine=sglang", f"rollout.dtype={rollout_dtype}"])
+    factory.launch_fleet(SimpleNamespace(recipe=recipe, out=tmp_path), "/m")
+    (cmd,) = started
+    assert cmd[cmd.index("--dtype") + 1] == flag
+    embedded = recipe_from_dict({}, [f"rollout.dtype={rollout_dtype}"])
+    assert embedded.rollout_dtype == ("fp32" if rollout_dtype == "auto" else rollout_dtype)

@@ -37,44 +37,89 @@ def is_loopback(host: str) -> bool:
             return False
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port`` with an IPv6 literal bracketed (``[fd00::1]:29500``), as URLs and
+    ``tcp://`` init methods need it."""
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def tcp_url(host: str, port: int) -> str:
+    """A ``tcp://`` init method (IPv6-safe: :func:`host_port`)."""
+    return f"tcp://{host_port(host, port)}"
+
+
 def route_address(server_host: str, port: int = 9) -> str | None:
-    """The local address the kernel would use to reach ``server_host`` (a UDP connect sends nothing)."""
+    """The local address the kernel would use to reach ``server_host`` (IPv4 or IPv6; a UDP
+    connect sends nothing)."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((server_host, port))
+        family, _, _, _, sockaddr = socket.getaddrinfo(server_host.strip("[]"), port, type=socket.SOCK_DGRAM)[
+            0
+        ]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(sockaddr)
             return s.getsockname()[0]
     except OSError:
         return None
 
 
 def interface_of(address: str) -> str | None:
-    """The network interface holding ``address`` (None when no local interface has it)."""
+    """The network interface holding ``address``, IPv4 or IPv6 (None when no local interface has it)."""
     import psutil
 
+    address = address.strip("[]").split("%")[0]
     for name, addrs in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == address for a in addrs):
+        families = (socket.AF_INET, socket.AF_INET6)
+        if any(a.family in families and a.address.split("%")[0] == address for a in addrs):
             return name
     return None
 
 
 @contextlib.contextmanager
 def bound_to(local_address: str | None, backend: str) -> Iterator[None]:
-    """Make gloo (``GLOO_SOCKET_IFNAME``) or NCCL (``NCCL_SOCKET_IFNAME``) use the interface of
-    ``local_address`` while a group is created, unless the user already chose one.
+    """Make gloo use the interface of ``local_address`` (``GLOO_SOCKET_IFNAME``) while a group is
+    created, unless the user already chose one; for NCCL, say when its interface is not that one.
 
     Without it gloo picks the interface its hostname resolves to, often 127.0.0.1, and a peer on
-    another host is told to connect there.
+    another host is told to connect there. NCCL reads ``NCCL_SOCKET_IFNAME`` once per process, at
+    its first communicator, so setting it here would do nothing: :func:`pin_nccl_interface` sets
+    it at start, before the trainer's first NCCL call.
     """
-    var = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}.get(backend)
     ifname = None if not local_address or is_loopback(local_address) else interface_of(local_address)
-    if var is None or ifname is None or os.environ.get(var):
+    if backend == "nccl" and ifname is not None:
+        chosen = os.environ.get("NCCL_SOCKET_IFNAME", "")
+        if chosen and not any(ifname.startswith(c.lstrip("^=")) for c in chosen.split(",")):
+            logger.warning(
+                "NCCL_SOCKET_IFNAME=%s does not include %s, the interface of %s that remote SGLang "
+                "engines reach this process at: set it (before start) to include %s",
+                chosen,
+                ifname,
+                local_address,
+                ifname,
+            )
+    if backend != "gloo" or ifname is None or os.environ.get("GLOO_SOCKET_IFNAME"):
         yield
         return
-    os.environ[var] = ifname
+    os.environ["GLOO_SOCKET_IFNAME"] = ifname
     try:
         yield
     finally:
-        os.environ.pop(var, None)
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+
+
+def pin_nccl_interface(server_hosts: list[str], *, configured: str | None = None) -> str | None:
+    """Set ``NCCL_SOCKET_IFNAME`` to the interface remote ``server_hosts`` reach this process at
+    (:func:`trainer_address`), unless it is set or every host is local; call it before the first
+    NCCL communicator of the process (NCCL reads it once). Returns the interface it set."""
+    if os.environ.get("NCCL_SOCKET_IFNAME") or all(is_loopback(h) for h in server_hosts):
+        return None
+    ifname = interface_of(trainer_address(server_hosts, configured=configured))
+    if ifname is not None:
+        os.environ["NCCL_SOCKET_IFNAME"] = ifname
+        logger.info(
+            "NCCL_SOCKET_IFNAME=%s: the interface remote SGLang engines reach this process at", ifname
+        )
+    return ifname
 
 
 def trainer_address(

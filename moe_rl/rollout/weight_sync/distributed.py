@@ -27,8 +27,8 @@ import torch
 from moe_rl.dist import free_port
 from moe_rl.rollout.sglang_client import SGLangClient
 from moe_rl.rollout.types import HFStateSource
-from moe_rl.rollout.weight_sync.address import bound_to, trainer_address
-from moe_rl.rollout.weight_sync.session import PushReport, WeightSyncError, push_buckets
+from moe_rl.rollout.weight_sync.address import bound_to, host_port, tcp_url, trainer_address
+from moe_rl.rollout.weight_sync.session import PushReport, WeightSyncError, push_buckets, source_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ class DistributedWeightSync:
         try:
             group = init_custom_process_group(
                 backend=self.backend,
-                init_method=f"tcp://{self.master_address}:{port}",
+                init_method=tcp_url(self.master_address, port),
                 world_size=self.world_size,
                 rank=0,
                 group_name=name,
@@ -221,7 +221,7 @@ class DistributedWeightSync:
                 th.join(5.0)
             said = [box.get("error") or box.get("result") for _, box in joins]
             raise WeightSyncError(
-                f"could not form weight-update group {name!r} at {self.master_address}:{port} with "
+                f"could not form weight-update group {name!r} at {host_port(self.master_address, port)} with "
                 f"{[c.base_url for c in self.clients]}: {e}; servers said: {said}"
             ) from e
         failed = []
@@ -250,7 +250,7 @@ class DistributedWeightSync:
             "distributed",
             self.clients,
             version,
-            _buckets(source.hf_tensors(), self.bucket_bytes),
+            _buckets(source_tensors(source, self.device), self.bucket_bytes),  # no host round trip
             lambda bucket, last: self._send_bucket(bucket, version if last else None, flush=last),
         )
 

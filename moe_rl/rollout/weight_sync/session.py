@@ -13,14 +13,16 @@ UpdateWeightVersionReqInput, PauseGenerationReqInput, BeginWeightUpdateReqInput.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from moe_rl.rollout.sglang_client import SGLangClient, SGLangError
+from moe_rl.rollout.types import HFStateSource
 
 logger = logging.getLogger(__name__)
 
@@ -188,3 +190,15 @@ def _push_failed(
     )
     err.server_may_be_mixed = mixed
     return err
+
+
+def source_tensors(source: HFStateSource, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """``source.hf_tensors()`` on ``device``: asked of the source where it takes ``device=``
+    (:class:`~moe_rl.megatron.hf.PolicyHFSource`: no CPU copy on a GPU), else moved here."""
+    try:
+        takes_device = "device" in inspect.signature(source.hf_tensors).parameters
+    except (TypeError, ValueError):
+        takes_device = False
+    tensors = source.hf_tensors(device=device) if takes_device else source.hf_tensors()
+    for name, t in tensors:
+        yield name, (t if t.device == device else t.to(device))
