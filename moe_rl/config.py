@@ -357,7 +357,7 @@ class RolloutConfig:
     embedded_decoder: Literal["auto", "lean", "megatron"] = "auto"
     "Forward of the embedded engine: lean (moe_rl.megatron.decode; TP=1) | megatron | auto (lean where it runs)."
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    "Precision the engine serves: auto (the embedded engine: the policy's own, no copy; SGLang: bf16) | fp32 | bf16 | fp16."
+    "Precision the engine serves: auto (SGLang: bf16; the embedded engine and moe-rl serve: the policy's own) | fp32 | bf16 | fp16."
     router_dtype: Literal["same", "fp32"] = "same"
     "Router logits and softmax of the engine: same (as rollout.dtype) | fp32 (kept in fp32)."
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
@@ -588,11 +588,12 @@ class Recipe:
 
     @property
     def rollout_dtype(self) -> str:
-        """The precision the rollout engine serves (``rollout.dtype``, auto resolved): the embedded
-        engine the policy's own, SGLang bf16 (what verl and slime serve)."""
+        """The precision the rollout engine serves (``rollout.dtype``, auto resolved): SGLang's
+        ``launch_server`` bf16 (what verl and slime serve); the embedded engine and ``moe-rl serve``
+        (``rollout.sglang.module=moe_rl.serve.embedded``, the CPU stand-in) the policy's own."""
         if self.rollout.dtype != "auto":
             return self.rollout.dtype
-        if self.rollout.engine == "sglang":
+        if self.rollout.engine == "sglang" and self.rollout.sglang.module == "sglang.launch_server":
             return "bf16"
         return "bf16" if self.model.dtype == "bfloat16" else "fp32"
 

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 ADMIN_PATHS = frozenset(
     {
         "/flush_cache",
+        "/get_weights_by_name",
         "/update_weights_from_disk",
         "/init_weights_update_group",
         "/destroy_weights_update_group",

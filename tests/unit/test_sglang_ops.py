@@ -413,5 +413,13 @@ def test_launched_engines_serve_rollout_dtype(monkeypatch, tmp_path, rollout_dty
     factory.launch_fleet(SimpleNamespace(recipe=recipe, out=tmp_path), "/m")
     (cmd,) = started
     assert cmd[cmd.index("--dtype") + 1] == flag
-    embedded = recipe_from_dict({}, [f"rollout.dtype={rollout_dtype}"])
-    assert embedded.rollout_dtype == ("fp32" if rollout_dtype == "auto" else rollout_dtype)
+    own = (
+        "fp32" if rollout_dtype == "auto" else rollout_dtype
+    )  # the embedded engine, moe-rl serve: the policy's
+    assert recipe_from_dict({}, [f"rollout.dtype={rollout_dtype}"]).rollout_dtype == own
+    served = [
+        "rollout.engine=sglang",
+        "rollout.sglang.module=moe_rl.serve.embedded",
+        f"rollout.dtype={rollout_dtype}",
+    ]
+    assert recipe_from_dict({}, served).rollout_dtype == own
