@@ -342,8 +342,34 @@ def bench_pushes(a, tmp: Path, info) -> dict:
     tmp_path = path.with_suffix(".tmp")
     tmp_path.write_text(json.dumps(res, indent=1, allow_nan=False))
     os.replace(tmp_path, path)
+    _plot_pushes(res, path.with_suffix(".png"))
     print(json.dumps(res["headline"], indent=1))
     return res
+
+
+def _plot_pushes(res: dict, path: Path) -> None:
+    """Median push seconds and peak extra memory per model and path, this commit beside ``before``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    h = res["headline"]
+    keys = [f"{m}_{p}" for m in res["pushes"] for p in ("distributed", "tensor", "disk")]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, (unit, label) in zip(axes, (("s", "push, s (median of 3)"), ("peak_mib", "peak extra RSS, MiB"))):
+        x = range(len(keys))
+        if f"{keys[0]}_{unit}_before" in h:
+            ax.bar(
+                [i - 0.2 for i in x], [h[f"{k}_{unit}_before"] for k in keys], 0.4, label="before", color="C7"
+            )
+        ax.bar([i + 0.2 for i in x], [h[f"{k}_{unit}"] for k in keys], 0.4, label="this commit", color="C0")
+        ax.set_xticks(list(x), [k.replace("_", "\n") for k in keys], fontsize=8)
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle("weight pushes to one moe-rl serve engine (CPU): tiny 1.8M and small 20M parameters")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def _push_headline(res: dict, before: dict | None) -> dict:
