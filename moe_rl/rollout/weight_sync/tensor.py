@@ -141,7 +141,8 @@ def serialize_bytes(bucket: dict) -> str:
     buf = io.BytesIO()
     data = {"flattened_tensor": bucket["flattened_tensor"].detach().cpu(), "metadata": bucket["metadata"]}
     pickle.Pickler(buf, protocol=4).dump(data)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    del data
+    return base64.b64encode(buf.getbuffer()).decode("ascii")  # the buffer itself: no copy of the pickle
 
 
 @dataclass
