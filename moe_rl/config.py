@@ -269,7 +269,7 @@ class AlgoConfig:
     routing: Literal["none", "r2", "r3"] = "none"
     "Routing replay: none | r2 (replay trainer-recorded routes) | r3 (replay rollout-engine routes)."
     replay_gate_weights: bool = False
-    "Under replay, also replay the recorded gate weights (not only the expert indices)."
+    "Under replay, also replay the recorded gate weights (refused until the RL step passes them)."
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     "Source of pi_old log-probs: recompute (trainer forward) | rollout (engine log-probs, bypass mode)."
     rollout_correction: RolloutCorrection = "none"
@@ -289,6 +289,11 @@ class AlgoConfig:
             self.adv_eps > 0 if self.adv_std_normalize else self.adv_eps >= 0,
             f"algo.adv_eps={self.adv_eps} must be > 0: A = (r - mean) / (std + eps) needs a positive eps "
             "(a negative one flips the advantage signs, 0 divides by 0 in a group of equal rewards)",
+        )
+        require(
+            not self.replay_gate_weights,
+            "algo.replay_gate_weights=true is not wired into the RL step yet (the step replays expert "
+            "indices and recomputes gate weights from the live router, as verl and slime do): set it false",
         )
         if self.eps_low is not None:
             require(0 <= self.eps_low < 1, f"algo.eps_low={self.eps_low} must be in [0, 1)")

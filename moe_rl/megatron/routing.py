@@ -70,19 +70,17 @@ class RoutingSession:
         *,
         routes_BSLK: torch.Tensor | None = None,
         gates_BSLK: torch.Tensor | None = None,
-        capture: bool = True,
         pack: PackedRows | None = None,
         stop_after_routes: bool = False,
     ):
         if action is RouterAction.REPLAY and routes_BSLK is None:
             raise ValueError("RouterAction.REPLAY needs routes_BSLK (the experts to replay)")
-        if stop_after_routes and (action is not RouterAction.NATURAL or not capture):
+        if stop_after_routes and action is not RouterAction.NATURAL:
             raise ValueError("stop_after_routes is for natural-routing captures (RouterAction.NATURAL)")
         self.policy = policy
         self.action = action
         self.routes_BSLK = routes_BSLK
         self.gates_BSLK = gates_BSLK
-        self.capture = capture
         self.pack = pack
         self.stop_after_routes = stop_after_routes
         self.topk = policy.cfg.moe_router_topk
@@ -158,7 +156,7 @@ class RoutingSession:
 
         def capturing_gating(inp):
             logits = gating(inp)
-            if self._capturing and self.capture:
+            if self._capturing:
                 # softmax is monotonic: top-k of the logits is the router's own choice
                 natural.append(logits.detach().view(-1, logits.shape[-1]).topk(topk, dim=-1).indices)
                 if last and self.stop_after_routes:

@@ -55,8 +55,3 @@ def flip_rate(
     """Flip metrics of one pair of route sets (see module doc)."""
     return flip_metrics(flip_counts(a_NLK, b_NLK, mask_N), prefix)
 
-
-def flatten_valid(routes_BSLK: torch.Tensor, mask_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, S, L, K] routes and a [B, S] mask as [N, L, K] and [N]."""
-    b, s, l_, k = routes_BSLK.shape
-    return routes_BSLK.reshape(b * s, l_, k), mask_BS.reshape(b * s)

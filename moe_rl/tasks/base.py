@@ -32,11 +32,6 @@ class Prompt:
     metadata: dict = field(default_factory=dict, compare=False)
     "Task-specific data the reward and the demonstrations need (operands, numbers, record)."
 
-    @property
-    def uid(self) -> str:
-        """Stable id of the prompt text (16 hex digits)."""
-        return hashlib.blake2b(self.text.encode(), digest_size=8).hexdigest()
-
 
 class Task(Protocol):
     """A verifiable task. Demonstration responses do not contain the EOS token: append it."""

@@ -234,3 +234,12 @@ def test_override_refused(cli, tmp_path, name):
     before = snapshot(tmp_path)
     cli("check", recipe, override).one_line(pattern)
     assert_kept(before, tmp_path)
+
+
+def test_replay_gate_weights_is_refused_until_it_is_wired():
+    """A documented field the RL step never read was a trap: a run with it on replayed no gates."""
+    from moe_rl.config import ConfigError, recipe_from_dict
+
+    with pytest.raises(ConfigError, match=r"algo.replay_gate_weights=true is not wired.*set it false"):
+        recipe_from_dict({}, ["algo.replay_gate_weights=true"])
+    assert recipe_from_dict({}, ["algo.replay_gate_weights=false"]).algo.replay_gate_weights is False

@@ -57,10 +57,6 @@ class PushReport:
     session: bool = False
     "Whether an atomic begin/end weight-update session was used."
 
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / 1e9 / max(self.seconds, 1e-9)
-
 
 def push_buckets(
     method: str,
