@@ -54,4 +54,3 @@ def flip_rate(
 ) -> dict[str, float]:
     """Flip metrics of one pair of route sets (see module doc)."""
     return flip_metrics(flip_counts(a_NLK, b_NLK, mask_N), prefix)
-
