@@ -576,21 +576,21 @@ def section_kernels(ck: Check, cap: float) -> dict:
 
 
 # -- e. a ~1B-parameter MoE RL step ------------------------------------------------------------------------
-MOE_1B = dict(
-    vocab_size=104,
-    hidden_size=1024,
-    num_layers=10,
-    num_attention_heads=16,
-    num_query_groups=4,
-    head_dim=128,
-    moe_ffn_hidden_size=512,
-    num_experts=64,
-    moe_router_topk=8,
-    max_seq_len=256,
-)
-"""recipes/cluster/qwen3_moe_small_1node.yaml's Qwen3-MoE shape (hidden 1024, 16 query / 4 key-value
-heads of 128, 64 experts top-8 of width 512) at 10 of its 16 layers: 1.06B parameters, 0.18B active
-per token, character vocabulary (the arithmetic task)."""
+SMALL_1NODE = ROOT / "recipes/cluster/qwen3_moe_small_1node.yaml"
+MOE_1B_LAYERS = 10
+"""The 1B step: SMALL_1NODE's Qwen3-MoE shape (hidden 1024, 16 query / 4 key-value heads of 128, 64
+experts top-8 of width 512, character vocabulary) at 10 of its 16 layers: 1.06B parameters, 0.18B
+active per token."""
+
+
+def moe_1b_model() -> dict:
+    """The model section of the 1B step (SMALL_1NODE's, MOE_1B_LAYERS layers)."""
+    from moe_rl.config import load_recipe, to_dict
+
+    model = to_dict(load_recipe(SMALL_1NODE).model)
+    return {**model, "num_layers": MOE_1B_LAYERS}
+
+
 MOE_DRY = dict(
     vocab_size=104,
     hidden_size=64,
@@ -613,7 +613,7 @@ def moe_recipe(out_dir: str | Path, dry: bool):
     cuda = device().type == "cuda"
     return recipe_from_dict(
         {
-            "model": {**(MOE_DRY if dry else MOE_1B), "dtype": "bfloat16" if cuda else "float32"},
+            "model": {**(MOE_DRY if dry else moe_1b_model()), "dtype": "bfloat16" if cuda else "float32"},
             "optim": {"lr": 1e-5},
             "task": {"name": "arithmetic", "arithmetic": {"min_operands": 2, "max_operands": 4, "digits": 1}},
             "algo": {"name": "gspo", "routing": "none"},

@@ -28,14 +28,6 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def triton_tile_fits(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a tile of the Triton kernel fits ``device``'s shared memory in ``dtype`` (CUDA;
-    ``fused_logprob.device_tile``, which logs one line when none does)."""
-    from moe_rl.kernels.fused_logprob import device_tile
-
-    return device_tile(device, dtype) is not None
-
-
 def resolve_logprob_impl(impl: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
     """``triton`` or ``torch`` for ``impl`` on ``device``; an unknown name lists the valid ones.
 
@@ -46,7 +38,11 @@ def resolve_logprob_impl(impl: str, device: torch.device, dtype: torch.dtype | N
     if impl == "auto":
         if device.type != "cuda" or not triton_available():
             return "torch"
-        return "triton" if dtype is None or triton_tile_fits(device, dtype) else "torch"
+        if dtype is None:
+            return "triton"
+        from moe_rl.kernels.fused_logprob import device_tile  # logs one line when no tile fits
+
+        return "triton" if device_tile(device, dtype) is not None else "torch"
     if impl == "triton" and not triton_available():
         raise ValueError("impl='triton' needs the triton package (pip install moe-rl[gpu]); use impl='torch'")
     return impl
@@ -92,5 +88,4 @@ __all__ = [
     "logprobs_from_hidden",
     "resolve_logprob_impl",
     "triton_available",
-    "triton_tile_fits",
 ]

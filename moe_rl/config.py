@@ -395,6 +395,11 @@ class RolloutConfig:
             "('Duplicate GPU detected'); set rollout.weight_sync=tensor (CUDA IPC, as verl and slime) or disk",
         )
 
+    @property
+    def colocated(self) -> bool:
+        """SGLang engines on the trainer's own GPUs (``engine=sglang`` with ``sglang.colocate``)."""
+        return self.engine == "sglang" and self.sglang.colocate
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:

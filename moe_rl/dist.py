@@ -54,7 +54,7 @@ def _on_group_device(t: torch.Tensor, group: Any, what: str) -> None:
         raise RuntimeError(
             f"moe_rl.dist.{what}: a {dist.get_backend(group)} collective got a tensor on {t.device}, "
             f"its group reduces tensors on {want.type}: make it on the policy's device "
-            "(the rollout batch moves there once, in moe_rl.trainer.rl.from_engine)"
+            "(the rollout batch moves there once, in moe_rl.trainer.run.Run.generate)"
         )
 
 
@@ -113,6 +113,13 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
 def new_group(ranks: Sequence[int], backend: str | None = None) -> Any:
     """A process group over ``ranks`` (every process of the world must call this, in the same order)."""
     return dist.new_group(ranks=list(ranks), backend=backend)
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port`` with an IPv6 literal bracketed (``[fd00::1]:29500``), as URLs and ``tcp://``
+    init methods need it."""
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def free_port(host: str = "127.0.0.1") -> int:

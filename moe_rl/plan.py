@@ -275,7 +275,7 @@ def plan(
             f"{mem['total'] / GIB:.1f} GiB per GPU, more than {USABLE:.0%} of {gpu_mem_gib:g} GiB: "
             + _suggest(recipe, p, mem, budget, micro_batch)
             if mem["total"] > budget
-            else _colocated_refusal(recipe, mem, phases, budget, gpu_mem_gib)
+            else _colocated_refusal(recipe, phases, budget, gpu_mem_gib)
         ),
     }
     if not fits and not allow_unfit:
@@ -287,7 +287,7 @@ def colocated_phases(r: Recipe, mem: dict, total_params: int, gpu_bytes: float) 
     """Per-GPU bytes of each phase when SGLang engines share the trainer's GPUs (module
     docstring), or None when they do not."""
     cfg = r.rollout.sglang
-    if r.rollout.engine != "sglang" or not cfg.colocate:
+    if not r.rollout.colocated:
         return None
     t = mem["terms"]
     state = 0 if cfg.offload_trainer else t["gradients"] + t["optimizer"]
@@ -299,10 +299,10 @@ def colocated_phases(r: Recipe, mem: dict, total_params: int, gpu_bytes: float) 
     }
 
 
-def _colocated_refusal(r: Recipe, mem: dict, phases: dict, budget: float, gpu_mem_gib: float) -> str:
+def _colocated_refusal(r: Recipe, phases: dict, budget: float, gpu_mem_gib: float) -> str:
     """Which colocated phase does not fit, and the setting that makes it fit."""
     cfg, gpu = r.rollout.sglang, gpu_mem_gib * GIB
-    phase = max(phases, key=lambda k: phases[k] - (budget if k != "train" else mem["total"]))
+    phase = max(("push", "rollout"), key=phases.get)  # train is the sum above, which fits here
     head = (
         f"colocated with SGLang, the {phase} phase needs {phases[phase] / GIB:.1f} GiB per GPU, more than "
         f"{USABLE:.0%} of {gpu_mem_gib:g} GiB"

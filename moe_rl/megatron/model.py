@@ -270,8 +270,8 @@ def check_built(model, cfg: ModelConfig, *, stock_local: bool = False) -> None:
 class _GPTModelDeprecation(logging.Filter):
     """Drops megatron-core 0.19's "GPTModel IS DEPRECATED" warning, logged at every GPTModel.
 
-    Its recommendation, ``HybridModel`` (docs/user-guide/hybrid-model-migration.md of
-    megatron-core), is a different module tree: other parameter names, so other checkpoint keys,
+    Its recommendation, ``HybridModel`` (megatron-core's hybrid-model migration guide), is a
+    different module tree: other parameter names, so other checkpoint keys,
     HF mapping and decoders, and absent from 0.16-0.18, which moe-rl also runs. GPTModel still
     receives critical fixes there, so moe-rl keeps it and silences just this one record."""
 

@@ -297,7 +297,7 @@ class Optimizer:
         moments and fp32 main weights and, with ``weights``, the model's weights (copied to host
         memory) for a colocated engine; the bytes freed. :meth:`resume_memory` takes them back.
         Call it between optimizer steps (after :meth:`step`, whose gradients are then cleared)."""
-        model = [p for p in self.ddp.module.parameters()]
+        model = list(self.ddp.module.parameters())
         model_storages = {p.untyped_storage().data_ptr() for p in model}
         grads = [b.grad_data for b in self.ddp.buffers + self.ddp.expert_parallel_buffers]
         state = [

@@ -61,11 +61,8 @@ def convert(key: str, src: str, dst: str) -> str:
     return key
 
 
-MARKERS = {
-    LOCAL: "decoder.layers.mlp.linear_fc1.layer_norm_weight",
-    TRANSFORMER_ENGINE: "decoder.layers.pre_mlp_layernorm.weight",
-}
-"""The key end that tells each layout (the pre-MLP norm of the MoE layers)."""
+MARKERS = dict(zip(LAYOUTS, RENAMES[0], strict=True))
+"""The key end that tells each layout: the pre-MLP norm of the MoE layers (the first rename)."""
 
 
 def layout_of(keys: Iterable[str]) -> str | None:

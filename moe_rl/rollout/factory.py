@@ -25,10 +25,11 @@ import torch
 
 from moe_rl import dist
 from moe_rl.config import ConfigError
-from moe_rl.rollout.sglang_client import SGLangClient
+from moe_rl.dist import host_port
+from moe_rl.rollout.sglang_client import SGLangClient, url_host
 from moe_rl.rollout.sglang_engine import SGLangEngine
 from moe_rl.rollout.types import HFStateSource, Rollouts, SamplingParams
-from moe_rl.rollout.weight_sync.address import host_port, is_loopback, route_address
+from moe_rl.rollout.weight_sync.address import is_loopback, is_wildcard, local_dial, route_address
 
 if TYPE_CHECKING:
     from moe_rl.rollout.config import SGLangConfig
@@ -69,8 +70,7 @@ class RankedSGLangEngine:
         else:
             from moe_rl.rollout.weight_sync.session import source_tensors
 
-            here = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-            for _ in source_tensors(source, torch.device(here)):  # the gathers are collective: take part
+            for _ in source_tensors(source, dist.group_device()):  # the gathers are collective: take part
                 pass
             self.inner.weight_version = version
         dist.barrier()
@@ -83,8 +83,6 @@ class RankedSGLangEngine:
 
 def trainer_gpus(env: dict[str, str] | None = None) -> list[int]:
     """Physical GPU ids this node's trainer ranks use (rank i on visible device i)."""
-    import torch
-
     env = os.environ if env is None else env
     if not torch.cuda.is_available():
         return []
@@ -102,8 +100,6 @@ def pin_nccl_for_engines(recipe, *, nccl: bool) -> str | None:
     """Before the process's first NCCL call: ``NCCL_SOCKET_IFNAME`` set to the interface the
     recipe's remote SGLang engines reach this process at (distributed weight sync over NCCL only;
     NCCL reads it once per process, so set later it would do nothing). The interface, or None."""
-    from urllib.parse import urlsplit
-
     from moe_rl.rollout.weight_sync.address import pin_nccl_interface
 
     rollout = recipe.rollout
@@ -111,7 +107,7 @@ def pin_nccl_for_engines(recipe, *, nccl: bool) -> str | None:
         return None
     cfg = rollout.sglang
     urls = [cfg.url] if cfg.url else cfg.engines if isinstance(cfg.engines, list) else []
-    hosts = [urlsplit(u if "://" in u else f"http://{u}").hostname or "" for u in urls] or [_launch_host(cfg)]
+    hosts = [url_host(u) for u in urls] or [_launch_host(cfg)]
     return pin_nccl_interface(hosts, configured=cfg.trainer_address)
 
 
@@ -123,15 +119,6 @@ def _launch_host(cfg: SGLangConfig) -> str:
     if not spans_nodes():
         return "127.0.0.1"
     return cfg.trainer_address or os.environ.get("MOE_RL_TRAINER_ADDR") or os.environ.get("MASTER_ADDR", "")
-
-
-WILDCARD_HOSTS = ("0.0.0.0", "::")
-"Bind addresses that mean every interface of the node."
-
-
-def is_wildcard(host: str) -> bool:
-    """True for 0.0.0.0 and :: (every interface)."""
-    return host.strip("[]") in WILDCARD_HOSTS
 
 
 def spans_nodes(env: Mapping[str, str] | None = None) -> bool:
@@ -176,7 +163,7 @@ def engine_address(
                 "(or bind one address)"
             )
         if not multi_node:
-            return host, "::1" if ":" in host else "127.0.0.1"
+            return host, local_dial(host)
         return host, node_address(cfg, env)
     if host is not None:
         if multi_node and is_loopback(host.strip("[]")):
@@ -234,13 +221,10 @@ def node_address(cfg: SGLangConfig, env: Mapping[str, str] | None = None) -> str
 
 def check_reachable(urls: list[str], router_url: str | None, *, multi_node: bool, what: str) -> None:
     """Across nodes, a loopback engine or router URL would send every rank to its own node: refused."""
-    from urllib.parse import urlsplit
-
     if not multi_node:
         return
     for url in [*urls, *([router_url] if router_url else [])]:
-        host = urlsplit(url if "://" in url else f"http://{url}").hostname or ""
-        if is_loopback(host):
+        if is_loopback(url_host(url)):
             raise ConfigError(
                 f"{what} {url} is loopback but the trainer spans several nodes: ranks on the other nodes "
                 "would dial their own; give an address every node reaches"

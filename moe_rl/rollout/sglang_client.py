@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from moe_rl.dist import host_port
 from moe_rl.rollout.types import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -161,13 +162,21 @@ def _decode(raw: bytes) -> Any:
         return raw.decode("utf-8", "replace")
 
 
+def _split(url: str):
+    return urlsplit(url if "://" in url else f"http://{url}")
+
+
+def url_host(url: str) -> str:
+    """The host of ``url`` (``host:port`` or ``http://host:port``), IPv6 without brackets; "" if none."""
+    return _split(url).hostname or ""
+
+
 def normalize_url(base_url: str) -> str:
     """``host:port`` or ``http://host:port[/]`` -> ``http://host:port``; ValueError otherwise."""
-    parts = urlsplit(base_url if "://" in base_url else f"http://{base_url}")
+    parts = _split(base_url)
     if parts.scheme != "http" or not parts.hostname:
         raise ValueError(f"SGLang base_url must look like http://host:port, got {base_url!r}")
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return f"http://{host}:{parts.port or 80}"
+    return f"http://{host_port(parts.hostname, parts.port or 80)}"
 
 
 def raise_for_status(url: str, status: int, raw: bytes) -> Any:
@@ -210,7 +219,7 @@ class SGLangClient:
 
     @property
     def host(self) -> str:
-        return urlsplit(self.base_url).hostname or ""
+        return url_host(self.base_url)
 
     # ----------------------------------------------------------------- transport
     def request(

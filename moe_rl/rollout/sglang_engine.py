@@ -187,7 +187,7 @@ class SGLangEngine:
             inflight = [0] * len(targets)
             tasks = [
                 asyncio.create_task(
-                    self._one_row(targets, inflight, rows[b], params[b], rids, b, want_routes)
+                    self._one_row(targets, inflight, rows[b], params[b], (tag, rids), b, want_routes)
                 )
                 for b in range(len(rows))
             ]
@@ -227,17 +227,19 @@ class SGLangEngine:
         inflight: list[int],
         ids: list[int],
         sp: dict,
-        rids: list[str],
+        ids_of: tuple[str, list[str]],
         b: int,
         want_routes: bool,
     ) -> GenerateOutput:
         """POST /generate for row ``b`` to the least busy target; connection errors, timeouts and
-        5xx are retried ``retries`` times (under a new rid, kept in ``rids[b]`` for aborts)."""
+        5xx are retried ``retries`` times (under a new rid, kept in ``rids[b]`` for aborts;
+        ``ids_of``: the call's tag and ``rids``)."""
+        tag, rids = ids_of
         last: Exception | None = None
         for attempt in range(1 + self.retries):
             if attempt:
                 await asyncio.sleep(self.client.backoff_s * 2 ** (attempt - 1))
-                rids[b] = request_id(rids[b].split("-")[2], b, attempt)
+                rids[b] = request_id(tag, b, attempt)
             i = min(range(len(targets)), key=inflight.__getitem__)
             base, http = targets[i]
             url, body = base + "/generate", generate_body(ids, sp, True, want_routes, rid=rids[b])

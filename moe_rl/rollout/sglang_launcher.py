@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_rl.dist import free_port
+from moe_rl.dist import free_port, host_port
 from moe_rl.rollout.sglang_client import (
     SGLangClient,
     SGLangError,
@@ -103,10 +103,9 @@ class SGLangServerConfig:
     @property
     def dial_host(self) -> str:
         """The address in the server's URL: ``advertise_host``, else ``host`` (loopback for all interfaces)."""
-        if self.advertise_host:
-            return self.advertise_host
-        host = self.host.strip("[]")
-        return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+        from moe_rl.rollout.weight_sync.address import local_dial
+
+        return self.advertise_host or local_dial(self.host)
 
     def env(self) -> dict[str, str]:
         """Environment the server process gets on top of ours (its device mask)."""
@@ -244,8 +243,6 @@ class SGLangLauncher:
 
     @property
     def url(self) -> str:
-        from moe_rl.rollout.weight_sync.address import host_port
-
         return f"http://{host_port(self.cfg.dial_host, self.port)}"
 
     @property

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from moe_rl.dist import free_port
+from moe_rl.dist import free_port, host_port
 from moe_rl.rollout.sglang_client import SGLangClient, SGLangError
 
 logger = logging.getLogger(__name__)
@@ -78,8 +78,6 @@ class SGLangRouterLauncher:
 
     @property
     def url(self) -> str:
-        from moe_rl.rollout.weight_sync.address import host_port
-
         return f"http://{host_port(self.host, self.port)}"
 
     def start(self) -> SGLangClient:

@@ -93,7 +93,7 @@ class Rollouts:
         """This batch with every tensor on ``device`` (the same object when all are there already).
 
         The trainer calls it once, where a step takes the batch from the engine
-        (:func:`moe_rl.trainer.rl.from_engine`): engines return their tensors on the host."""
+        (``moe_rl.trainer.run.Run.generate``): engines return their tensors on the host."""
         device = torch.device(device)
         moved = {
             f.name: v.to(device)

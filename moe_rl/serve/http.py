@@ -23,6 +23,7 @@ import sys
 import threading
 from typing import Any
 
+from moe_rl.dist import host_port
 from moe_rl.serve.app import SGLangProtocolApp
 from moe_rl.serve.limits import FLAGS, ServeLimits, add_limit_args, dumps, limits_from_args, strict_loads
 from moe_rl.serve.protocol import error_response
@@ -195,8 +196,6 @@ class ServerThread:
 
     @property
     def url(self) -> str:
-        from moe_rl.rollout.weight_sync.address import host_port
-
         return f"http://{host_port(self.host, self.port)}"
 
     def stop(self) -> None:

@@ -12,15 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moe_rl import dist
-from moe_rl.trainer.rl import (
-    StepResult,
-    encode_prompts,
-    from_engine,
-    local_prompts,
-    rewards_of,
-    rl_step,
-    sampling_for,
-)
+from moe_rl.trainer.rl import StepResult, encode_prompts, local_prompts, rewards_of, rl_step, sampling_for
 from moe_rl.trainer.sentinel import Sentinel, Verdict
 from moe_rl.trainer.state import TrainingStopped
 from moe_rl.trainer.timer import StepTimer
@@ -110,17 +102,15 @@ def _stop_or_roll_back(run: Run, verdict: Verdict) -> bool:
     run.state = run.checkpointer.rollback(run.optimizer, run.state, run.recipe.sentinel.rollback_lr_factor)
     # the engine serves what it was last given (a step's weights, or the last finite ones): the
     # checkpoint's weights (finite, checked at save) replace them
-    with run.memory_for_engine(weights=False):
-        run.engine.update_weights(run.weights_for_engine(), str(run.optimizer.step_count))
+    run.push_weights()
     return True
 
 
 def evaluate(run: Run, step: int) -> dict[str, float]:
     """Greedy accuracy on held-out prompts (each rank its share; summed across DP)."""
     prompts = local_prompts(run, run.task.heldout(run.recipe.train.eval_prompts))
-    with run.memory_for_engine(weights=True):
-        rollouts = run.engine.generate(encode_prompts(run, prompts), 1, sampling_for(run, step, greedy=True))
-    rewards_B = rewards_of(run, prompts, from_engine(run, rollouts), 1)
+    rollouts = run.generate(encode_prompts(run, prompts), 1, sampling_for(run, step, greedy=True))
+    rewards_B = rewards_of(run, prompts, rollouts, 1)
     correct = (rewards_B >= 1.0).sum().to(rewards_B.dtype)
     counts = dist.all_reduce(
         torch.stack([correct, rewards_B.new_tensor(float(len(prompts)))]), run.info.dp_group

@@ -11,7 +11,7 @@ padding position is computed; log-probs, entropy and routes come back in the ``[
 The three algorithms differ only in ``algo.name`` and ``algo.routing``; everything else,
 including prompt order and sampling seeds, is shared, so A/B runs change one field.
 
-Devices: engines return their batch on the host; :func:`from_engine` moves it to the policy's
+Devices: engines return their batch on the host; ``Run.generate`` moves it to the policy's
 device once, where the step takes it from the engine, and everything after it (rewards,
 advantages, masks, routes, engine log-probs, the counts the data-parallel collectives reduce)
 lives there. No other function here moves a tensor between devices.
@@ -98,8 +98,7 @@ def rl_step(run: Run, step: int, timer: StepTimer) -> StepResult:
     finite = weights_finite(run.policy.model)  # non-finite weights never reach the engine
     with timer.record("sync"):
         if finite:
-            with run.memory_for_engine(weights=False):
-                run.engine.update_weights(run.weights_for_engine(), str(run.optimizer.step_count))
+            run.push_weights()
     metrics.update(train_metrics)
     metrics["weights/finite"] = float(finite)
     metrics.update({f"time/{phase}": s for phase, s in timer.seconds.items()})
@@ -126,17 +125,8 @@ def generate(run: Run, step: int) -> tuple[list[Prompt], Rollouts]:
     cfg = run.recipe.train
     prompts = local_prompts(run, run.task.sample(step, cfg.prompts_per_step, run.recipe.task.seed))
     want_routes = run.recipe.algo.routing == "r3" or run.engine_gives_routes
-    with run.memory_for_engine(weights=True):
-        rollouts = run.engine.generate(
-            encode_prompts(run, prompts), cfg.group_size, sampling_for(run, step, routes=want_routes)
-        )
-    return prompts, from_engine(run, rollouts)
-
-
-def from_engine(run: Run, rollouts: Rollouts) -> Rollouts:
-    """The device boundary: the engine's batch (tokens, masks, lengths, log-probs, routes) on the
-    policy's device, moved once. Rewards and advantages are made there from it (:func:`rewards_of`)."""
-    return rollouts.to(run.info.device)
+    sampling = sampling_for(run, step, routes=want_routes)
+    return prompts, run.generate(encode_prompts(run, prompts), cfg.group_size, sampling)
 
 
 def score(run: Run, prompts: list[Prompt], rollouts: Rollouts) -> tuple[torch.Tensor, dict[str, float]]:
@@ -471,10 +461,10 @@ def _micro_step(
 
 
 def _global_counts(run: Run, minibatch_masks: list[torch.Tensor]) -> list[tuple[float, float]]:
-    """(sequences, tokens) of every minibatch summed over data-parallel ranks: one all-reduce (on the
-    masks' device, the policy's: NCCL reduces CUDA tensors only), one copy to the host."""
-    t = torch.stack([torch.stack([mk.new_tensor(float(mk.shape[0])), mk.sum()]) for mk in minibatch_masks])
-    t = t.to(torch.float64)
+    """(sequences, tokens) of every minibatch summed over data-parallel ranks: one all-reduce, on the
+    policy's device (NCCL reduces CUDA tensors only)."""
+    counts = [[mk.shape[0], float(mk.sum())] for mk in minibatch_masks]
+    t = torch.tensor(counts, dtype=torch.float64, device=run.info.device)
     dist.all_reduce(t, run.info.dp_group)
     return [tuple(x) for x in t.tolist()]
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from moe_rl.megatron.optim import Optimizer
     from moe_rl.megatron.parallel import ParallelInfo
     from moe_rl.megatron.policy import Policy
-    from moe_rl.rollout.types import HFStateSource, RolloutEngine
+    from moe_rl.rollout.types import HFStateSource, RolloutEngine, Rollouts, SamplingParams
     from moe_rl.tasks.base import Task
     from moe_rl.tasks.tokenizer import Tokenizer
     from moe_rl.trainer.metrics import MetricsSink
@@ -75,10 +75,11 @@ class Run:
         check_vocab(recipe, self.tok)  # `moe-rl train` runs all of preflight before this
         self.task = build_task(recipe.task)
         self._owns_dist = not torch.distributed.is_initialized()
-        from moe_rl.megatron.parallel import backend_for
-        from moe_rl.rollout.factory import pin_nccl_for_engines
+        if recipe.rollout.engine == "sglang":  # before NCCL starts: it reads its interface once
+            from moe_rl.megatron.parallel import backend_for
+            from moe_rl.rollout.factory import pin_nccl_for_engines
 
-        pin_nccl_for_engines(recipe, nccl=backend_for(recipe.parallel) == "nccl")  # before NCCL starts
+            pin_nccl_for_engines(recipe, nccl=backend_for(recipe.parallel) == "nccl")
         self.info = init_parallel(recipe.parallel, seed=recipe.train.seed)
         self.policy = build_policy(recipe.model, recipe.parallel, self.info)
         self.optimizer = None
@@ -221,16 +222,28 @@ class Run:
             self.engine = build_sglang_engine(self)
             self.engine_gives_routes = self.recipe.algo.routing == "r3"
 
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
+        """The engine's ``n`` rollouts of each prompt, on the policy's device: the trainer's one
+        device boundary (engines return host tensors; everything the step computes from the batch
+        lives on the policy's device, as NCCL's collectives need). The engine works with the
+        trainer's memory on the host where it shares the GPUs (:meth:`memory_for_engine`)."""
+        with self.memory_for_engine(weights=True):  # a rollout reads no trainer tensor
+            rollouts = self.engine.generate(prompt_ids, n, sampling)
+        return rollouts.to(self.info.device)
+
+    def push_weights(self) -> None:
+        """The policy's weights to the engine, which then serves version ``optimizer.step_count``."""
+        with self.memory_for_engine(weights=False):  # a push reads the weights
+            self.engine.update_weights(self.weights_for_engine(), str(self.optimizer.step_count))
+
     @contextlib.contextmanager
     def memory_for_engine(self, *, weights: bool) -> Iterator[None]:
-        """Around an engine's work on the trainer's own GPUs (``rollout.sglang.colocate`` with
-        ``offload_trainer``): the trainer's gradients and Adam state (and, with ``weights``, its
-        weights: a rollout needs none of them, a push reads them) wait in host memory; a no-op
-        elsewhere. Every tensor is back, as it was, when the block ends."""
+        """Around an engine's work on the trainer's own GPUs (``rollout.colocated`` with
+        ``rollout.sglang.offload_trainer``): the trainer's gradients and Adam state (and, with
+        ``weights``, its weights) wait in host memory; a no-op elsewhere. Every tensor is back, as
+        it was, when the block ends."""
         cfg = self.recipe.rollout
-        if not (
-            cfg.engine == "sglang" and cfg.sglang.colocate and cfg.sglang.offload_trainer and self.optimizer
-        ):
+        if not (cfg.colocated and cfg.sglang.offload_trainer and self.optimizer):
             yield
             return
         self.optimizer.release_memory(weights=weights)

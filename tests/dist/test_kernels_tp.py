@@ -28,7 +28,6 @@ def worker(out: Path) -> None:
     import torch.distributed as dist
 
     from moe_rl import dist as moe_dist
-
     from moe_rl.kernels.fused_logprob import fused_logprobs
     from moe_rl.kernels.hidden_logprob_reference import hidden_logprobs_entropy
 

@@ -23,8 +23,15 @@ def run(args, nproc=1, timeout=240):
     if nproc == 1:
         cmd = [sys.executable, WORKER, *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", WORKER, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            WORKER,
+            *args,
+        ]
     res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
 
@@ -47,16 +54,21 @@ def check_grads(ref_grads, rank_results):
     assert seen == set(ref_grads), set(ref_grads) ^ seen
 
 
-@pytest.mark.parametrize("layout", [
-    ("--ep", "2", "--dp", "2"),
-    ("--tp", "2"),
-    ("--tp", "2", "--logprob-impl", "torch", "--recompute"),  # vocab-chunked path + recompute
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("--ep", "2", "--dp", "2"),
+        ("--tp", "2"),
+        ("--tp", "2", "--logprob-impl", "torch", "--recompute"),  # vocab-chunked path + recompute
+    ],
+)
 def test_layout_matches_single_process(reference, tmp_path, layout):
     d, ref = reference
     save_after = tmp_path / "after"
-    run([*layout, "--load", str(d / "ckpt"), "--out", str(tmp_path / "out"),
-         "--save-after", str(save_after)], nproc=2)
+    run(
+        [*layout, "--load", str(d / "ckpt"), "--out", str(tmp_path / "out"), "--save-after", str(save_after)],
+        nproc=2,
+    )
     results = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for res in results:
         torch.testing.assert_close(res["logp"], ref["logp"], atol=1e-5, rtol=0)
@@ -66,8 +78,7 @@ def test_layout_matches_single_process(reference, tmp_path, layout):
     if "--dp" not in layout:  # TP ranks see the whole batch
         torch.testing.assert_close(results[0]["loss"], ref["loss"], atol=1e-6, rtol=1e-6)
     else:  # data-parallel ranks each hold a share with global denominators
-        torch.testing.assert_close(results[0]["loss"] + results[1]["loss"], ref["loss"],
-                                   atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(results[0]["loss"] + results[1]["loss"], ref["loss"], atol=1e-6, rtol=1e-6)
     check_grads(ref["grads"], results)
     # the embedded engine: both forwards reproduce the single process's greedy rollouts
     for res in results if "--ep" in layout else ():

@@ -36,44 +36,20 @@ from pathlib import Path
 import pytest
 
 from moe_rl.config import ConfigError
-from tests.dist.test_sglang_netns import _ip, _netns_unavailable, stop_group
+from tests.dist.test_sglang_netns import IFNAME, bridged_namespaces, stop_group
 
 pytestmark = pytest.mark.dist
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 RANK0_IP, RANK1_IP, ENGINE_IP = "192.168.77.1", "192.168.77.2", "192.168.77.3"
-IFNAME = "mrl0"  # the node's interface inside each namespace
 MASTER_PORT, ENGINE_PORT = 29611, 30411  # each namespace is fresh: any port is free there
 
 
 @pytest.fixture
 def lan():
     """Namespaces rank0, rank1 and engine on one bridge; yields their names."""
-    reason = _netns_unavailable()
-    if reason:
-        pytest.skip(reason)
-    tag = os.getpid() % 100000
-    sw = f"mrl-sw-{tag}"
-    nodes = {"rank0": (f"mrl-r0-{tag}", RANK0_IP), "rank1": (f"mrl-r1-{tag}", RANK1_IP)}
-    nodes["engine"] = (f"mrl-en-{tag}", ENGINE_IP)
-    made: list[str] = []
-    try:
-        for ns in (sw, *(ns for ns, _ in nodes.values())):
-            _ip("netns", "add", ns)
-            made.append(ns)
-        _ip("-n", sw, "link", "add", "br0", "type", "bridge")
-        _ip("-n", sw, "link", "set", "br0", "up")
-        for i, (ns, addr) in enumerate(nodes.values()):  # made inside the switch: no host names
-            _ip("-n", sw, "link", "add", f"p{i}", "type", "veth", "peer", "name", IFNAME)
-            _ip("-n", sw, "link", "set", IFNAME, "netns", ns)
-            _ip("-n", sw, "link", "set", f"p{i}", "master", "br0", "up")
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", IFNAME)
-            _ip("-n", ns, "link", "set", IFNAME, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-        yield {name: ns for name, (ns, _) in nodes.items()}
-    finally:
-        for ns in made:  # deleting a namespace deletes its ends of the veth pairs, and the bridge
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+    with bridged_namespaces({"rank0": RANK0_IP, "rank1": RANK1_IP, "engine": ENGINE_IP}) as ns:
+        yield ns
 
 
 def _env() -> dict[str, str]:

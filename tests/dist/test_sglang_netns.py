@@ -60,29 +60,45 @@ def stop_group(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-@pytest.fixture
-def namespaces():
+IFNAME = "mrl0"
+"Each namespace's interface (the node's NIC) on the bridge."
+
+
+@contextlib.contextmanager
+def bridged_namespaces(nodes: dict[str, str]):
+    """One network namespace per ``nodes`` entry (name -> address in 192.168.77.0/24), each with
+    interface ``IFNAME`` on one bridge held in a further namespace; yields name -> namespace.
+    Skips without root or ``ip netns``; every namespace is deleted whatever happens."""
     reason = _netns_unavailable()
     if reason:
         pytest.skip(reason)
     tag = os.getpid() % 100000
-    srv, trn, vs, vt = f"mrl-srv-{tag}", f"mrl-trn-{tag}", f"mrls{tag}", f"mrlt{tag}"
+    sw = f"mrl-sw-{tag}"
+    spaces = {name: (f"mrl-{name[:6]}-{tag}", addr) for name, addr in nodes.items()}
     made: list[str] = []
     try:
-        for ns in (srv, trn):
+        for ns in (sw, *(ns for ns, _ in spaces.values())):
             _ip("netns", "add", ns)
             made.append(ns)
-        _ip("link", "add", vs, "type", "veth", "peer", "name", vt)
-        _ip("link", "set", vs, "netns", srv)
-        _ip("link", "set", vt, "netns", trn)
-        for ns, dev, addr in ((srv, vs, SERVER_IP), (trn, vt, TRAINER_IP)):
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
+        _ip("-n", sw, "link", "add", "br0", "type", "bridge")
+        _ip("-n", sw, "link", "set", "br0", "up")
+        for i, (ns, addr) in enumerate(spaces.values()):  # made inside the switch: no host names
+            _ip("-n", sw, "link", "add", f"p{i}", "type", "veth", "peer", "name", IFNAME)
+            _ip("-n", sw, "link", "set", IFNAME, "netns", ns)
+            _ip("-n", sw, "link", "set", f"p{i}", "master", "br0", "up")
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", IFNAME)
+            _ip("-n", ns, "link", "set", IFNAME, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-        yield srv, trn
+        yield {name: ns for name, (ns, _) in spaces.items()}
     finally:
-        for ns in made:  # deleting a namespace deletes its end of the veth pair, and so the pair
+        for ns in made:  # deleting a namespace deletes its ends of the veth pairs, and the bridge
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def namespaces():
+    with bridged_namespaces({"server": SERVER_IP, "trainer": TRAINER_IP}) as ns:
+        yield ns["server"], ns["trainer"]
 
 
 def test_weight_sync_across_network_namespaces(namespaces, tmp_path):

@@ -53,12 +53,12 @@ def test_rl_step_mixes_no_devices(tmp_path, parallel_info, monkeypatch, name, ro
 
 def test_the_ledger_sees_a_host_mask_meet_device_log_probs(tmp_path, parallel_info, monkeypatch):
     """The check itself: a batch left on the host (today's bug) is reported, op and line."""
-    from moe_rl.trainer import rl
+    from moe_rl.rollout.types import Rollouts
     from moe_rl.trainer.rl import rl_step
     from moe_rl.trainer.timer import StepTimer
 
     run = run_on_accel(tmp_path / "run", {"name": "grpo", "routing": "r3"}, monkeypatch)
-    monkeypatch.setattr(rl, "from_engine", lambda run, rollouts: rollouts)  # no boundary
+    monkeypatch.setattr(Rollouts, "to", lambda self, device: self)  # no boundary
     try:
         ledger = DeviceLedger([*run.policy.model.parameters(), *run.policy.model.buffers()])
         off = check_collectives(monkeypatch, ledger, dist, OURS, on_device)
@@ -77,7 +77,7 @@ def test_collectives_refuse_a_tensor_off_their_groups_device(monkeypatch):
     monkeypatch.setattr(dist, "is_distributed", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    with pytest.raises(RuntimeError, match=r"nccl collective got a tensor on cpu.*from_engine"):
+    with pytest.raises(RuntimeError, match=r"nccl collective got a tensor on cpu.*Run.generate"):
         dist.all_reduce(torch.zeros(2))
     with pytest.raises(RuntimeError, match="all_gather_cat"):
         dist.all_gather_cat(torch.zeros(2))

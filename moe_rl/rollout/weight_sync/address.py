@@ -15,6 +15,7 @@ import os
 import socket
 from collections.abc import Iterator, Mapping
 
+from moe_rl.dist import host_port
 from moe_rl.rollout.sglang_client import SGLangError
 
 logger = logging.getLogger(__name__)
@@ -37,11 +38,20 @@ def is_loopback(host: str) -> bool:
             return False
 
 
-def host_port(host: str, port: int) -> str:
-    """``host:port`` with an IPv6 literal bracketed (``[fd00::1]:29500``), as URLs and
-    ``tcp://`` init methods need it."""
+WILDCARD_HOSTS = ("0.0.0.0", "::")
+"Bind addresses that mean every interface of the node."
+
+
+def is_wildcard(host: str) -> bool:
+    """True for 0.0.0.0 and :: (every interface)."""
+    return host.strip("[]") in WILDCARD_HOSTS
+
+
+def local_dial(host: str) -> str:
+    """Where a client on the same node dials a server bound to ``host``: loopback for a
+    wildcard bind (0.0.0.0 -> 127.0.0.1, :: -> ::1), else ``host``."""
     host = host.strip("[]")
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
 
 
 def tcp_url(host: str, port: int) -> str:

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from moe_rl.dist import free_port
+from moe_rl.dist import free_port, host_port
 from moe_rl.rollout.sglang_client import SGLangClient
 from moe_rl.rollout.types import HFStateSource
-from moe_rl.rollout.weight_sync.address import bound_to, host_port, tcp_url, trainer_address
+from moe_rl.rollout.weight_sync.address import bound_to, tcp_url, trainer_address
 from moe_rl.rollout.weight_sync.session import PushReport, WeightSyncError, push_buckets, source_tensors
 
 logger = logging.getLogger(__name__)
