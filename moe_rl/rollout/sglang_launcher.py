@@ -255,7 +255,23 @@ class SGLangLauncher:
         return SGLangClient(self.url, **kwargs)
 
     def start(self) -> SGLangClient:
-        """Launch, wait until /health_generate answers 200, return a client."""
+        """Launch, wait until /health_generate answers 200, return a client.
+
+        A port this launcher picked (no ``port`` configured) can be taken by another socket between
+        the pick and the server's bind (``free_port`` is a guess): a server that exits with "address
+        already in use" is relaunched on a newly picked port, twice at most."""
+        for attempt in range(3):
+            try:
+                return self._start_once()
+            except SGLangLaunchError as e:
+                if self.cfg.port or attempt == 2 or "address already in use" not in str(e).lower():
+                    raise
+                self.proc = None
+                logger.warning("port %d was taken before the server bound it: picking another", self.port)
+                self.port = free_port(self.cfg.host)
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> SGLangClient:
         if self.proc is not None:
             raise SGLangLaunchError(f"server {self.url} already started (pid {self.pid})")
         if self.cfg.module.startswith("sglang."):

@@ -400,3 +400,27 @@ def test_launcher_reports_early_exit(tmp_path):
     with pytest.raises(SGLangLaunchError, match=r"(?s)exited with code 2.*engine-factory"):
         launcher.start()
     assert launcher.proc is None
+
+
+def test_a_picked_port_taken_before_the_bind_is_picked_again(tmp_path, monkeypatch):
+    """``free_port`` is a guess: another socket may take the port before the server binds it (a CI
+    run saw it). The launcher relaunches on a new port instead of failing the run."""
+    import socket
+
+    from moe_rl.rollout import sglang_launcher
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks = [taken.getsockname()[1]]
+    real = sglang_launcher.free_port
+    monkeypatch.setattr(sglang_launcher, "free_port", lambda host: picks.pop(0) if picks else real(host))
+    launcher = _launcher(tmp_path, "taken", routes=False)
+    try:
+        assert launcher.port == taken.getsockname()[1]
+        client = launcher.start()
+        assert client.health() and launcher.port != taken.getsockname()[1]
+        assert "address already in use" in (tmp_path / "taken.log").read_text().lower()
+    finally:
+        launcher.stop(grace_s=10)
+        taken.close()
