@@ -128,7 +128,9 @@ class Check:
                 rec = {"status": "ok", **fn(self, cap)}
             except BaseException as e:  # recorded; the next section runs (KeyboardInterrupt too)
                 rec = {"status": "error", "error": f"{type(e).__name__}: {e}"[:2000]}
-                rec["traceback"] = traceback.format_exc().splitlines()[-25:]
+                # the whole chain: the first exception's frames are where it broke (a CUDA error
+                # raised again while cleaning up would otherwise hide them)
+                rec["traceback"] = traceback.format_exc().splitlines()[-150:]
                 if isinstance(e, CheckFailed):
                     rec["partial"] = e.result
                 print("\n".join(rec["traceback"]), flush=True)
@@ -189,7 +191,10 @@ def free_cuda() -> None:
 
     gc.collect()
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        try:
+            torch.cuda.empty_cache()
+        except RuntimeError as e:  # a sticky CUDA error (illegal access): the section's own error is the news
+            print(f"free_cuda: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
 
 
 # -- a. device ----------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ optimizer see the same model) and change only ``forward``:
 
 - :class:`SDPAttention`: ``torch.nn.functional.scaled_dot_product_attention`` with
   ``enable_gqa`` (no repeated keys) and the parent's masking rule (causal when
-  ``sq > 1``, none for a one-token decode step against a KV cache);
+  ``sq > 1``, none for a one-token decode step against a KV cache), on torch's flash,
+  memory-efficient or math kernels, never cuDNN's (:data:`SDPA_BACKENDS`);
 - :class:`GroupedExperts`: the dispatcher's expert-sorted tokens through each local expert in one
   ``F.linear`` per projection on the expert's own weights (no per-forward stacked copy: on CPU
   the copy cost more than the matmuls); :meth:`GroupedExperts.grouped` runs the same math by
@@ -29,6 +30,13 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.moe.experts import SequentialMLP
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+#: The SDPA kernels attention may run on, in torch's own order of preference. cuDNN's is left
+#: out: on an H200 (torch 2.11+cu130, bf16) its backward over the packed path's per-segment views
+#: failed ("mha_graph.execute(...).is_good()") and left an illegal memory access that ended the
+#: process's CUDA context (benchmarks/results/gpu_check-nvidia-h200-a3f34b9.json, moe_1b).
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 _GROUPED_MM_CPU: dict[torch.dtype, bool] = {}
 
@@ -78,8 +86,12 @@ class SDPAttention(DotProductAttention):
         (``thd``): [t, np, hn] and [t, ng, hn] -> [t, np * hn], causal within each segment."""
         if attention_bias is not None:
             raise NotImplementedError("SDPAttention: attention bias needs the transformer-engine spec")
-        if packed_seq_params is not None:
-            return self._packed(query, key, value, packed_seq_params)
+        with sdpa_kernel(SDPA_BACKENDS):
+            if packed_seq_params is not None:
+                return self._packed(query, key, value, packed_seq_params)
+            return self._dense(query, key, value, attention_mask)
+
+    def _dense(self, query, key, value, attention_mask):
         sq, b, heads, hn = query.shape
         sk, groups = key.shape[0], key.shape[2]
         mask, causal = None, False

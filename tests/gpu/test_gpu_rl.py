@@ -27,7 +27,9 @@ def test_losses_on_cuda_match_cpu(name):
     cfg = AlgoConfig(name=name)
     out = {}
     for dev in ("cpu", "cuda"):
-        x = logp.to(dev).requires_grad_(True)
+        # a fresh leaf per device: ``logp.to("cpu")`` is ``logp`` itself, so requiring its grad
+        # made the CUDA copy a non-leaf whose ``.grad`` stayed None (the first GPU run's failure)
+        x = logp.detach().to(dev).clone().requires_grad_(True)
         loss, m = get_loss(name)(
             x, old.to(dev), adv.to(dev), mask.to(dev), cfg=cfg, num_sequences=8, num_tokens=float(mask.sum())
         )

@@ -160,3 +160,37 @@ def test_per_expert_loop_equals_grouped_mm(parallel_info, tiny_model_cfg, monkey
     monkeypatch.setattr(local_layers, "grouped_mm_ok", lambda x: False)
     c = experts.grouped(x, cnt, probs, *experts.stacked_weights())
     torch.testing.assert_close(a, c, atol=1e-6, rtol=1e-5)
+
+
+def test_attention_never_runs_on_cudnn(parallel_info, tiny_model_cfg, monkeypatch):
+    """Dense and packed attention call SDPA with cuDNN's kernel switched off (its backward broke
+    the packed bf16 step on an H200: local_layers.SDPA_BACKENDS); the flash, memory-efficient
+    and math kernels stay on. The switches are torch's global flags, readable on a CPU build."""
+    import torch.nn.functional as F
+
+    from moe_rl.megatron.packing import pack_rows
+
+    ours, _ = _pair(tiny_model_cfg)
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*a, **kw):
+        b = torch.backends.cuda
+        seen.append((b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled()))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    tok = torch.randint(0, tiny_model_cfg.vocab_size, (3, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        _forward(ours, tok)
+        dense = len(seen)
+        pack = pack_rows(tok, torch.tensor([11, 1, 7]))
+        ours(
+            input_ids=pack.inputs_P[None],
+            position_ids=pack.pos_N[None],
+            attention_mask=None,
+            packed_seq_params=pack.packed_seq_params("cpu"),
+        )
+    assert dense == tiny_model_cfg.num_layers and len(seen) == dense + 3 * tiny_model_cfg.num_layers
+    assert set(seen) == {(False, True, True, True)}
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the forward
