@@ -38,23 +38,31 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 #: process's CUDA context (benchmarks/results/gpu_check-nvidia-h200-a3f34b9.json, moe_1b).
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-_GROUPED_MM_CPU: dict[torch.dtype, bool] = {}
+_GROUPED_MM: dict[tuple[str, torch.dtype], bool] = {}
 
 
 def grouped_mm_ok(x: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` serves ``x``: on CPU, where this torch implements it for
-    ``x``'s dtype (probed once). CUDA builds restrict it (bf16, sm90, 16-byte strides); GPUs
-    run transformer-engine's grouped GEMM instead, or the per-expert loop here."""
-    if x.device.type != "cpu" or not hasattr(torch, "_grouped_mm"):
+    """Whether ``torch._grouped_mm`` serves ``x``'s device type and dtype in this torch, probed
+    once per pair (on CPU most dtypes; CUDA builds restrict it to bf16 on sm90 and later, with
+    16-byte aligned strides: :func:`_aligned`)."""
+    if not hasattr(torch, "_grouped_mm") or x.device.type not in ("cpu", "cuda"):
         return False
-    if x.dtype not in _GROUPED_MM_CPU:
+    key = (x.device.type, x.dtype)
+    if key not in _GROUPED_MM:
         try:
-            a, b = torch.ones(4, 8, dtype=x.dtype), torch.ones(2, 8, 8, dtype=x.dtype)
-            torch._grouped_mm(a, b, offs=torch.tensor([1, 4], dtype=torch.int32))
-            _GROUPED_MM_CPU[x.dtype] = True
+            a = torch.ones(16, 16, dtype=x.dtype, device=x.device)
+            b = torch.ones(2, 16, 16, dtype=x.dtype, device=x.device)
+            torch._grouped_mm(a, b, offs=torch.tensor([8, 16], dtype=torch.int32, device=x.device))
+            _GROUPED_MM[key] = True
         except (RuntimeError, NotImplementedError):
-            _GROUPED_MM_CPU[x.dtype] = False
-    return _GROUPED_MM_CPU[x.dtype]
+            _GROUPED_MM[key] = False
+    return _GROUPED_MM[key]
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """Every dimension but the first spans a multiple of 16 bytes, so every row of the operands
+    (and of the intermediate ``[N, F]``) starts 16-byte aligned, as CUDA grouped GEMMs need."""
+    return all(d * t.element_size() % 16 == 0 for t in tensors for d in t.shape[1:])
 
 
 class SDPAttention(DotProductAttention):
@@ -111,9 +119,17 @@ class SDPAttention(DotProductAttention):
 
     def _packed(self, query, key, value, params):
         """Causal SDPA of every segment of a ``thd`` pack on its own (no position attends across
-        a boundary, none is computed twice): the exact block-diagonal causal attention."""
+        a boundary, none is computed twice): the exact block-diagonal causal attention. On CUDA
+        in fp16/bf16, one flash varlen call (torch's ``varlen_attn``) for the whole pack;
+        elsewhere one SDPA per segment."""
         if params.qkv_format != "thd" or self.attn_mask_type != AttnMaskType.causal:
             raise NotImplementedError("SDPAttention: packed sequences need qkv_format='thd', causal")
+        if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+            fn = _varlen_attn()
+            if fn is not None:
+                return varlen_causal(
+                    fn, query, key, value, params.cu_seqlens_q, params.max_seqlen_q, self.softmax_scale
+                )
         t, heads, hn = query.shape
         gqa = key.shape[1] != heads
         bounds = params.cu_seqlens_q.tolist()
@@ -131,6 +147,41 @@ class SDPAttention(DotProductAttention):
                 )
             )
         return torch.cat(outs, dim=2)[0].transpose(0, 1).reshape(t, heads * hn)
+
+
+def _varlen_attn():
+    """torch's ``torch.nn.attention.varlen.varlen_attn`` (flash attention over packed
+    variable-length sequences; torch >= 2.10), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def varlen_causal(fn, query, key, value, cu_seqlens, max_seqlen, scale) -> torch.Tensor:
+    """``[t, heads, hn]`` queries and ``[t, groups, hn]`` keys/values of a pack -> ``[t, heads *
+    hn]``, causal within each segment, by ``fn`` (``varlen_attn``'s signature). torch 2.10 takes
+    ``is_causal``, later releases ``window_size=(-1, 0)``; GQA by ``enable_gqa`` where ``fn``
+    has it, else by repeating the keys and values."""
+    import inspect
+
+    t, heads, hn = query.shape
+    accepts = inspect.signature(fn).parameters
+    kw = {"scale": scale}
+    if "window_size" in accepts:
+        kw["window_size"] = (-1, 0)
+    else:
+        kw["is_causal"] = True
+    if key.shape[1] != heads:
+        if "enable_gqa" in accepts:
+            kw["enable_gqa"] = True
+        else:
+            rep = heads // key.shape[1]
+            key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
+    m = int(max_seqlen)
+    return fn(query, key, value, cu, cu, m, m, **kw).reshape(t, heads * hn)
 
 
 class GroupedExperts(SequentialMLP):
@@ -157,7 +208,14 @@ class GroupedExperts(SequentialMLP):
 
         One matmul per expert and projection on the experts' own weights: no stacked copy of
         them (a copy per forward costs more than the matmuls of a small batch on CPU) and
-        gradients land in each expert's parameters directly; same values as :meth:`grouped`."""
+        gradients land in each expert's parameters directly; same values as :meth:`grouped`.
+        On CUDA, where this torch's grouped GEMM takes the dtype: :meth:`grouped` on a stacked
+        copy (a 64-expert layer is ~6 kernels instead of ~400; the copy is a small memcpy)."""
+        x = permuted_local_hidden_states
+        if x.is_cuda and x.shape[0] > 0 and grouped_mm_ok(x):
+            w1t, w2t = self.stacked_weights()
+            if _aligned(x, w1t, w2t):
+                return self.grouped(x, tokens_per_expert, permuted_probs, w1t, w2t), None
         w1 = [e.linear_fc1.weight for e in self.local_experts]
         w2 = [e.linear_fc2.weight for e in self.local_experts]
         return self.per_expert(permuted_local_hidden_states, tokens_per_expert, permuted_probs, w1, w2), None
@@ -173,9 +231,9 @@ class GroupedExperts(SequentialMLP):
 
     def grouped(self, x, tokens_per_expert, probs, w1t, w2t) -> torch.Tensor:
         """The experts' SwiGLU MLPs over expert-sorted tokens ``x`` with the stacked weights of
-        :meth:`stacked_weights` (one grouped matmul per projection on CPU; :meth:`per_expert`
-        elsewhere)."""
-        if x.shape[0] > 0 and grouped_mm_ok(x):
+        :meth:`stacked_weights` (one grouped matmul per projection where :func:`grouped_mm_ok`;
+        :meth:`per_expert` elsewhere)."""
+        if x.shape[0] > 0 and grouped_mm_ok(x) and (not x.is_cuda or _aligned(x, w1t, w2t)):
             offs = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
             h = torch._grouped_mm(x, w1t, offs=offs)
             h = (self._glu(h) * probs.unsqueeze(-1)).to(x.dtype)

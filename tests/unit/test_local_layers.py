@@ -176,7 +176,14 @@ def test_attention_never_runs_on_cudnn(parallel_info, tiny_model_cfg, monkeypatc
 
     def spy(*a, **kw):
         b = torch.backends.cuda
-        seen.append((b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled()))
+        seen.append(
+            (
+                b.cudnn_sdp_enabled(),
+                b.flash_sdp_enabled(),
+                b.mem_efficient_sdp_enabled(),
+                b.math_sdp_enabled(),
+            )
+        )
         return real(*a, **kw)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
@@ -194,3 +201,65 @@ def test_attention_never_runs_on_cudnn(parallel_info, tiny_model_cfg, monkeypatc
     assert dense == tiny_model_cfg.num_layers and len(seen) == dense + 3 * tiny_model_cfg.num_layers
     assert set(seen) == {(False, True, True, True)}
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the forward
+
+
+@pytest.mark.parametrize("release", ["2.10", "later"])
+@pytest.mark.parametrize("gqa_arg", [True, False])
+def test_varlen_call_matches_the_per_segment_attention(parallel_info, tiny_model_cfg, release, gqa_arg):
+    """The CUDA pack path's call of torch's ``varlen_attn`` (both of its signatures, with and
+    without ``enable_gqa``) computes the per-segment causal attention of the CPU path: checked
+    with a stand-in of that signature that attends like flash varlen (it fails loudly on a
+    causal flag it was not given or on keys it cannot broadcast)."""
+    import torch.nn.functional as F
+
+    from moe_rl.megatron.local_layers import SDPAttention, varlen_causal
+    from moe_rl.megatron.packing import pack_rows
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, **kw):
+        causal = kw.pop("window_size", None) == (-1, 0) if release == "later" else kw.pop("is_causal")
+        gqa = kw.pop("enable_gqa", False)
+        assert causal is True and not kw and cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k)
+        assert max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+        assert gqa or k.shape[1] == q.shape[1]
+        b = cu_q.tolist()
+        outs = [
+            F.scaled_dot_product_attention(
+                *(x[lo:hi].transpose(0, 1) for x in (q, k, v)), is_causal=True, scale=scale, enable_gqa=gqa
+            ).transpose(0, 1)
+            for lo, hi in zip(b[:-1], b[1:])
+        ]
+        return torch.cat(outs)
+
+    def later(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        kw = {"enable_gqa": enable_gqa} if enable_gqa else {}
+        return stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size, **kw)
+
+    def later_no_gqa(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        return stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+
+    def first(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, is_causal=False, enable_gqa=False):
+        kw = {"enable_gqa": enable_gqa} if enable_gqa else {}
+        return stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, is_causal=is_causal, **kw)
+
+    def first_no_gqa(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, is_causal=False):
+        return stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, is_causal=is_causal)
+
+    fn = {
+        ("later", True): later,
+        ("later", False): later_no_gqa,
+        ("2.10", True): first,
+        ("2.10", False): first_no_gqa,
+    }
+    att = next(m for m in _pair(tiny_model_cfg)[0].modules() if isinstance(m, SDPAttention))
+    cfg = tiny_model_cfg
+    pack = pack_rows(torch.zeros(3, 12, dtype=torch.long), torch.tensor([11, 1, 7]))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(pack.p, cfg.num_attention_heads, cfg.head_dim, generator=g)
+    k, v = (torch.randn(pack.p, cfg.num_query_groups, cfg.head_dim, generator=g) for _ in range(2))
+    assert cfg.num_query_groups != cfg.num_attention_heads
+    params = pack.packed_seq_params("cpu")
+    ref = att._packed(q, k, v, params)  # CPU: one SDPA per segment
+    got = varlen_causal(
+        fn[release, gqa_arg], q, k, v, params.cu_seqlens_q, params.max_seqlen_q, att.softmax_scale
+    )
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
