@@ -677,9 +677,6 @@ def section_moe_1b(ck: Check, cap: float) -> dict:
 
         if torch.cuda.is_available():
             peak_mib = torch.cuda.max_memory_allocated() / 2**20
-        profile = None
-        if time.perf_counter() + 2 * steps[-1]["time/step"] < t_end:
-            profile = profile_step(run, len(steps))
     finally:
         run.close()
         free_cuda()
@@ -710,53 +707,6 @@ def section_moe_1b(ck: Check, cap: float) -> dict:
         "the minibatches) / time/train / the device section's measured matmul rate; attention "
         "score FLOPs and the optimizer not counted",
         "peak_mib": peak_mib,
-        "profile": profile,
-    }
-
-
-def profile_step(run, step: int, top: int = 25) -> dict:
-    """One more RL step under ``torch.profiler``: the ops that take the most device time and the
-    most host time (self times), the kernel launches, and the device's busy fraction of the step
-    (the sum of every kernel's time over the wall time: low means the host, not the GPU, is the
-    bottleneck)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from moe_rl.trainer.rl import rl_step
-    from moe_rl.trainer.timer import StepTimer
-
-    cuda = torch.cuda.is_available()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    sync()
-    t0 = time.perf_counter()
-    with profile(activities=acts) as prof:
-        res = rl_step(run, step, StepTimer())
-        sync()
-    wall = time.perf_counter() - t0
-    events = prof.key_averages()
-
-    def dev_us(e) -> float:
-        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) or 0.0)
-
-    def row(e) -> dict:
-        return {
-            "name": e.key[:120],
-            "calls": e.count,
-            "self_device_ms": dev_us(e) / 1e3,
-            "self_cpu_ms": e.self_cpu_time_total / 1e3,
-        }
-
-    launches = sum(
-        e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel")
-    )
-    device_ms = sum(dev_us(e) for e in events) / 1e3
-    return {
-        "wall_s": wall,
-        "phases_s": {k[5:]: v for k, v in res.metrics.items() if k.startswith("time/")},
-        "kernel_launches": launches,
-        "device_busy_fraction": device_ms / 1e3 / wall if cuda else None,
-        "top_device": [row(e) for e in sorted(events, key=dev_us, reverse=True)[:top]] if cuda else [],
-        "top_host": [row(e) for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]],
     }
 
 
@@ -855,13 +805,6 @@ def headline(doc: dict) -> dict:
             "tokens_per_s": {p: v["tokens_per_s"] for p, v in e.get("phases", {}).items()},
             "train_mfu": e.get("train_mfu"),
         }
-        if e.get("profile"):
-            pr = e["profile"]
-            h["moe_1b"]["profiled_step"] = {
-                "device_busy_fraction": pr["device_busy_fraction"],
-                "kernel_launches": pr["kernel_launches"],
-                "top_device_ops": [r["name"] for r in pr["top_device"][:5]],
-            }
     f = _result(s.get("mismatch"))
     if f:
         h["rollout_vs_trainer"] = {
