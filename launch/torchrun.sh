@@ -61,8 +61,30 @@ echo "torchrun.sh: $NPROC processes, recipe $RECIPE, log $LOG" | tee -a "$LOG" >
 
 # shellcheck disable=SC2016  # a template torchrun fills in, not a shell expansion
 export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank${rank}]:'
-rc=0
+# torchrun runs in the background so that this script can forward a signal sent to it alone
+# (SIGTERM, SIGINT; SIGHUP, a closed terminal, as SIGTERM) and, whoever got the signal, wait
+# until torchrun and its workers have ended: they write a stop checkpoint first, and whatever
+# runs after this script must not see the run finished before its save is. The log's tee
+# ignores the signals, so a signal to the whole process group cannot cut the workers' output.
+set +e
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
     --log-dir "$OUT_DIR/logs/$STAMP" --tee 3 \
-    -m moe_rl.cli train "$RECIPE" "$@" 2>&1 | tee -a "$LOG" || rc=$?
+    -m moe_rl.cli train "$RECIPE" "$@" > >(trap '' TERM INT HUP; exec tee -a "$LOG") 2>&1 &
+child=$!
+got=0
+forward() {
+    got=$1
+    kill -s "$2" "$child" 2>/dev/null
+}
+trap 'forward 143 TERM' TERM
+trap 'forward 143 TERM' HUP
+trap 'forward 130 INT' INT
+while :; do
+    wait "$child"
+    rc=$?
+    kill -0 "$child" 2>/dev/null || break # else wait was cut short by a trapped signal
+done
+wait # the tee, flushing the last lines
+# stopped by a signal: 128 + its number (the trainer's convention), after the workers' save
+if [[ $got -ne 0 && $rc -ne 0 ]]; then rc=$got; fi
 exit "$rc"

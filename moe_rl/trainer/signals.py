@@ -1,4 +1,4 @@
-"""SIGTERM and SIGINT as a request to stop at the next safe point, not a crash.
+"""SIGTERM, SIGINT and SIGHUP as a request to stop at the next safe point, not a crash.
 
 :class:`StopSignals` installs handlers that only record the signal; the SFT and RL loops ask
 :meth:`StopSignals.requested` after each step (after the optimizer step, every rank agreeing),
@@ -7,8 +7,11 @@ signal while that checkpoint is written is noted and ignored, so the save comple
 checkpoint is written into a temp directory and renamed, so even a SIGKILL leaves the previous
 one intact).
 
+SIGHUP is what a closed terminal or SSH session sends: without a handler it would end the run
+with no checkpoint and no line.
+
 Exit code: ``moe-rl train`` exits with 128 + the signal's number (143 for SIGTERM, 130 for
-SIGINT), the shell's convention for "ended by this signal", after the clean save. A zero
+SIGINT, 129 for SIGHUP), the shell's convention for "ended by this signal", after the clean save. A zero
 would tell ``moe-rl train ... && moe-rl export ...`` chains and job scripts that training
 finished when it did not; Slurm requeues a preempted job whatever its exit code, and the
 next job continues with ``--resume``.
@@ -23,7 +26,7 @@ from types import FrameType
 
 log = logging.getLogger(__name__)
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class StopRequested(Exception):
@@ -36,7 +39,7 @@ class StopRequested(Exception):
 
 
 class StopSignals:
-    """Context manager: while inside, SIGTERM / SIGINT set :attr:`signum` instead of ending the
+    """Context manager: while inside, SIGTERM / SIGINT / SIGHUP set :attr:`signum` instead of ending the
     process; the previous handlers are restored on exit. Outside the main thread (where Python
     cannot install handlers) it installs nothing and never reports a signal."""
 

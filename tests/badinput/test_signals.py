@@ -1,4 +1,4 @@
-"""SIGTERM / SIGINT: a checkpoint at the next safe point, one log line, a clean exit, then --resume.
+"""SIGTERM / SIGINT / SIGHUP: a checkpoint at the next safe point, one log line, a clean exit, then --resume.
 
 Real ``moe-rl train`` subprocesses of a tiny run, signalled once the first step is logged.
 """
@@ -56,6 +56,21 @@ def _signal_after_first_row(
     return proc.wait(timeout=300)
 
 
+def _live_in_group(pgid: int) -> list[str]:
+    """The processes of process group ``pgid`` that have not ended (zombies, ended but not yet
+    reaped by their new parent, are not counted): ``pid command`` each."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # ended while listed
+            continue
+        name, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+        if int(rest[2]) == pgid and rest[0] != "Z":
+            live.append(f"{stat.parent.name} {name}")
+    return live
+
+
 def _newest(folder: Path) -> tuple[Path, dict]:
     ckpt = checkpoint_dirs(folder / "run/checkpoints")[-1]
     return ckpt, json.loads((ckpt / "meta.json").read_text())
@@ -95,6 +110,40 @@ def test_sigint_stops_the_same_way_with_exit_130(tmp_path):
     ckpt, meta = _newest(tmp_path)
     assert verify_checkpoint(ckpt) is None
     assert f"sft step {meta['extra']['step']}" in _stop_line(log, "SIGINT")
+
+
+@pytest.mark.bad_input("signal")
+def test_sighup_a_closed_terminal_stops_the_same_way_with_exit_129(tmp_path):
+    path = recipe(tmp_path, sft_steps=400, checkpoint={"every": 0})
+    log = tmp_path / "log"
+    code = _signal_after_first_row(_start(path, log), tmp_path, "sft", signal.SIGHUP)
+    assert code == 128 + signal.SIGHUP, log.read_text()[-3000:]
+    ckpt, meta = _newest(tmp_path)
+    assert verify_checkpoint(ckpt) is None
+    assert f"sft step {meta['extra']['step']}" in _stop_line(log, "SIGHUP")
+
+
+@pytest.mark.bad_input("signal")
+@pytest.mark.parametrize("group", [True, False], ids=["process-group", "script-only"])
+def test_torchrun_sh_waits_for_its_workers_stop_checkpoint(tmp_path, group):
+    """SIGTERM to launch/torchrun.sh's process group (Slurm, ``kill -- -PGID``) or to the script
+    alone: the script ends only after torchrun and its worker, which write the stop checkpoint;
+    it used to exit 143 at once while the orphaned worker saved a second later. Exit 143."""
+    path = recipe(tmp_path, sft_steps=400, checkpoint={"every": 0})
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env["PYTHONWARNINGS"] = "ignore"
+    log = tmp_path / "log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            [str(ROOT / "launch/torchrun.sh"), str(path)], env=env, stdout=f, stderr=f, start_new_session=True
+        )
+    code = _signal_after_first_row(proc, tmp_path, "sft", signal.SIGTERM, group=group)
+    # the moment the script has ended: nothing of its process group still runs, the save is done
+    assert _live_in_group(proc.pid) == [], log.read_text()[-3000:]
+    assert code == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    ckpt, meta = _newest(tmp_path)
+    assert meta["extra"]["stage"] == "sft" and verify_checkpoint(ckpt) is None
+    assert "SIGTERM: stopped after sft step" in log.read_text()
 
 
 @pytest.mark.bad_input("signal")
