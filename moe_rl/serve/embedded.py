@@ -3,7 +3,9 @@
 ``--model-path`` takes what SGLang takes, a Hugging Face Qwen3-MoE checkpoint directory
 (what ``moe-rl export`` and the disk weight sync write), or a moe-rl recipe YAML (random
 init, or its ``checkpoint.load``). The server runs one process (TP 1, the embedded engine's
-limit) and binds 127.0.0.1 unless ``--host`` says otherwise.
+limit: ``--tp-size`` / ``--ep-size`` other than 1 are refused, not ignored) and binds 127.0.0.1
+unless ``--host`` says otherwise. Weights with a NaN or an infinity are refused at start, as
+pushed ones are: a server on them would answer every request with token 0.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ def build_engine(args):
     from moe_rl.rollout.embedded import EmbeddedEngine
     from moe_rl.tasks import load_tokenizer
 
+    for flag, value in (("--tp-size", args.tp_size), ("--ep-size", args.ep_size)):
+        if value != 1:
+            raise ConfigError(
+                f"{flag} {value}: moe-rl serve runs the embedded engine in one process (TP 1, EP 1); "
+                f"drop {flag}, or serve with SGLang (rollout.sglang.module=sglang.launch_server)"
+            )
     path = Path(args.model_path)
     load = None
     if path.suffix in (".yaml", ".yml"):
@@ -40,11 +48,27 @@ def build_engine(args):
         from moe_rl.megatron.checkpoint import load_checkpoint
 
         load_checkpoint(load, policy.model, load_rng=False)
+    check_finite(policy.model, f"--model-path {path}" + (f" (checkpoint.load {load})" if load else ""))
     policy.eval()
     tok = load_tokenizer(model_cfg.tokenizer)
     dtype = serve_dtype(args.dtype)
     return EmbeddedEngine(
         policy, pad_id=tok.pad_id, eos_id=tok.eos_id, dtype=dtype, router_dtype=args.router_dtype
+    )
+
+
+def check_finite(model, source: str) -> None:
+    """A ConfigError naming the first parameters of ``model`` with a NaN or an infinity."""
+    from moe_rl.config import ConfigError
+    from moe_rl.megatron.checkpoint import weights_finite
+
+    if weights_finite(model):
+        return
+    bad = [name for name, p in model.named_parameters() if not bool(p.detach().isfinite().all())]
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    raise ConfigError(
+        f"{source}: weights with NaN or infinite values ({', '.join(bad[:3])}{more}); "
+        "the server would answer every request with token 0: serve a checkpoint that trained cleanly"
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -26,6 +27,7 @@ from moe_rl.serve.limits import ServeLimits
 from tests.unit.test_sglang_contract import _EchoEngine
 
 pytestmark = pytest.mark.bad_input("server")
+DEMO_START = Path(__file__).resolve().parents[2] / "recipes/demo/start"
 
 LIMITS = ServeLimits(
     max_body_bytes=64 << 10,
@@ -392,3 +394,38 @@ def test_a_port_out_of_range_or_in_use_is_a_config_error(server):
         serve_main(["--port", str(server.port)], factory=built.append)  # the running server's port
     assert built == []
     assert_serves(server)  # the server holding the port is untouched
+
+
+# ---------------------------------------------------------------- what the server starts with
+def _serve_embedded(*argv: str) -> None:
+    """``moe-rl serve``'s embedded engine factory on ``argv`` (the server is not started)."""
+    from moe_rl.serve import embedded
+    from moe_rl.serve.http import build_arg_parser
+
+    embedded.build_engine(build_arg_parser().parse_args(list(argv)))
+
+
+@pytest.mark.parametrize("flag", ["--tp-size", "--ep-size"])
+def test_a_parallel_size_the_server_does_not_run_is_refused(flag):
+    """It used to run at TP 1 while /get_server_info reported 2."""
+    with pytest.raises(ConfigError, match=f"{flag} 2: moe-rl serve runs the embedded engine in one process"):
+        _serve_embedded("--model-path", str(DEMO_START), flag, "2")
+
+
+def test_weights_with_a_nan_are_refused_at_start_naming_the_tensor(tmp_path):
+    """It used to start, say healthy and answer every request with token 0 and null log-probs."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    start = tmp_path / "start"
+    shutil.copytree(DEMO_START, start)
+    shard = sorted(start.glob("*.safetensors"))[0]
+    tensors = load_file(shard)
+    name = next(n for n in sorted(tensors) if "mlp.experts" in n and n.endswith("weight"))
+    tensors[name].view(-1)[7] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(
+        ConfigError, match=rf"--model-path {start}: weights with NaN or infinite values \(.*experts"
+    ):
+        _serve_embedded("--model-path", str(start))
