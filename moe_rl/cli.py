@@ -106,18 +106,21 @@ def cmd_report(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """Export a recipe's policy (optionally from a checkpoint) as an HF Qwen3-MoE checkpoint.
+    """Export a recipe's policy as an HF Qwen3-MoE checkpoint: from ``--checkpoint``, else the
+    recipe's ``checkpoint.load``, else its ``model.hf_path``; a randomly initialised policy only
+    with ``--random-init``.
 
     The destination is checked first (:func:`moe_rl.megatron.hf.check_export_target`): a new or
-    empty directory, anything else only with ``--overwrite``, and never the checkpoint exported.
-    The export is written beside it and renamed into place; a non-finite policy is refused.
+    empty directory, anything else only with ``--overwrite``, and never one of the inputs it
+    reads (``--checkpoint``, ``checkpoint.load``, ``model.hf_path``). The export is written beside
+    it and renamed into place; a non-finite policy is refused.
     """
     from pathlib import Path
 
     import torch
 
     from moe_rl.config import load_recipe
-    from moe_rl.errors import PathError
+    from moe_rl.errors import PathError, UserError
     from moe_rl.megatron.checkpoint import CheckpointError, NonFiniteWeights, load_checkpoint
     from moe_rl.megatron.hf import check_export_target, export_hf
     from moe_rl.megatron.parallel import destroy_parallel, init_parallel
@@ -129,22 +132,30 @@ def cmd_export(args) -> int:
         raise PathError(
             f"--checkpoint {args.checkpoint} does not exist: give a checkpoint root or step-N directory"
         )
-    check_export_target(args.out, overwrite=args.overwrite, reads=args.checkpoint)
+    reads = {"--checkpoint": args.checkpoint, "checkpoint.load": recipe.checkpoint.load}
+    reads["model.hf_path"] = recipe.model.hf_path
+    check_export_target(args.out, overwrite=args.overwrite, reads={k: v for k, v in reads.items() if v})
+    source = args.checkpoint or recipe.checkpoint.load
+    if not source and not recipe.model.hf_path and not args.random_init:
+        raise UserError(
+            f"{args.recipe}: nothing to export but the randomly initialised policy: give --checkpoint DIR "
+            "(or checkpoint.load / model.hf_path in the recipe), or --random-init to export it anyway"
+        )
     owns_dist = not torch.distributed.is_initialized()  # in-process callers keep their groups
     info = init_parallel(recipe.parallel, seed=recipe.train.seed)
     try:
         policy = build_policy(recipe.model, recipe.parallel, info)
-        if args.checkpoint:
-            load_checkpoint(args.checkpoint, policy.model, load_rng=False)
+        if source:
+            load_checkpoint(source, policy.model, load_rng=False)
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
         with _replacing_file(Path(args.out)):
             export_hf(policy, args.out, tokenizer=load_tokenizer(recipe.model.tokenizer), dtype=dtype)
     except NonFiniteWeights as e:
-        raise CheckpointError(f"{args.checkpoint or 'the initial policy'}: {e}") from None
+        raise CheckpointError(f"{source or recipe.model.hf_path or 'the initial policy'}: {e}") from None
     finally:
         if owns_dist:
             destroy_parallel()
-    print(f"exported to {args.out}")
+    print(f"exported to {args.out}" + (f" from {source}" if source else ""))
     return 0
 
 
@@ -213,7 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("out")
     e.add_argument("overrides", nargs="*")
     e.add_argument(
-        "--checkpoint", default=None, help="moe-rl checkpoint to export (default: the recipe's init)"
+        "--checkpoint",
+        default=None,
+        help="moe-rl checkpoint to export (default: the recipe's checkpoint.load, else its model.hf_path)",
+    )
+    e.add_argument(
+        "--random-init",
+        action="store_true",
+        help="export the randomly initialised policy when nothing else is given",
     )
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     e.add_argument(

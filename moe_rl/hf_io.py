@@ -149,19 +149,72 @@ def read_tensors(root: str | Path) -> dict[str, torch.Tensor]:
     return named
 
 
+OWNER = ".moe-rl-owner"
+"The staging directory's owner (``pid host``), removed before the staging directory is renamed."
+
+
+def _owner_alive(staging: Path) -> bool:
+    """Whether the process that made ``staging`` may still be writing it: its owner file names a
+    live process of this host, or another host (not ours to judge), or there is no owner file yet
+    (made an instant ago: the owner is written right after ``mkdir``) and it is under an hour old."""
+    import os
+    import socket
+    import time
+
+    try:
+        pid, host = (staging / OWNER).read_text().split()
+    except FileNotFoundError:
+        return time.time() - staging.stat().st_mtime < 3600
+    except (OSError, ValueError):
+        return False
+    if host != socket.gethostname():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def clean_stale_staging(out: Path) -> list[Path]:
+    """Remove what an interrupted :func:`atomic_dir` into ``out`` left beside it (for a 30B export,
+    tens of GB): staging directories whose owner has ended, and the set-aside previous version
+    once ``out`` itself exists. The removed paths."""
+    removed = []
+    for p in out.parent.glob(f".{out.name}.tmp-*"):
+        if p.is_dir() and not _owner_alive(p):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    if out.exists():
+        for p in out.parent.glob(f".{out.name}.old-*"):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_dir(out: str | Path) -> Iterator[Path]:
     """Yield a fresh temp directory beside ``out``; on success it replaces ``out`` by rename.
 
     On an exception the temp directory is removed and ``out`` is left as it was. Readers see
     either the old directory or the complete new one (a moment without either in between).
+    What a killed earlier call left beside ``out`` is removed first (:func:`clean_stale_staging`).
     """
+    import os
+    import socket
+
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_staging(out)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
+        (tmp / OWNER).write_text(f"{os.getpid()} {socket.gethostname()}")
         yield tmp
+        (tmp / OWNER).unlink(missing_ok=True)
         trash = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}" if out.exists() else None
         if trash is not None:
             out.rename(trash)

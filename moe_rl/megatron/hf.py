@@ -346,23 +346,28 @@ RUN_MARKERS = ("checkpoints", "metrics.jsonl", "recipe.yaml", "latest", "meta.js
 "Entries that make a directory a run directory, a checkpoint root or a checkpoint."
 
 
-def check_export_target(out: str | Path, *, overwrite: bool, reads: str | Path | None = None) -> None:
+def check_export_target(
+    out: str | Path, *, overwrite: bool, reads: dict[str, str | Path] | str | Path | None = None
+) -> None:
     """Refuse an export destination it does not own (``PathError`` naming it and the fix).
 
     Without ``overwrite``: an existing file, a non-empty directory, a run directory or a
-    checkpoint. Even with it: the checkpoint ``reads`` (the one exported), a directory holding
-    it, or a path inside it. An empty directory or a new path is always fine.
+    checkpoint. Even with it: any input the export reads (``reads``: ``{what: path}``, e.g.
+    ``--checkpoint``, ``checkpoint.load``, ``model.hf_path``; one path is ``--checkpoint``), a
+    directory holding one, or a path inside one. An empty directory or a new path is always fine.
     """
     from moe_rl.errors import PathError
 
     out = Path(out)
     target = out.resolve()
-    if reads is not None:
-        src = Path(reads).resolve()
+    if reads is not None and not isinstance(reads, dict):
+        reads = {"--checkpoint": reads}
+    for what, path in (reads or {}).items():
+        src = Path(path).resolve()
         if target == src or src.is_relative_to(target) or target.is_relative_to(src):
             raise PathError(
                 f"export destination {out} would overwrite or sit inside the checkpoint it exports "
-                f"({reads}): give another output path (--overwrite never replaces what it reads)"
+                f"({what} {path}): give another output path (--overwrite never replaces what it reads)"
             )
     if overwrite or (not out.exists() and not out.is_symlink()):
         return

@@ -107,6 +107,48 @@ def test_export_never_replaces_the_checkpoint_it_reads_even_with_overwrite(cli, 
 
 
 @pytest.mark.bad_input("output")
+@pytest.mark.parametrize("field", ["model.hf_path", "checkpoint.load"])
+def test_export_never_replaces_an_input_the_recipe_names_even_with_overwrite(cli, run_copy, field):
+    """The recipe's own inputs are inputs too: with ``model.hf_path`` at the target, an fp32 source
+    used to become a bf16 copy of itself, exit 0."""
+    res = cli("export", run_copy / "r.yaml", run_copy / "hf", "--checkpoint", run_copy / "run/checkpoints")
+    assert res.code == 0, res.err[-2000:]
+    source = {"model.hf_path": run_copy / "hf", "checkpoint.load": run_copy / "run/checkpoints"}[field]
+    out = source if field == "model.hf_path" else source / "hf"
+    before = snapshot(run_copy)
+    res = cli("export", run_copy / "r.yaml", out, f"{field}={source}", "--dtype", "bfloat16", "--overwrite")
+    res.one_line(rf"would overwrite or sit inside the checkpoint it exports \({field} ")
+    assert_kept(before, run_copy)
+
+
+@pytest.mark.bad_input("output")
+def test_export_reads_the_recipes_checkpoint_load(cli, run_copy):
+    """Without --checkpoint the recipe's ``checkpoint.load`` is exported (it used to export the
+    random initial weights and say "exported to")."""
+    from safetensors.torch import load_file
+
+    def tensors(folder):
+        return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    ckpt = run_copy / "run/checkpoints"
+    assert cli("export", run_copy / "r.yaml", run_copy / "a", "--checkpoint", ckpt).code == 0
+    res = cli("export", run_copy / "r.yaml", run_copy / "b", f"checkpoint.load={ckpt}")
+    assert res.code == 0, res.err[-2000:]
+    a, b = tensors(run_copy / "a"), tensors(run_copy / "b")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.bad_input("output")
+def test_export_with_nothing_but_random_weights_names_the_flags(cli, run_copy):
+    before = snapshot(run_copy)
+    res = cli("export", run_copy / "r.yaml", run_copy / "hf")
+    res.one_line(r"nothing to export but the randomly initialised policy: give --checkpoint .*--random-init")
+    assert_kept(before, run_copy)
+    assert not (run_copy / "hf").exists()
+    assert cli("export", run_copy / "r.yaml", run_copy / "hf", "--random-init").code == 0
+
+
+@pytest.mark.bad_input("output")
 def test_export_overwrite_replaces_a_file_without_leftovers(cli, run_copy):
     out = run_copy / "model.bin"
     out.write_bytes(b"old export")

@@ -1,6 +1,7 @@
 """moe_rl.hf_io: the safetensors shard writer + index, the reader, the atomic directory replace."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +108,46 @@ def test_atomic_dir_replaces_on_success_and_keeps_the_old_on_failure(tmp_path):
         (tmp / "g.txt").write_text("v2")
     assert sorted(p.name for p in out.iterdir()) == ["g.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temp or trash left behind
+
+
+def test_a_killed_writers_staging_is_removed_by_the_next_and_a_live_ones_kept(tmp_path):
+    """``kill -9`` inside :func:`atomic_dir` leaves its hidden staging directory beside the target
+    (about 60 GB for a 30B export); the next call into that target removes it, but never the
+    staging of a writer that is still running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "hf"
+    code = (
+        "import sys, time\n"
+        "from moe_rl.hf_io import atomic_dir\n"
+        "with atomic_dir(sys.argv[1]) as t:\n"
+        "    (t / 'shard').write_bytes(b'x' * 1000)\n"
+        "    print('writing', flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+
+    def writer():
+        p = subprocess.Popen(
+            [sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True, env=env
+        )
+        assert p.stdout.readline().strip() == "writing"
+        return p
+
+    killed, live = writer(), writer()
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    staged = sorted(p.name for p in tmp_path.glob(".hf.tmp-*"))
+    assert len(staged) == 2
+    try:
+        with atomic_dir(out) as t:
+            (t / "f.txt").write_text("mine")
+        left = sorted(p.name for p in tmp_path.glob(".hf.tmp-*"))
+        assert len(left) == 1 and (tmp_path / left[0] / "shard").exists()  # the live writer's, kept
+        assert sorted(p.name for p in out.iterdir()) == ["f.txt"]  # no owner file in the result
+    finally:
+        live.kill()
+        live.wait()
