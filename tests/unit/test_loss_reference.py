@@ -23,7 +23,7 @@ import torch
 
 from moe_rl.config import AlgoConfig
 from moe_rl.losses.corrections import CORRECTIONS, TOKEN_LEVEL, correction_weights
-from tests.unit.test_losses import counts, make_batch
+from tests.unit.test_losses import counts, make_batch, run
 
 REFERENCE = Path(__file__).with_name("loss_reference.json")
 LossCall = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -97,19 +97,7 @@ def dump(recorded: dict) -> str:
 
 
 def new_call(name, logp, old, adv, mask, cfg, num_sequences, num_tokens, ref, is_weights):
-    from moe_rl.losses import get_loss
-
-    return get_loss(name)(
-        logp,
-        old,
-        adv,
-        mask,
-        cfg=cfg,
-        num_sequences=num_sequences,
-        num_tokens=num_tokens,
-        ref_logp_BT=ref,
-        is_weights=is_weights,
-    )
+    return run(name, logp, old, adv, mask, cfg, ref=ref, num=(num_sequences, num_tokens), w=is_weights)
 
 
 def _floats(d: dict) -> torch.Tensor:
