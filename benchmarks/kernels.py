@@ -144,7 +144,7 @@ def measure(fn, h, w, tgt, device, warmup, iters) -> dict:
 def gspo_ms(n: int, t: int, device, warmup, iters) -> float:
     """Forward+backward of the GSPO loss on [n / t, t] tokens."""
     from moe_rl.config import AlgoConfig
-    from moe_rl.losses import gspo_loss
+    from moe_rl.losses import gspo_loss, loss_batch
 
     b = max(1, n // t)
     logp = (torch.randn(b, t, device=device) - 2).requires_grad_()
@@ -155,9 +155,8 @@ def gspo_ms(n: int, t: int, device, warmup, iters) -> float:
 
     def step():
         logp.grad = None
-        loss, _ = gspo_loss(
-            logp, old, adv, mask, cfg=cfg, num_sequences=float(b), num_tokens=float(mask.sum())
-        )
+        batch = loss_batch(logp, old, adv, mask, num_sequences=float(b), num_tokens=float(mask.sum()))
+        loss, _ = gspo_loss(batch, cfg)
         loss.backward()
 
     return timed(step, device, warmup, iters)

@@ -57,7 +57,7 @@ def _interleaved(fns: dict, repeats: int) -> dict:
 
 def main(argv=None) -> dict:
     from moe_rl.config import load_recipe, recipe_from_dict, to_dict
-    from moe_rl.losses import get_loss
+    from moe_rl.losses import LossBatch, get_loss, loss_batch
     from moe_rl.megatron.checkpoint import latest_checkpoint, load_checkpoint
     from moe_rl.megatron.routing import RoutingSession
     from moe_rl.routing import RouterAction
@@ -91,20 +91,18 @@ def main(argv=None) -> dict:
             run.policy.logits(batch.tokens_BT[:, :-1])
         return rs.natural_BSLK(b, s).reshape(b * s, -1, recipe.model.moe_router_topk)
 
+    def inputs(logp_BT: torch.Tensor) -> LossBatch:
+        n = float(batch.mask_BT.sum())
+        return loss_batch(
+            logp_BT, batch.old_logp_BT, batch.adv_B, batch.mask_BT, num_sequences=b, num_tokens=n
+        )
+
     def update(routing: str):
         replay = batch.replay_BSLK if routing == "r2" else None
         action = RouterAction.REPLAY if replay is not None else RouterAction.NATURAL
         with RoutingSession(run.policy, action, routes_BSLK=replay) as rs:
             out = run.policy.logprobs(batch.tokens_BT, temperature=recipe.train.temperature)
-            loss, _ = get_loss("grpo")(
-                out.logp_BT,
-                batch.old_logp_BT,
-                batch.adv_B,
-                batch.mask_BT,
-                cfg=recipe.algo,
-                num_sequences=b,
-                num_tokens=float(batch.mask_BT.sum()),
-            )
+            loss, _ = get_loss("grpo")(inputs(out.logp_BT), recipe.algo)
             rs.backward(loss)
 
     res = {
@@ -132,15 +130,7 @@ def main(argv=None) -> dict:
         clips = {}
         for algo in ("grpo", "gspo"):
             cfg = replace(recipe.algo, name=algo, eps_low=None, eps_high=None)
-            _, mt = get_loss(algo)(
-                new,
-                batch.old_logp_BT,
-                batch.adv_B,
-                batch.mask_BT,
-                cfg=cfg,
-                num_sequences=b,
-                num_tokens=float(batch.mask_BT.sum()),
-            )
+            _, mt = get_loss(algo)(inputs(new), cfg)
             clips[algo] = {k: float(v) for k, v in mt.items() if k.startswith(("clip/", "ratio/seq_log"))}
         res["per_lr"][str(lr)] = {"flip": flips, "clip": clips}
     run.policy.model.load_state_dict(start)

@@ -1,13 +1,17 @@
 """Policy-gradient losses for RL of MoE language models: GRPO, GSPO, GSPO-token.
 
-Every loss is a pure function of padded [B, T] tensors (B sequences, T tokens):
+Every loss is a pure function of one value, the microbatch's :class:`LossBatch` of padded
+[B, T] tensors (B sequences, T tokens), and the algorithm's config:
 
-    loss, metrics = loss_fn(logp_BT, old_logp_BT, adv, mask_BT, *, cfg, num_sequences,
-                            num_tokens, ref_logp_BT=None)
+    batch = loss_batch(logp_BT, old_logp_BT, adv, mask_BT, num_sequences=..., num_tokens=...,
+                       ref_logp_BT=None, is_weights=None)      # checked and upcast, once
+    loss, metrics = LOSSES[cfg.name].fn(batch, cfg)
 
-``adv`` is [B] or per-token [B, T] (not for gspo); ``num_sequences`` / ``num_tokens`` are the
-global counts of the optimizer step, so microbatch losses, gradients and (with
-``METRIC_REDUCTIONS``) metrics add up to the whole batch's. Only torch is imported.
+``adv`` is [B] or per-token [B, T] (not for gspo); ``is_weights`` are the train-inference
+correction weights of :mod:`moe_rl.losses.corrections` ([B] or [B, T]; [B] only for gspo);
+``num_sequences`` / ``num_tokens`` are the global counts of the optimizer step, so microbatch
+losses, gradients and (with ``METRIC_REDUCTIONS``) metrics add up to the whole batch's. Only
+torch is imported.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from moe_rl.losses.advantages import group_advantages
-from moe_rl.losses.core import AGGREGATIONS
+from moe_rl.losses.core import AGGREGATIONS, LossBatch, loss_batch
 from moe_rl.losses.grpo import grpo_loss
 from moe_rl.losses.gspo import gspo_loss, gspo_token_loss
 from moe_rl.losses.kl import k3
@@ -29,7 +33,7 @@ class LossSpec:
     """A registered loss: the function, the paper's clip band, and the level of its ratio."""
 
     fn: Callable
-    "The loss function (signature in the module docstring)."
+    "The loss function, ``fn(batch: LossBatch, cfg: AlgoConfig) -> (loss, metrics)``."
     eps_low: float
     "Default algo.eps_low: the paper's lower clip (ratio >= 1 - eps_low)."
     eps_high: float
@@ -57,6 +61,7 @@ def get_loss(name: str) -> Callable:
 __all__ = [
     "AGGREGATIONS",
     "LOSSES",
+    "LossBatch",
     "LossSpec",
     "METRIC_REDUCTIONS",
     "combine_metrics",
@@ -66,4 +71,5 @@ __all__ = [
     "gspo_loss",
     "gspo_token_loss",
     "k3",
+    "loss_batch",
 ]

@@ -1,5 +1,6 @@
-"""Pieces shared by every policy-gradient loss: input checks, the masked log-ratio, the
-clipped surrogate and the two aggregations (docs/algorithms.md#clipped-surrogate).
+"""Pieces shared by every policy-gradient loss: their one input (:class:`LossBatch`, built and
+checked once by :func:`loss_batch`), the masked log-ratio, the clipped surrogate and the two
+aggregations (docs/algorithms.md#clipped-surrogate).
 
 Shape legend: B = sequences in this microbatch, T = padded tokens per sequence.
 
@@ -10,15 +11,17 @@ microbatch losses, and their gradients, add up to the loss of the whole batch.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 
 AGGREGATIONS = ("seq_mean", "token_mean")
 
 
-class PolicyBatch(NamedTuple):
-    """One microbatch, checked, upcast to at least float32 and zeroed on padding."""
+@dataclass(frozen=True, kw_only=True)
+class LossBatch:
+    """The one input of every loss: one microbatch, checked, upcast to at least float32 and zeroed
+    on padding. Build it with :func:`loss_batch`; the losses only read it."""
 
     mask_BT: torch.Tensor
     "bool, True on response tokens."
@@ -30,6 +33,8 @@ class PolicyBatch(NamedTuple):
     "Advantage of every token (per-sequence advantages broadcast), 0 on padding; no gradient."
     adv_B: torch.Tensor
     "Advantage of every sequence (masked mean of adv_BT when per-token), 0 for empty rows."
+    token_adv: bool
+    "Whether the advantages were given per token ([B, T]); gspo refuses them."
     len_B: torch.Tensor
     "|y_i|: valid tokens per sequence (float)."
     valid_B: torch.Tensor
@@ -38,6 +43,10 @@ class PolicyBatch(NamedTuple):
     "Global sequence count of the optimizer step."
     num_tokens: float
     "Global valid-token count of the optimizer step."
+    ref_logp_BT: torch.Tensor | None
+    "log pi_ref of the KL term (detached, 0 on padding), or None."
+    is_weights: torch.Tensor | None
+    "Detached train-inference correction weights, [B] or [B, T] (raw: padding not yet zeroed), or None."
 
 
 def _check_count(name: str, value: float) -> None:
@@ -45,7 +54,18 @@ def _check_count(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a positive global count, got {value}")
 
 
-def prepare(
+def _check_shape(name: str, t: torch.Tensor | None, shape: tuple[int, int], per_seq_ok: bool) -> None:
+    """``t`` is None, [B, T] = ``shape`` or, when ``per_seq_ok``, [B]."""
+    if t is None or tuple(t.shape) == shape or (per_seq_ok and tuple(t.shape) == shape[:1]):
+        return
+    if per_seq_ok:
+        raise ValueError(
+            f"loss inputs: {name} must be [B]={shape[0]} or [B, T]={shape}, got {tuple(t.shape)}"
+        )
+    raise ValueError(f"loss inputs: {name} has shape {tuple(t.shape)}, logp has {shape}")
+
+
+def loss_batch(
     logp_BT: torch.Tensor,
     old_logp_BT: torch.Tensor,
     adv: torch.Tensor,
@@ -53,28 +73,25 @@ def prepare(
     *,
     num_sequences: float,
     num_tokens: float,
-    loss_name: str,
-    token_adv_ok: bool,
-) -> PolicyBatch:
-    """Check shapes and build a :class:`PolicyBatch`.
+    ref_logp_BT: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
+) -> LossBatch:
+    """Check shapes and build the :class:`LossBatch` every loss takes, once per microbatch.
 
-    logp_BT, old_logp_BT, mask_BT: [B, T]; adv: [B] or, when ``token_adv_ok``, [B, T].
+    logp_BT (pi_theta, carries the gradient), old_logp_BT (pi_old), mask_BT: [B, T]; adv: [B] or
+    per-token [B, T]; ref_logp_BT: [B, T] reference log-probs of the KL term, or None; is_weights:
+    None or the train-inference correction weights of ``moe_rl.losses.corrections``, [B] or
+    [B, T]. num_sequences, num_tokens: the global counts of the optimizer step.
     Values at padded positions are ignored (they may be anything, even inf or nan).
     The math runs in float32 (bf16 / fp16 inputs are upcast) or in float64 for float64 inputs.
     """
     if logp_BT.dim() != 2:
-        raise ValueError(f"{loss_name}: logp must be [B, T], got shape {tuple(logp_BT.shape)}")
+        raise ValueError(f"loss inputs: logp must be [B, T], got shape {tuple(logp_BT.shape)}")
     shape = tuple(logp_BT.shape)
-    for name, t in (("old_logp", old_logp_BT), ("mask", mask_BT)):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{loss_name}: {name} has shape {tuple(t.shape)}, logp has {shape}")
-    if adv.dim() == 2 and not token_adv_ok:
-        raise ValueError(
-            f"{loss_name} takes one advantage per sequence (adv of shape [B]), got {tuple(adv.shape)}; "
-            "use gspo_token (or grpo) for per-token advantages"
-        )
-    if tuple(adv.shape) not in ((shape[0],), shape):
-        raise ValueError(f"{loss_name}: adv must be [B]={shape[0]} or [B, T]={shape}, got {tuple(adv.shape)}")
+    for name, t in (("old_logp", old_logp_BT), ("mask", mask_BT), ("ref_logp", ref_logp_BT)):
+        _check_shape(name, t, shape, per_seq_ok=False)
+    _check_shape("adv", adv, shape, per_seq_ok=True)
+    _check_shape("is_weights", is_weights, shape, per_seq_ok=True)
     _check_count("num_sequences", num_sequences)
     _check_count("num_tokens", num_tokens)
 
@@ -92,7 +109,20 @@ def prepare(
     else:
         adv_BT = torch.where(mask, adv, zero)
         adv_B = adv_BT.sum(-1) / len_B.clamp(min=1)
-    return PolicyBatch(mask, logp, logp - old, adv_BT, adv_B, len_B, valid_B, num_sequences, num_tokens)
+    return LossBatch(
+        mask_BT=mask,
+        logp_BT=logp,
+        logratio_BT=logp - old,
+        adv_BT=adv_BT,
+        adv_B=adv_B,
+        token_adv=adv.dim() == 2,
+        len_B=len_B,
+        valid_B=valid_B,
+        num_sequences=num_sequences,
+        num_tokens=num_tokens,
+        ref_logp_BT=None if ref_logp_BT is None else torch.where(mask, ref_logp_BT.detach().to(dtype), 0.0),
+        is_weights=None if is_weights is None else is_weights.detach().to(dtype),
+    )
 
 
 def is_clipped(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
@@ -120,7 +150,7 @@ def dual_clipped(ratio: torch.Tensor, adv: torch.Tensor, clip_c: float | None) -
 
 
 @torch.no_grad()
-def dual_clip_frac(dual_BT: torch.Tensor, b: PolicyBatch) -> torch.Tensor:
+def dual_clip_frac(dual_BT: torch.Tensor, b: LossBatch) -> torch.Tensor:
     """``clip/dual_clip_frac``: valid tokens whose term the dual clip fixed at c A, over the step's
     ``num_tokens`` (additive across microbatches and ranks). dual_BT: bool [B, T]."""
     return (dual_BT & b.mask_BT).to(b.logp_BT.dtype).sum() / b.num_tokens
@@ -155,12 +185,12 @@ def clipped_surrogate(
     return torch.where(frozen, bound_adv, ratio * adv)
 
 
-def seq_mean_logratio(b: PolicyBatch) -> torch.Tensor:
+def seq_mean_logratio(b: LossBatch) -> torch.Tensor:
     """log s_i = (1/|y_i|) sum_t d_{i,t}: [B], 0 for empty rows, carries the gradient."""
     return b.logratio_BT.sum(-1) / b.len_B.clamp(min=1)
 
 
-def aggregate_tokens(x_BT: torch.Tensor, b: PolicyBatch, aggregation: str) -> torch.Tensor:
+def aggregate_tokens(x_BT: torch.Tensor, b: LossBatch, aggregation: str) -> torch.Tensor:
     """Scalar contribution of per-token values [B, T] to the batch mean.
 
     seq_mean: sum_i (1/|y_i|) sum_t x / num_sequences; token_mean: sum_{i,t} x / num_tokens.
@@ -173,7 +203,7 @@ def aggregate_tokens(x_BT: torch.Tensor, b: PolicyBatch, aggregation: str) -> to
     raise ValueError(f"aggregation={aggregation!r}: use one of {AGGREGATIONS}")
 
 
-def aggregate_seqs(x_B: torch.Tensor, b: PolicyBatch, aggregation: str) -> torch.Tensor:
+def aggregate_seqs(x_B: torch.Tensor, b: LossBatch, aggregation: str) -> torch.Tensor:
     """Scalar contribution of per-sequence values [B] to the batch mean.
 
     seq_mean: sum_i x_i / num_sequences; token_mean: sum_i |y_i| x_i / num_tokens (each sequence
@@ -187,35 +217,25 @@ def aggregate_seqs(x_B: torch.Tensor, b: PolicyBatch, aggregation: str) -> torch
     raise ValueError(f"aggregation={aggregation!r}: use one of {AGGREGATIONS}")
 
 
-def _check_weights(is_weights: torch.Tensor, b: PolicyBatch, loss_name: str) -> torch.Tensor:
-    shape = tuple(b.mask_BT.shape)
-    if tuple(is_weights.shape) not in ((shape[0],), shape):
-        raise ValueError(
-            f"{loss_name}: is_weights must be [B]={shape[0]} or [B, T]={shape}, got {tuple(is_weights.shape)}"
-        )
-    return is_weights.detach().to(b.logp_BT.dtype)
-
-
-def token_weights(is_weights: torch.Tensor | None, b: PolicyBatch, loss_name: str) -> torch.Tensor | None:
-    """Detached correction weights as [B, T], 0 on padding ([B] weights broadcast over tokens).
-
-    The weights multiply each token's term before aggregation; denominators do not change.
+def token_weights(b: LossBatch) -> torch.Tensor | None:
+    """The batch's correction weights as [B, T], 0 on padding ([B] weights broadcast over tokens),
+    or None. The weights multiply each token's term before aggregation; denominators do not change.
     """
-    if is_weights is None:
+    if b.is_weights is None:
         return None
-    w = _check_weights(is_weights, b, loss_name)
+    w = b.is_weights
     w_BT = w[:, None].expand(b.mask_BT.shape) if w.dim() == 1 else w
     return torch.where(b.mask_BT, w_BT, torch.zeros_like(w_BT))
 
 
-def sequence_weights(is_weights: torch.Tensor | None, b: PolicyBatch, loss_name: str) -> torch.Tensor | None:
-    """Detached correction weights [B] of a one-term-per-sequence loss, 0 for empty rows.
+def sequence_weights(b: LossBatch, loss_name: str) -> torch.Tensor | None:
+    """The batch's correction weights [B] for a one-term-per-sequence loss, 0 for empty rows, or None.
 
     Token-level [B, T] weights are refused: such a loss has no per-token term to weight.
     """
-    if is_weights is None:
+    if b.is_weights is None:
         return None
-    w = _check_weights(is_weights, b, loss_name)
+    w = b.is_weights
     if w.dim() == 2:
         raise ValueError(
             f"{loss_name} has one term per sequence and takes sequence-level is_weights [B] "

@@ -17,53 +17,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moe_rl.losses.core import (
-    aggregate_tokens,
-    clipped_surrogate,
-    dual_clip_frac,
-    dual_clipped,
-    prepare,
-    token_weights,
-)
-from moe_rl.losses.metrics import loss_and_metrics
+from moe_rl.losses.core import LossBatch, token_weights
+from moe_rl.losses.metrics import surrogate_loss
 
 if TYPE_CHECKING:
     from moe_rl.config import AlgoConfig
 
 
-def grpo_loss(
-    logp_BT: torch.Tensor,
-    old_logp_BT: torch.Tensor,
-    adv: torch.Tensor,
-    mask_BT: torch.Tensor,
-    *,
-    cfg: AlgoConfig,
-    num_sequences: float,
-    num_tokens: float,
-    ref_logp_BT: torch.Tensor | None = None,
-    is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO loss -J (+ beta k3) of one microbatch and its metrics.
-
-    logp_BT, old_logp_BT, mask_BT, ref_logp_BT: [B, T]; adv: [B] or per-token [B, T];
-    is_weights: None (no correction) or detached [B] / [B, T] correction weights.
-    num_sequences, num_tokens: global counts of the optimizer step (see moe_rl.losses.core).
-    """
-    b = prepare(
-        logp_BT,
-        old_logp_BT,
-        adv,
-        mask_BT,
-        num_sequences=num_sequences,
-        num_tokens=num_tokens,
-        loss_name="grpo",
-        token_adv_ok=True,
-    )
-    w_BT = token_weights(is_weights, b, "grpo")
-    obj_BT = clipped_surrogate(b.logratio_BT, b.adv_BT, cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c)
-    if w_BT is not None:
-        obj_BT = obj_BT * w_BT
-    loss, metrics = loss_and_metrics(aggregate_tokens(obj_BT, b, cfg.aggregation), b, cfg, ref_logp_BT)
-    dual_BT = dual_clipped(b.logratio_BT.detach().exp(), b.adv_BT, cfg.clip_ratio_c) & b.mask_BT
-    metrics["clip/dual_clip_frac"] = dual_clip_frac(dual_BT, b)
-    return loss, metrics
+def grpo_loss(b: LossBatch, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO loss -J (+ beta k3) of one microbatch ``b`` (:func:`moe_rl.losses.loss_batch`) and its
+    metrics. Takes advantages [B] or per-token [B, T] and correction weights [B] or [B, T]."""
+    return surrogate_loss(b, cfg, b.logratio_BT, b.adv_BT, token_weights(b))

@@ -18,9 +18,9 @@ gradient for the sequence). GSPO-token applies it per token to s_{i,t}, whose va
 two stay equal in value and gradient with A_{i,t} = A_i. GSPO's band (1 + 4e-4) is far below any
 c > 1, so for A < 0 nothing else bounds a sequence whose geometric-mean ratio ran away.
 
-Correction weights (``is_weights``, detached): gspo takes sequence-level [B] weights (seq_tis,
-geo_mask) multiplying each sequence's term; gspo_token also takes token-level [B, T] weights (tis,
-icepop) multiplying each token's term. Denominators do not change; the KL term is not weighted.
+Correction weights (the batch's ``is_weights``, detached): gspo takes sequence-level [B] weights
+(seq_tis, geo_mask) multiplying each sequence's term; gspo_token also takes token-level [B, T]
+weights (tis, icepop) multiplying each token's term. Denominators do not change; the KL term is not weighted.
 """
 
 from __future__ import annotations
@@ -29,97 +29,28 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moe_rl.losses.core import (
-    aggregate_seqs,
-    aggregate_tokens,
-    clipped_surrogate,
-    dual_clip_frac,
-    dual_clipped,
-    prepare,
-    seq_mean_logratio,
-    sequence_weights,
-    token_weights,
-)
-from moe_rl.losses.metrics import loss_and_metrics
+from moe_rl.losses.core import LossBatch, seq_mean_logratio, sequence_weights, token_weights
+from moe_rl.losses.metrics import surrogate_loss
 
 if TYPE_CHECKING:
     from moe_rl.config import AlgoConfig
 
 
-def gspo_loss(
-    logp_BT: torch.Tensor,
-    old_logp_BT: torch.Tensor,
-    adv: torch.Tensor,
-    mask_BT: torch.Tensor,
-    *,
-    cfg: AlgoConfig,
-    num_sequences: float,
-    num_tokens: float,
-    ref_logp_BT: torch.Tensor | None = None,
-    is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO loss -J (+ beta k3) of one microbatch and its metrics.
-
-    logp_BT, old_logp_BT, mask_BT, ref_logp_BT: [B, T]; adv: [B] only (per-token advantages
-    are rejected: use gspo_token); is_weights: None or detached sequence-level [B] weights ([B, T]
-    is refused: use gspo_token). num_sequences, num_tokens: global counts of the step.
-    """
-    b = prepare(
-        logp_BT,
-        old_logp_BT,
-        adv,
-        mask_BT,
-        num_sequences=num_sequences,
-        num_tokens=num_tokens,
-        loss_name="gspo",
-        token_adv_ok=False,
-    )
-    w_B = sequence_weights(is_weights, b, "gspo")
-    log_s_B = seq_mean_logratio(b)
-    obj_B = clipped_surrogate(log_s_B, b.adv_B, cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c)
-    if w_B is not None:
-        obj_B = obj_B * w_B
-    loss, metrics = loss_and_metrics(aggregate_seqs(obj_B, b, cfg.aggregation), b, cfg, ref_logp_BT)
-    # every token of a dual-clipped sequence counts
-    dual_B = dual_clipped(log_s_B.detach().exp(), b.adv_B, cfg.clip_ratio_c) & b.valid_B
-    metrics["clip/dual_clip_frac"] = dual_clip_frac(dual_B[:, None] & b.mask_BT, b)
-    return loss, metrics
+def gspo_loss(b: LossBatch, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO loss -J (+ beta k3) of one microbatch ``b`` (:func:`moe_rl.losses.loss_batch`) and its
+    metrics. Advantages [B] only (per-token ones are refused: use gspo_token); correction weights
+    sequence-level [B] only ([B, T] is refused: use gspo_token)."""
+    if b.token_adv:
+        raise ValueError(
+            f"gspo takes one advantage per sequence (adv of shape [B]), got {tuple(b.adv_BT.shape)}; "
+            "use gspo_token (or grpo) for per-token advantages"
+        )
+    return surrogate_loss(b, cfg, seq_mean_logratio(b), b.adv_B, sequence_weights(b, "gspo"))
 
 
-def gspo_token_loss(
-    logp_BT: torch.Tensor,
-    old_logp_BT: torch.Tensor,
-    adv: torch.Tensor,
-    mask_BT: torch.Tensor,
-    *,
-    cfg: AlgoConfig,
-    num_sequences: float,
-    num_tokens: float,
-    ref_logp_BT: torch.Tensor | None = None,
-    is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO-token loss -J (+ beta k3) of one microbatch and its metrics.
-
-    logp_BT, old_logp_BT, mask_BT, ref_logp_BT: [B, T]; adv: [B] or per-token [B, T];
-    is_weights: None or detached [B] / [B, T] weights. num_sequences, num_tokens: global counts.
-    """
-    b = prepare(
-        logp_BT,
-        old_logp_BT,
-        adv,
-        mask_BT,
-        num_sequences=num_sequences,
-        num_tokens=num_tokens,
-        loss_name="gspo_token",
-        token_adv_ok=True,
-    )
+def gspo_token_loss(b: LossBatch, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO-token loss -J (+ beta k3) of one microbatch ``b`` (:func:`moe_rl.losses.loss_batch`) and
+    its metrics. Takes advantages [B] or per-token [B, T] and correction weights [B] or [B, T]."""
     # log s_{i,t} = sg(log s_i) + log pi_t - sg(log pi_t): value log s_i, gradient 1 wrt log pi_t.
     log_s_BT = seq_mean_logratio(b).detach()[:, None] + (b.logp_BT - b.logp_BT.detach())
-    w_BT = token_weights(is_weights, b, "gspo_token")
-    obj_BT = clipped_surrogate(log_s_BT, b.adv_BT, cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c)
-    if w_BT is not None:
-        obj_BT = obj_BT * w_BT
-    loss, metrics = loss_and_metrics(aggregate_tokens(obj_BT, b, cfg.aggregation), b, cfg, ref_logp_BT)
-    dual_BT = dual_clipped(log_s_BT.detach().exp(), b.adv_BT, cfg.clip_ratio_c) & b.mask_BT
-    metrics["clip/dual_clip_frac"] = dual_clip_frac(dual_BT, b)
-    return loss, metrics
+    return surrogate_loss(b, cfg, log_s_BT, b.adv_BT, token_weights(b))

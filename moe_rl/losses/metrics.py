@@ -24,7 +24,7 @@ the masked mean of per-token advantages when those are given):
 - ``kl/old_k3``, ``kl/old_abs_log_ratio``: token means of k3(pi_theta || pi_old) and |d|, the
   policy (or train/rollout) mismatch against pi_old.
 - ``adv/mean|abs_mean`` (over sequences), ``adv/min|max``.
-- ``loss/pg``: this microbatch's -J. Only when ``ref_logp_BT`` is given: ``kl/k3`` (token mean of
+- ``loss/pg``: this microbatch's -J. Only when the batch has ``ref_logp_BT``: ``kl/k3`` (token mean of
   k3 vs the reference) and ``loss/kl`` (beta times the aggregated k3, the loss's KL term).
 """
 
@@ -35,7 +35,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moe_rl.losses.core import PolicyBatch, aggregate_tokens, is_clipped
+from moe_rl.losses.core import (
+    LossBatch,
+    aggregate_seqs,
+    aggregate_tokens,
+    clipped_surrogate,
+    dual_clip_frac,
+    dual_clipped,
+    is_clipped,
+)
 from moe_rl.losses.kl import k3
 
 if TYPE_CHECKING:
@@ -81,7 +89,7 @@ def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def policy_metrics(b: PolicyBatch, eps_low: float, eps_high: float) -> dict[str, torch.Tensor]:
+def policy_metrics(b: LossBatch, eps_low: float, eps_high: float) -> dict[str, torch.Tensor]:
     """Clip, ratio, mismatch and advantage metrics of one microbatch (module docstring)."""
     m, valid = b.mask_BT, b.valid_B
     nt, ns = b.num_tokens, b.num_sequences
@@ -117,35 +125,45 @@ def policy_metrics(b: PolicyBatch, eps_low: float, eps_high: float) -> dict[str,
 
 
 def loss_and_metrics(
-    objective: torch.Tensor,
-    b: PolicyBatch,
-    cfg: AlgoConfig,
-    ref_logp_BT: torch.Tensor | None,
+    objective: torch.Tensor, b: LossBatch, cfg: AlgoConfig
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """loss = -objective (+ beta * aggregated k3 vs the reference), plus every metric.
+    """loss = -objective (+ beta * aggregated k3 vs the batch's reference), plus every metric.
 
-    ``objective`` is this microbatch's contribution to J; ``ref_logp_BT`` is [B, T] or None.
-    beta > 0 without a reference is an error; a reference with beta = 0 is only measured.
+    ``objective`` is this microbatch's contribution to J. beta > 0 without ``b.ref_logp_BT`` is
+    an error; a reference with beta = 0 is only measured.
     """
-    if cfg.beta > 0 and ref_logp_BT is None:
+    if cfg.beta > 0 and b.ref_logp_BT is None:
         raise ValueError(
             f"algo.beta={cfg.beta} needs ref_logp_BT (reference log-probs); pass them or set beta=0"
         )
     metrics = policy_metrics(b, cfg.clip_low, cfg.clip_high)
     loss = -objective
     metrics["loss/pg"] = loss.detach()
-    if ref_logp_BT is not None:
-        if tuple(ref_logp_BT.shape) != tuple(b.mask_BT.shape):
-            raise ValueError(
-                f"ref_logp has shape {tuple(ref_logp_BT.shape)}, logp has {tuple(b.mask_BT.shape)}"
-            )
-        ref = torch.where(b.mask_BT, ref_logp_BT.detach().to(b.logp_BT.dtype), 0.0)
-        kl_BT = k3(b.logp_BT, ref)
+    if b.ref_logp_BT is not None:
+        kl_BT = k3(b.logp_BT, b.ref_logp_BT)
         kl_term = cfg.beta * aggregate_tokens(kl_BT, b, cfg.aggregation)
         if cfg.beta > 0:
             loss = loss + kl_term
         metrics["loss/kl"] = kl_term.detach()
         metrics["kl/k3"] = torch.where(b.mask_BT, kl_BT.detach(), 0.0).sum() / b.num_tokens
+    return loss, metrics
+
+
+def surrogate_loss(
+    b: LossBatch, cfg: AlgoConfig, logratio: torch.Tensor, adv: torch.Tensor, weights: torch.Tensor | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and metrics of the clipped surrogate of ``logratio`` and ``adv``, per token ([B, T]:
+    grpo's d, gspo_token's log s_{i,t}) or per sequence ([B]: gspo's log s_i): each term times
+    its correction weight (None: none; same shape), aggregated by cfg.aggregation.
+    ``clip/dual_clip_frac`` counts the tokens the dual clip fixed (all tokens of such a sequence).
+    """
+    obj = clipped_surrogate(logratio, adv, cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c)
+    if weights is not None:
+        obj = obj * weights
+    aggregate = aggregate_tokens if obj.dim() == 2 else aggregate_seqs
+    loss, metrics = loss_and_metrics(aggregate(obj, b, cfg.aggregation), b, cfg)
+    dual = dual_clipped(logratio.detach().exp(), adv, cfg.clip_ratio_c)
+    metrics["clip/dual_clip_frac"] = dual_clip_frac(dual if dual.dim() == 2 else dual[:, None] & b.mask_BT, b)
     return loss, metrics
 
 

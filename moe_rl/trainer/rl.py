@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moe_rl import dist
-from moe_rl.losses import combine_metrics, get_loss, group_advantages
+from moe_rl.losses import combine_metrics, get_loss, group_advantages, loss_batch
 from moe_rl.losses.corrections import (
     CORRECTION_METRIC_REDUCTIONS,
     correction_metrics,
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from moe_rl.trainer.run import Run
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-"A loss of ``moe_rl.losses.LOSSES``: ``(logp, old_logp, adv, mask, *, cfg, ...) -> (loss, metrics)``."
+"A loss of ``moe_rl.losses.LOSSES``: ``(LossBatch, AlgoConfig) -> (loss, metrics)``."
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
@@ -441,16 +441,16 @@ def _micro_step(
         out = run.policy.logprobs(
             batch.tokens_BT[rows], temperature=cfg.temperature, with_entropy=True, pack=pack
         )
-        loss, metrics = loss_fn(
+        inputs = loss_batch(
             out.logp_BT,
             batch.old_logp_BT[rows],
             batch.adv_B[rows],
             mask_BT,
-            cfg=algo,
             num_sequences=global_counts[0],
             num_tokens=global_counts[1],
             is_weights=None if batch.is_weights is None else batch.is_weights[rows],
         )
+        loss, metrics = loss_fn(inputs, algo)
         session.backward(loss)
     entropy.append(torch.stack([(out.entropy_BT.detach() * mask_BT).sum(), mask_BT.sum()]))
     if batch.old_routes_BSLK is not None:

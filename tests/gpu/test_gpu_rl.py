@@ -17,7 +17,7 @@ def bf16_policy(parallel_info):
 @pytest.mark.parametrize("name", ["grpo", "gspo", "gspo_token"])
 def test_losses_on_cuda_match_cpu(name):
     from moe_rl.config import AlgoConfig
-    from moe_rl.losses import get_loss
+    from moe_rl.losses import get_loss, loss_batch
 
     g = torch.Generator().manual_seed(0)
     logp = -torch.rand(8, 40, generator=g)
@@ -30,9 +30,10 @@ def test_losses_on_cuda_match_cpu(name):
         # a fresh leaf per device: ``logp.to("cpu")`` is ``logp`` itself, so requiring its grad
         # made the CUDA copy a non-leaf whose ``.grad`` stayed None (the first GPU run's failure)
         x = logp.detach().to(dev).clone().requires_grad_(True)
-        loss, m = get_loss(name)(
-            x, old.to(dev), adv.to(dev), mask.to(dev), cfg=cfg, num_sequences=8, num_tokens=float(mask.sum())
+        batch = loss_batch(
+            x, old.to(dev), adv.to(dev), mask.to(dev), num_sequences=8, num_tokens=float(mask.sum())
         )
+        loss, m = get_loss(name)(batch, cfg)
         loss.backward()
         out[dev] = (loss.detach().cpu(), x.grad.cpu(), {k: v.detach().cpu() for k, v in m.items()})
     torch.testing.assert_close(out["cuda"][0], out["cpu"][0], atol=1e-6, rtol=1e-5)

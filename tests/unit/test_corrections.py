@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from moe_rl.config import AlgoConfig
-from moe_rl.losses import get_loss
 from moe_rl.losses.corrections import (
     CORRECTION_METRIC_REDUCTIONS,
     correction_metrics,
@@ -20,7 +19,7 @@ from moe_rl.losses.corrections import (
     correction_weights_for,
     mismatch_metrics,
 )
-from tests.unit.test_losses import counts, make_batch, padded
+from tests.unit.test_losses import counts, make_batch, padded, run
 
 NAN = float("nan")
 ln = math.log
@@ -258,13 +257,6 @@ def test_verl_seq_mean_k1_geometric_rejection():
 
 # ---------------------------------------------------------------------------------------
 # The losses take the weights
-
-
-def run(name, logp, old, adv, mask, cfg, *, ref=None, num=None, w=None):
-    ns, nt = num or counts(mask)
-    return get_loss(name)(
-        logp, old, adv, mask, cfg=cfg, num_sequences=ns, num_tokens=nt, ref_logp_BT=ref, is_weights=w
-    )
 
 
 def grad(loss, x):

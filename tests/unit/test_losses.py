@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moe_rl.config import AlgoConfig
-from moe_rl.losses import LOSSES, METRIC_REDUCTIONS, combine_metrics, get_loss, k3
+from moe_rl.losses import LOSSES, METRIC_REDUCTIONS, combine_metrics, get_loss, k3, loss_batch
 
 ALGOS = ("grpo", "gspo", "gspo_token")
 AGGS = ("seq_mean", "token_mean")
@@ -49,9 +49,12 @@ def cfg_for(name, band="wide", aggregation="seq_mean", beta=0.0):
     return AlgoConfig(name=name, eps_low=lo, eps_high=hi, aggregation=aggregation, beta=beta)
 
 
-def run(name, logp, old, adv, mask, cfg, ref=None, num=None):
+def run(name, logp, old, adv, mask, cfg, ref=None, num=None, w=None):
+    """Loss ``name`` on these tensors: one :func:`loss_batch` (``num``: the global counts, by
+    default this batch's; ``w``: correction weights), then the loss."""
     ns, nt = num or counts(mask)
-    return get_loss(name)(logp, old, adv, mask, cfg=cfg, num_sequences=ns, num_tokens=nt, ref_logp_BT=ref)
+    batch = loss_batch(logp, old, adv, mask, num_sequences=ns, num_tokens=nt, ref_logp_BT=ref, is_weights=w)
+    return get_loss(name)(batch, cfg)
 
 
 def grad(loss, x):
