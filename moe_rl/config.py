@@ -6,7 +6,9 @@ overrides are ``section.field=value`` strings parsed as YAML scalars.
 
 Every field carries a one-line docstring (the string literal after it). Choice fields are
 ``Literal`` types, checked by ``moe_rl.configlib`` (which also holds the loader machinery);
-the task sections live beside the tasks, in ``moe_rl.tasks.config``. Validation lives in
+the task sections live beside the tasks, in ``moe_rl.tasks.config``, the SGLang section in
+``moe_rl.sglang_config``. Registered names (losses, tasks, corrections) are checked against the
+plain lists of ``moe_rl.names``, so importing this module imports no torch. Validation lives in
 ``__post_init__`` and names the field and the fix; cross-section checks live in
 :meth:`Recipe.__post_init__` so they run before any process group starts.
 """
@@ -30,9 +32,8 @@ from moe_rl.configlib import (
 )
 from moe_rl.configlib import read_yaml_with_includes as read_recipe_data
 from moe_rl.configlib import to_dict as to_dict
-from moe_rl.losses import LOSSES
-from moe_rl.losses.corrections import DEFAULT_BOUNDS, TOKEN_LEVEL
-from moe_rl.rollout.config import SGLangConfig
+from moe_rl.names import DEFAULT_BOUNDS, LOSS_NAMES, PAPER_CLIP, TOKEN_LEVEL, TOKEN_RATIO_LOSSES
+from moe_rl.sglang_config import SGLangConfig
 from moe_rl.tasks.config import TaskConfig
 
 
@@ -241,7 +242,7 @@ class CheckpointConfig:
 LossAggregation = Literal["seq_mean", "token_mean"]
 LOSS_AGGREGATIONS = typing.get_args(LossAggregation)
 RolloutCorrection = Literal["none", "tis", "seq_tis", "icepop", "geo_mask"]
-"moe_rl.losses.corrections.CORRECTIONS as a config choice (a test checks they agree)."
+"moe_rl.names.CORRECTIONS as a config choice (a test checks they agree)."
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -249,11 +250,11 @@ class AlgoConfig:
     """Policy-gradient algorithm, clip band, KL, routing replay and rollout correction (docs/algorithms.md)."""
 
     name: str = "gspo"
-    "Loss in moe_rl.losses.LOSSES: grpo | gspo | gspo_token."
+    "Loss in moe_rl.losses.LOSSES (names in moe_rl.names.LOSS_NAMES): grpo | gspo | gspo_token."
     eps_low: float | None = None
-    "Lower clip: ratio >= 1 - eps_low (None: the paper value in LOSSES, grpo 0.2, gspo 3e-4)."
+    "Lower clip: ratio >= 1 - eps_low (None: the paper value, moe_rl.names.PAPER_CLIP: grpo 0.2, gspo 3e-4)."
     eps_high: float | None = None
-    "Upper clip: ratio <= 1 + eps_high (None: the paper value in LOSSES, grpo 0.27, gspo 4e-4)."
+    "Upper clip: ratio <= 1 + eps_high (None: the paper value, moe_rl.names.PAPER_CLIP: grpo 0.27, gspo 4e-4)."
     clip_ratio_c: float | None = None
     "Dual-clip constant c > 1: for A < 0 the objective is at least c * A (verl clip_ratio_c); None: off."
     aggregation: LossAggregation = "seq_mean"
@@ -283,7 +284,7 @@ class AlgoConfig:
 
     def __post_init__(self) -> None:
         check_choices(self, "algo")
-        require_registered(self.name, LOSSES, "algo.name")
+        require_registered(self.name, LOSS_NAMES, "algo.name")
         require(self.beta >= 0, f"algo.beta must be >= 0, got {self.beta}")
         require(
             self.adv_eps > 0 if self.adv_std_normalize else self.adv_eps >= 0,
@@ -314,7 +315,7 @@ class AlgoConfig:
             "rollout policy, rho = 1; set algo.old_logprobs=recompute or algo.rollout_correction=none",
         )
         require(
-            corr not in TOKEN_LEVEL or LOSSES[self.name].ratio_level == "token",
+            corr not in TOKEN_LEVEL or self.name in TOKEN_RATIO_LOSSES,
             f"algo.rollout_correction={corr} weights or masks single tokens but algo.name={self.name} clips one "
             "ratio per sequence: use algo.name=gspo_token, or algo.rollout_correction=seq_tis or geo_mask",
         )
@@ -330,13 +331,13 @@ class AlgoConfig:
 
     @property
     def clip_low(self) -> float:
-        """eps_low, or the paper value for the algorithm (moe_rl.losses.LOSSES)."""
-        return LOSSES[self.name].eps_low if self.eps_low is None else self.eps_low
+        """eps_low, or the paper value for the algorithm (moe_rl.names.PAPER_CLIP, as in LOSSES)."""
+        return PAPER_CLIP[self.name][0] if self.eps_low is None else self.eps_low
 
     @property
     def clip_high(self) -> float:
-        """eps_high, or the paper value for the algorithm (moe_rl.losses.LOSSES)."""
-        return LOSSES[self.name].eps_high if self.eps_high is None else self.eps_high
+        """eps_high, or the paper value for the algorithm (moe_rl.names.PAPER_CLIP, as in LOSSES)."""
+        return PAPER_CLIP[self.name][1] if self.eps_high is None else self.eps_high
 
     @property
     def correction_bounds(self) -> tuple[float, float]:

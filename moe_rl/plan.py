@@ -387,7 +387,7 @@ def format_plan(pl: dict) -> str:
 def command(argv: list[str] | None = None) -> int:
     """``moe-rl plan RECIPE [overrides] [--num-gpus N] [--gpu-mem-gib G] [--json]``; 1 if it cannot
     fit. A user error raises (``moe-rl``'s main turns it into one line)."""
-    from moe_rl.cli import ArgParser
+    from moe_rl.argparsing import ArgParser
 
     ap = ArgParser(prog="moe-rl plan", description=__doc__.splitlines()[0])
     ap.add_argument("recipe")
@@ -422,9 +422,10 @@ def command(argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """:func:`command`, with a user error as one ``moe-rl: <kind>: <message>`` line (exit code 2)."""
-    from moe_rl.cli import main as cli_main
+    from moe_rl.argparsing import one_line_errors
 
-    return cli_main(["plan", *(sys.argv[1:] if argv is None else argv)])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return one_line_errors(lambda: command(argv), verbose=False)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from moe_rl.losses.grpo import grpo_loss
 from moe_rl.losses.gspo import gspo_loss, gspo_token_loss
 from moe_rl.losses.kl import k3
 from moe_rl.losses.metrics import METRIC_REDUCTIONS, combine_metrics
+from moe_rl.names import PAPER_CLIP, TOKEN_RATIO_LOSSES
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,16 @@ class LossSpec:
     "Whether the clipped importance ratio is per token or per sequence (gspo)."
 
 
+def _spec(name: str, fn: Callable) -> LossSpec:
+    """``name``'s entry: the clip band and ratio level are data in moe_rl.names (config reads them there)."""
+    level = "token" if name in TOKEN_RATIO_LOSSES else "sequence"
+    return LossSpec(fn, *PAPER_CLIP[name], ratio_level=level)
+
+
 LOSSES: dict[str, LossSpec] = {
-    "grpo": LossSpec(fn=grpo_loss, eps_low=0.2, eps_high=0.27, ratio_level="token"),
-    "gspo": LossSpec(fn=gspo_loss, eps_low=3e-4, eps_high=4e-4, ratio_level="sequence"),
-    "gspo_token": LossSpec(fn=gspo_token_loss, eps_low=3e-4, eps_high=4e-4, ratio_level="token"),
+    "grpo": _spec("grpo", grpo_loss),
+    "gspo": _spec("gspo", gspo_loss),
+    "gspo_token": _spec("gspo_token", gspo_token_loss),
 }
 "Losses by algo.name: GRPO's band is DAPO's clip-higher [0.2, 0.27]; GSPO's is the GSPO paper's."
 

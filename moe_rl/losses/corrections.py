@@ -32,19 +32,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from moe_rl.losses.kl import k3
+from moe_rl.names import CORRECTIONS, DEFAULT_BOUNDS  # data, defined there so config reads it without torch
 
 if TYPE_CHECKING:
     from moe_rl.config import AlgoConfig
 
-CORRECTIONS = ("none", "tis", "seq_tis", "icepop", "geo_mask")
-"Valid values of algo.rollout_correction."
-TOKEN_LEVEL = ("tis", "icepop")
-"Corrections with one weight per token ([B, T])."
-SEQUENCE_LEVEL = ("seq_tis", "geo_mask")
-"Corrections with one weight per sequence ([B])."
-DEFAULT_BOUNDS = {"icepop": (0.5, 5.0), "geo_mask": (1 / 1.001, 1.001)}
-"""Bounds (low, high) of icepop (IcePop's [0.5, 5] on rho) and geo_mask (verl's decoupled_geo_rs:
-the geometric mean of rho within 1.001 of 1) when the config leaves them None."""
 EXTREME_LOG_RATIO = math.log(2.0)
 "|log rho| above which a token counts in ``mismatch/extreme_frac`` (rho outside [1/2, 2])."
 

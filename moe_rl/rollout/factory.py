@@ -32,8 +32,10 @@ from moe_rl.rollout.types import HFStateSource, Rollouts, SamplingParams
 from moe_rl.rollout.weight_sync.address import is_loopback, is_wildcard, local_dial, route_address
 
 if TYPE_CHECKING:
-    from moe_rl.rollout.config import SGLangConfig
-    from moe_rl.trainer.run import Run
+    from moe_rl.config import Recipe, RolloutConfig
+    from moe_rl.megatron.policy import Policy
+    from moe_rl.sglang_config import SGLangConfig
+    from moe_rl.tasks import Tokenizer
 
 log = logging.getLogger(__name__)
 SGLANG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -252,24 +254,25 @@ def engine_gpus(cfg: SGLangConfig, n: int, trainer: list[int]) -> list[tuple[int
         raise ConfigError(str(e)) from e
 
 
-def launch_fleet(run: Run, model_path: str, *, multi_node: bool | None = None):
-    """Rank 0: launch the engines (and the router with 2+); returns (Fleet, engine URLs, router URL).
+def launch_fleet(recipe: Recipe, out: Path, model_path: str, *, multi_node: bool | None = None):
+    """Rank 0: launch the engines (and the router with 2+) the recipe asks for, logging under
+    ``out/logs``; returns (Fleet, engine URLs, router URL).
 
     ``multi_node``: whether the trainer spans several nodes (None: :func:`spans_nodes`); the
     engines then listen where the other nodes reach them (:func:`engine_address`)."""
     from moe_rl.rollout.sglang_launcher import SGLangLauncher, SGLangServerConfig
     from moe_rl.rollout.sglang_router import Fleet, SGLangRouterLauncher
 
-    cfg = run.recipe.rollout.sglang
+    cfg = recipe.rollout.sglang
     bind, dial = engine_address(cfg, multi_node=spans_nodes() if multi_node is None else multi_node)
     masks = engine_gpus(cfg, cfg.num_engines, trainer_gpus())
-    dtype = SGLANG_DTYPES[run.recipe.rollout_dtype]
-    if dtype != run.recipe.model.dtype:
+    dtype = SGLANG_DTYPES[recipe.rollout_dtype]
+    if dtype != recipe.model.dtype:
         log.info(
             "SGLang engines serve rollout.dtype=%s (--dtype %s) from %s weights: cast on load and on every push",
-            run.recipe.rollout_dtype,
+            recipe.rollout_dtype,
             dtype,
-            run.recipe.model.dtype,
+            recipe.model.dtype,
         )
     launchers = []
     fleet = Fleet(launchers)
@@ -282,7 +285,7 @@ def launch_fleet(run: Run, model_path: str, *, multi_node: bool | None = None):
                 host=bind,
                 advertise_host=dial,
                 port=(cfg.port or None) if i == 0 else None,
-                enable_return_routed_experts=run.recipe.algo.routing == "r3",
+                enable_return_routed_experts=recipe.algo.routing == "r3",
                 mem_fraction_static=cfg.mem_fraction,
                 dtype=dtype,
                 module=cfg.module,
@@ -293,7 +296,7 @@ def launch_fleet(run: Run, model_path: str, *, multi_node: bool | None = None):
             )
             launcher = SGLangLauncher(
                 server_cfg,
-                log_path=run.out / "logs" / f"sglang-{i}.log",
+                log_path=Path(out) / "logs" / f"sglang-{i}.log",
                 startup_timeout_s=cfg.startup_timeout_s,
             )
             launchers.append(launcher)
@@ -306,8 +309,8 @@ def launch_fleet(run: Run, model_path: str, *, multi_node: bool | None = None):
                 host=bind,
                 policy=cfg.router_policy,
                 api_key=cfg.api_key,
-                log_path=run.out / "logs" / "sglang-router.log",
-                request_timeout_s=run.recipe.rollout.timeout_s,
+                log_path=Path(out) / "logs" / "sglang-router.log",
+                request_timeout_s=recipe.rollout.timeout_s,
             )
             fleet.router.start()
             router_url = f"http://{host_port(dial, fleet.router.port)}"  # not 0.0.0.0 / ::
@@ -317,9 +320,13 @@ def launch_fleet(run: Run, model_path: str, *, multi_node: bool | None = None):
     return fleet, urls, router_url
 
 
-def build_sglang_engine(run: Run) -> RankedSGLangEngine:
-    """The engine for ``run`` (a trainer Run): attach to the recipe's URLs or launch engines on rank 0."""
-    rollout_cfg, model_cfg = run.recipe.rollout, run.recipe.model
+def build_sglang_engine(
+    recipe: Recipe, *, policy: Policy, tokenizer: Tokenizer, out: Path, rank: int
+) -> RankedSGLangEngine:
+    """The SGLang engine of ``recipe`` on trainer rank ``rank``: attach to the recipe's URLs, or
+    launch engines on rank 0 (from ``policy`` exported with ``tokenizer`` to ``out/hf_init``
+    unless rollout.sglang.model_path names a checkpoint; logs and disk weight sync under ``out``)."""
+    rollout_cfg, model_cfg = recipe.rollout, recipe.model
     cfg = rollout_cfg.sglang
     fleet, router_url = None, cfg.router_url
     multi_node = trainer_spans_nodes()
@@ -329,26 +336,26 @@ def build_sglang_engine(run: Run) -> RankedSGLangEngine:
             urls, router_url, multi_node=multi_node, what="rollout.sglang.url / engines / router_url"
         )
     else:
-        model_path = cfg.model_path or str(run.out / "hf_init")
+        model_path = cfg.model_path or str(Path(out) / "hf_init")
         if not cfg.model_path:  # the server starts from the policy as it is now
             from moe_rl.megatron.hf import export_hf
 
-            export_hf(run.policy, model_path, tokenizer=run.tok)
-        fleet, urls, router_url = _launch_on_rank0(run, model_path, multi_node)
+            export_hf(policy, model_path, tokenizer=tokenizer)
+        fleet, urls, router_url = _launch_on_rank0(recipe, out, model_path, multi_node, rank)
     if len(urls) > 1 and router_url is None:
         raise ConfigError("rollout.sglang.engines lists several URLs: set rollout.sglang.router_url too")
     key = cfg.admin_api_key or cfg.api_key
     kw = {"timeout_s": rollout_cfg.timeout_s, "retries": rollout_cfg.retries}
     engines = [SGLangClient(u, api_key=key, **kw) for u in urls]
     front = SGLangClient(router_url, api_key=cfg.api_key, **kw) if router_url else engines[0]
-    sync = _weight_sync(run, engines) if run.info.rank == 0 else None
+    sync = _weight_sync(rollout_cfg, out, engines) if rank == 0 else None
     inner = SGLangEngine(
         front,
         engines=engines,
         num_layers=model_cfg.num_layers,
         topk=model_cfg.moe_router_topk,
         num_experts=model_cfg.num_experts,
-        pad_id=run.tok.pad_id,
+        pad_id=tokenizer.pad_id,
         weight_sync=sync,
         launcher=fleet,
         step_deadline_s=cfg.step_deadline_s,
@@ -356,18 +363,18 @@ def build_sglang_engine(run: Run) -> RankedSGLangEngine:
         colocated=cfg.colocate,
         verify_every=rollout_cfg.verify_every,
     )
-    return RankedSGLangEngine(inner, run.info.rank)
+    return RankedSGLangEngine(inner, rank)
 
 
-def _launch_on_rank0(run: Run, model_path: str, multi_node: bool):
+def _launch_on_rank0(recipe: Recipe, out: Path, model_path: str, multi_node: bool, rank: int):
     """Rank 0 launches the fleet and broadcasts its URLs (never loopback across nodes); a failure
     there is raised on every rank (the others would otherwise wait in the broadcast)."""
     from moe_rl.rollout.sglang_launcher import SGLangLaunchError
 
     fleet = urls = router_url = failure = None
-    if run.info.rank == 0:
+    if rank == 0:
         try:
-            fleet, urls, router_url = launch_fleet(run, model_path, multi_node=multi_node)
+            fleet, urls, router_url = launch_fleet(recipe, out, model_path, multi_node=multi_node)
             check_reachable(urls, router_url, multi_node=multi_node, what="launched SGLang engine")
         except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks are told
             failure = e
@@ -391,14 +398,13 @@ def _launch_on_rank0(run: Run, model_path: str, multi_node: bool):
     return fleet, urls, router_url
 
 
-def _weight_sync(run: Run, engines: list[SGLangClient]):
-    """Rank 0's pusher to every engine, as the recipe asks."""
+def _weight_sync(rollout_cfg: RolloutConfig, out: Path, engines: list[SGLangClient]):
+    """Rank 0's pusher to every engine, as the recipe's rollout section asks."""
     from moe_rl.rollout.weight_sync import DiskWeightSync, DistributedWeightSync, TensorWeightSync
 
-    rollout_cfg = run.recipe.rollout
     tp_sizes = [rollout_cfg.sglang.tp] * len(engines)
     if rollout_cfg.weight_sync == "disk":
-        return DiskWeightSync(engines, rollout_cfg.weight_sync_dir or Path(run.out) / "weights")
+        return DiskWeightSync(engines, rollout_cfg.weight_sync_dir or Path(out) / "weights")
     if rollout_cfg.weight_sync == "tensor":
         return TensorWeightSync(engines, tp_sizes=tp_sizes, timeout_s=rollout_cfg.timeout_s)
     return DistributedWeightSync(

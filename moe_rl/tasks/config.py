@@ -1,8 +1,8 @@
 """Configuration of the verifiable tasks: one frozen, keyword-only dataclass per task.
 
 The :class:`moe_rl.config.Recipe` composes :class:`TaskConfig` as its ``task`` section; the
-tasks themselves (``moe_rl.tasks``) read it. Only ``moe_rl.configlib`` is imported here, so
-the tasks never import the recipe module.
+tasks themselves (``moe_rl.tasks``) read it. Only ``moe_rl.configlib`` and ``moe_rl.names`` are
+imported here, so the tasks never import the recipe module.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moe_rl.configlib import require, require_registered
+from moe_rl.names import TASK_NAMES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,7 +120,7 @@ class TaskConfig:
     """Which verifiable task to train on, its difficulty and length knobs, and its reward shape."""
 
     name: str = "arithmetic"
-    "Task in moe_rl.tasks.TASKS: arithmetic | countdown | jsonl."
+    "Task in moe_rl.tasks.TASKS (names in moe_rl.names.TASK_NAMES): arithmetic | countdown | jsonl."
     seed: int = 0
     "Seed of the training prompt stream (the trainer passes it to task.sample as rng_seed)."
     heldout_fraction: float = 0.05
@@ -134,9 +135,7 @@ class TaskConfig:
     "Knobs of the jsonl task."
 
     def __post_init__(self) -> None:
-        from moe_rl.tasks import TASKS  # the registry, in this package's __init__ (imported by then)
-
-        require_registered(self.name, TASKS, "task.name")
+        require_registered(self.name, TASK_NAMES, "task.name")
         require(
             0.0 < self.heldout_fraction < 1.0,
             f"task.heldout_fraction={self.heldout_fraction} must be in (0, 1), e.g. 0.05",

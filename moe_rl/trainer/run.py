@@ -219,7 +219,9 @@ class Run:
         else:
             from moe_rl.rollout.factory import build_sglang_engine
 
-            self.engine = build_sglang_engine(self)
+            self.engine = build_sglang_engine(
+                self.recipe, policy=self.policy, tokenizer=self.tok, out=self.out, rank=self.info.rank
+            )
             self.engine_gives_routes = self.recipe.algo.routing == "r3"
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:

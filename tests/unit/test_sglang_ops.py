@@ -394,8 +394,6 @@ def test_no_request_id_is_a_prefix_of_another(server):
 def test_launched_engines_serve_rollout_dtype(monkeypatch, tmp_path, rollout_dtype, flag):
     """SGLang's --dtype auto serves an fp32 export in fp16: the launcher passes rollout.dtype, bf16
     unless set (what verl and slime serve); the embedded engine's auto is the policy's own."""
-    from types import SimpleNamespace
-
     from moe_rl.rollout import sglang_launcher
 
     started = []
@@ -410,7 +408,7 @@ def test_launched_engines_serve_rollout_dtype(monkeypatch, tmp_path, rollout_dty
     monkeypatch.setattr(sglang_launcher, "SGLangLauncher", Launcher)
     monkeypatch.setattr(factory, "trainer_gpus", lambda: [])
     recipe = recipe_from_dict({}, ["rollout.engine=sglang", f"rollout.dtype={rollout_dtype}"])
-    factory.launch_fleet(SimpleNamespace(recipe=recipe, out=tmp_path), "/m")
+    factory.launch_fleet(recipe, tmp_path, "/m")
     (cmd,) = started
     assert cmd[cmd.index("--dtype") + 1] == flag
     own = (

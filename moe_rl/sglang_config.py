@@ -1,7 +1,8 @@
 """Configuration of the SGLang rollout engines (the ``rollout.sglang`` section of a recipe).
 
-Beside the code it configures, as the task sections are; only ``moe_rl.configlib`` is
-imported, and :class:`moe_rl.config.RolloutConfig` composes it.
+A data-only module under ``moe_rl.config`` (which composes it in
+:class:`moe_rl.config.RolloutConfig`), outside ``moe_rl.rollout``, whose package imports torch:
+only ``moe_rl.configlib`` is imported. The engines it configures are ``moe_rl.rollout.factory``'s.
 """
 
 from __future__ import annotations
