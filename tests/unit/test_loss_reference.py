@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from moe_rl.config import AlgoConfig
-from moe_rl.losses.corrections import CORRECTIONS, TOKEN_LEVEL, correction_weights
+from moe_rl.losses.corrections import CORRECTIONS, correction_weights
+from moe_rl.names import TOKEN_LEVEL
 from tests.unit.test_losses import counts, make_batch, run
 
 REFERENCE = Path(__file__).with_name("loss_reference.json")
