@@ -23,26 +23,59 @@ class ArgParser(argparse.ArgumentParser):
 
 
 def one_line_errors(command: Callable[[], int], verbose: bool) -> int:
-    """``command()``; a :class:`moe_rl.errors.UserError` (or a full disk) becomes one line on
-    stderr and exit code 2 (``verbose``: with its traceback); any other exception is a bug and keeps it."""
-    from moe_rl.errors import UserError
+    """``command()``; a :class:`moe_rl.errors.UserError`, an outside service that is down
+    (:class:`moe_rl.errors.Unavailable`) or a file-system ``OSError`` (full disk, read-only, permission,
+    name too long, ...) becomes one line on stderr and exit code 2 (``verbose``: with its traceback);
+    any other exception is a bug and keeps it."""
+    from moe_rl.errors import Unavailable, UserError
 
     try:
         return command()
     except UserError as e:
         return _one_line(e.kind, str(e), verbose)
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        where = f" writing {e.filename}" if e.filename else ""
+    except Unavailable as e:
         return _one_line(
-            "disk full", f"no space left on the device{where}: free space or pick another folder", verbose
+            "unavailable", f"{e}: start it or check its log, then rerun (--resume continues a run)", verbose
         )
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            where = f" writing {e.filename}" if e.filename else ""
+            return _one_line(
+                "disk full", f"no space left on the device{where}: free space or pick another folder", verbose
+            )
+        if e.errno is None or isinstance(e, ConnectionError):
+            raise  # not a file-system error the user met: a bug, with its traceback
+        return _one_line("file system", os_error_line(e), verbose)
     except RuntimeError as e:
         message = _torch_write_failure(e)
         if message is None:
             raise
         return _one_line("disk full", message, verbose)
+
+
+OS_FIXES = {
+    errno.EROFS: "the file system is read-only: pick a folder on a writable one",
+    errno.EACCES: "permission denied: pick a folder you can write, or fix its permissions",
+    errno.EPERM: "operation not permitted: pick another folder, or fix its permissions",
+    errno.EEXIST: "it already exists: remove it or pick another path",
+    errno.ENAMETOOLONG: "the name is too long for the file system: use a shorter path",
+    errno.EBUSY: "the device or file is busy (in use by another process): retry once it is free",
+    errno.ENOENT: "no such file or directory: check the path",
+    errno.ENOTDIR: "a part of the path is a file, not a folder: check the path",
+    errno.EISDIR: "it is a folder where a file was expected: give a file path",
+    errno.EMFILE: "too many open files: raise the limit (ulimit -n)",
+    errno.EIO: "input/output error: the disk or the network file system failed; check it",
+    errno.EXDEV: "the path crosses file systems where a rename must not: keep the paths on one",
+}
+"The fix the one line names for an ``OSError``'s errno (others: the system's own words)."
+
+
+def os_error_line(e: OSError) -> str:
+    """``OSError`` -> ``<errno name> on <path>[ -> <path2>]: <fix>`` (the system's words when no fix is known)."""
+    name = errno.errorcode.get(e.errno, str(e.errno))
+    paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p)
+    on = f" on {paths}" if paths else ""
+    return f"{name}{on}: {OS_FIXES.get(e.errno, e.strerror or str(e))}"
 
 
 def _one_line(kind: str, message: str, verbose: bool) -> int:

@@ -25,3 +25,8 @@ class DataError(UserError):
     """A data file or record that cannot be used; the message names the file and line."""
 
     kind = "data error"
+
+
+class Unavailable(Exception):
+    """An outside service the command needs is down or stopped answering (an SGLang server, its
+    router): shown as one ``moe-rl: unavailable: ...`` line, exit code 2. The message names it."""

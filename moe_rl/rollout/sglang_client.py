@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from moe_rl.dist import host_port
+from moe_rl.errors import Unavailable
 from moe_rl.rollout.types import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,8 +50,9 @@ class SGLangError(RuntimeError):
     """Base class of every error this client raises."""
 
 
-class SGLangUnavailable(SGLangError):
-    """The server could not be reached (down, refusing, or dropped the connection)."""
+class SGLangUnavailable(SGLangError, Unavailable):
+    """The server could not be reached (down, refusing, or dropped the connection); the command
+    line shows it as one line (:class:`moe_rl.errors.Unavailable`)."""
 
 
 class SGLangTimeout(SGLangUnavailable):

@@ -32,7 +32,7 @@ RUN_MODEL = {
     "max_seq_len": 48,
 }
 "The one-layer MoE the cases that really train use (seconds per run)."
-CATEGORIES = ("recipe", "override", "data", "checkpoint", "output", "cli", "signal", "server", "reward")
+CATEGORIES = ("recipe", "override", "data", "checkpoint", "output", "cli", "signal", "server", "reward", "os")
 
 
 def pytest_configure(config):
