@@ -596,6 +596,14 @@ class Recipe:
             m.dtype == "float32" or p.backend != "gloo",
             "model.dtype=bfloat16 needs CUDA (nccl); set model.dtype=float32 on CPU",
         )
+        # known before anything trains (they used to fail when the RL stage began, after SFT)
+        require(
+            self.task.name != "jsonl"
+            or "sft" not in self.train.stages
+            or bool(self.task.jsonl.response_field),
+            "train.stages includes sft but the jsonl task has no demonstrations: set "
+            "task.jsonl.response_field to the key holding a reference response, or train.stages=[rl]",
+        )
 
     @property
     def rollout_dtype(self) -> str:

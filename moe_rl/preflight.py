@@ -3,8 +3,10 @@
 :func:`moe_rl.config.load_recipe` checks every field on its own and across sections. What
 needs the tokenizer and the task's data is checked here: the vocabulary holds the tokenizer,
 the longest prompt plus ``train.max_new_tokens`` fits ``model.max_seq_len``, and evaluation
-has held-out prompts for every data-parallel rank, and an attached SGLang server returns routed
-experts when ``algo.routing=r3`` replays them (its ``server_info`` says). Each failure is a
+has held-out prompts for every data-parallel rank, an attached SGLang server returns routed
+experts when ``algo.routing=r3`` replays them (its ``server_info`` says), and the RL stage's
+engine can run the layout (the embedded engine decodes at TP 1 only: refused here, before SFT,
+not when RL begins). Each failure is a
 :class:`moe_rl.config.ConfigError` naming the fields and the fix.
 """
 
@@ -115,4 +117,16 @@ def preflight(recipe: Recipe) -> tuple[Tokenizer, Task]:
     check_lengths(recipe, task, tok)
     check_heldout(recipe, task)
     check_routes_served(recipe)
+    check_engine_layout(recipe)
     return tok, task
+
+
+def check_engine_layout(recipe: Recipe) -> None:
+    """The RL stage's embedded engine needs ``parallel.tensor_parallel=1``."""
+    tp = recipe.parallel.tensor_parallel
+    require(
+        tp == 1 or recipe.rollout.engine != "embedded" or "rl" not in recipe.train.stages,
+        f"parallel.tensor_parallel={tp} with rollout.engine=embedded: the embedded engine decodes at "
+        "TP 1 only (megatron's sequence parallelism splits the sequence over TP ranks); use "
+        "tensor_parallel=1 (expert and data parallelism work) or rollout.engine=sglang",
+    )

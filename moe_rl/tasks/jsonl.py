@@ -193,9 +193,10 @@ class JsonlTask:
         )
         try:
             value = self.reward_fn(response_text, prompt.answer, meta["record"])
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # sys.exit() in a reward ended the run with no word
             raise RewardError(
                 f"{where} raised {type(e).__name__}: {e} (response {response_text[:60]!r})"
+                + (": a reward function must return a number, not exit" if isinstance(e, SystemExit) else "")
             ) from e
         if not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise RewardError(

@@ -138,6 +138,11 @@ REWARDS = {
     "nan": ("    return float('nan')\n", r"returned nan \(float\): it must return a finite number"),
     "string": ("    return 'yes'\n", r"returned 'yes' \(str\): it must return a finite number"),
     "none": ("    return None\n", r"returned None \(NoneType\)"),
+    # it used to end the run with no message
+    "exits": (
+        "    import sys\n    sys.exit(3)\n",
+        r"raised SystemExit: 3 .*: a reward function must return a number, not exit",
+    ),
 }
 
 

@@ -54,6 +54,15 @@ FIELD_CASES = {
         "checkpoint:\n  dir: ''\n",
         r"checkpoint\.dir is empty: give a directory or null",
     ),
+    # known before SFT (they used to fail when the RL stage began)
+    "tp2_embedded_rl": (
+        "parallel:\n  tensor_parallel: 2\n  data_parallel: 1\ntrain:\n  stages: [sft, rl]\n",
+        r"parallel\.tensor_parallel=2 with rollout\.engine=embedded: the embedded engine decodes at TP 1 only",
+    ),
+    "jsonl_sft_without_responses": (
+        "task:\n  name: jsonl\n  jsonl: {path: data.jsonl, reward_fn: 'score.py:score'}\ntrain:\n  stages: [sft, rl]\n",
+        r"train\.stages includes sft but the jsonl task has no demonstrations: set task\.jsonl\.response_field",
+    ),
 }
 
 
