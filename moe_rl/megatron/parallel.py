@@ -95,7 +95,9 @@ def init_parallel(
             pipeline_model_parallel_size=cfg.pipeline_parallel,
             expert_model_parallel_size=cfg.expert_parallel,
             expert_tensor_parallel_size=1,
-            distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)),
+            # megatron-core takes minutes and builds timedelta(minutes=...): a float keeps
+            # parallel.timeout_s exact (whole minutes bounded a hung rank at 60 s for 30 s)
+            distributed_timeout_minutes=cfg.timeout_s / 60,
         )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
