@@ -463,6 +463,25 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return find_checkpoint(root)[0]
 
 
+_SHAPE_MISMATCH = re.compile(
+    r"shape mismatch for loaded \(([^)]*\)?)\) and expected \(([^)]*\)?)\) tensor for key (\S+)"
+)
+
+
+def shape_mismatch(e: BaseException) -> str | None:
+    """``<key> is <shape> in the checkpoint and <shape> in the model`` when megatron-core refused a
+    load for a tensor's shape (its message may sit inside torch's per-rank ``CheckpointException``);
+    else None."""
+    import traceback
+
+    text = "".join(traceback.format_exception(e))
+    m = _SHAPE_MISMATCH.search(text)
+    if m is None:
+        return None
+    loaded, expected, key = m.groups()
+    return f"{key} is {loaded} in the checkpoint and {expected} in the model"
+
+
 def load_checkpoint(path: str | Path, model, optimizer=None, *, load_rng: bool = True) -> dict:
     """Load a checkpoint (a ``step-N`` dir, or a root with ``latest``) into this layout.
 
@@ -491,7 +510,16 @@ def load_checkpoint(path: str | Path, model, optimizer=None, *, load_rng: bool =
     _match_layout(sharded, ckpt, meta)
     request = _containers_copy(sharded)  # load fills ``sharded`` in place
     missing = _match_main_weights(sharded, ckpt) if with_optimizer else {}
-    loaded = dist_checkpointing.load(sharded, str(ckpt))
+    try:
+        loaded = dist_checkpointing.load(sharded, str(ckpt))
+    except BaseException as e:  # megatron's CheckpointingException, inside torch's (a BaseException)
+        differs = shape_mismatch(e)
+        if differs is None:
+            raise
+        raise CheckpointError(
+            f"checkpoint {ckpt} does not fit this recipe's model: {differs}; load it with the model "
+            "section it was saved with (the run's recipe.yaml) or start without it"
+        ) from e
     model.load_state_dict(loaded["model"], strict=False)
     if with_optimizer:
         _put_back(loaded, missing)

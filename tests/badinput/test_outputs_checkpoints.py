@@ -467,3 +467,26 @@ def test_dead_policy_at_an_rl_checkpoint_is_not_saved(cli, tmp_path, monkeypatch
         "step-00000002",
     ]
     assert_kept(before, tmp_path)
+
+
+@pytest.mark.bad_input("checkpoint")
+@pytest.mark.parametrize("how", ["export", "resume", "checkpoint.load"])
+def test_a_checkpoint_of_another_shape_is_one_line_naming_the_tensor(cli, run_copy, how):
+    """A recipe whose model differs from the checkpoint's (here the experts' width) used to end in
+    megatron-core's CheckpointingException inside torch's CheckpointException: two tracebacks."""
+    other = "model.moe_ffn_hidden_size=48"
+    ckpts = run_copy / "run/checkpoints"
+    before = snapshot(run_copy)
+    if how == "export":
+        res = cli("export", run_copy / "r.yaml", run_copy / "hf", other, "--checkpoint", ckpts)
+    elif how == "resume":
+        res = cli("train", run_copy / "r.yaml", other, "train.sft_steps=6", "--resume", cwd=run_copy)
+    else:
+        res = cli(
+            "train", run_copy / "r.yaml", other, f"checkpoint.load={ckpts}", f"train.out_dir={run_copy}/new"
+        )
+    res.one_line(
+        r"checkpoint error: checkpoint .*step-\d+ does not fit this recipe's model: "
+        r"decoder\.layers\.mlp\.experts\.experts\.linear_fc1\.weight is .*64, 32.* in the checkpoint and .*96, 32.* in the model"
+    )
+    assert_kept(before, run_copy)
