@@ -3,7 +3,8 @@
 :func:`moe_rl.config.load_recipe` checks every field on its own and across sections. What
 needs the tokenizer and the task's data is checked here: the vocabulary holds the tokenizer,
 the longest prompt plus ``train.max_new_tokens`` fits ``model.max_seq_len``, and evaluation
-has held-out prompts for every data-parallel rank, an attached SGLang server returns routed
+has held-out prompts for every data-parallel rank, prompts hold no characters the tokenizer lacks
+(a warning: they would become ``<unk>``), an attached SGLang server returns routed
 experts when ``algo.routing=r3`` replays them (its ``server_info`` says), and the RL stage's
 engine can run the layout (the embedded engine decodes at TP 1 only: refused here, before SFT,
 not when RL begins). Each failure is a
@@ -58,6 +59,34 @@ def check_lengths(recipe: Recipe, task: Task, tok: Tokenizer) -> None:
         f"model.max_seq_len={cap}: lower train.max_new_tokens to {max(cap - longest, 0)}, raise "
         f"model.max_seq_len to {longest + new}, or shorten the prompts",
     )
+
+
+def check_unknown_chars(recipe: Recipe, task: Task, tok: Tokenizer) -> list[str]:
+    """Warn when the task's prompts hold characters the (character) tokenizer lacks: each becomes
+    ``<unk>``, so the policy cannot read them (CJK or emoji under the built-in tokenizer). The
+    characters, most frequent first (at most 10)."""
+    if not hasattr(tok, "unknown_chars") or not hasattr(task, "longest_prompts"):
+        return []
+    counts: dict[str, int] = {}
+    prompts = 0
+    for text in task.longest_prompts():
+        unknown = tok.unknown_chars(text)
+        prompts += bool(unknown)
+        for c in unknown:
+            counts[c] = counts.get(c, 0) + 1
+    if not counts:
+        return []
+    top = sorted(counts, key=lambda c: (-counts[c], c))[:10]
+    log.warning(
+        "task %s: %d prompts hold %d characters the %s tokenizer lacks (%s): each becomes <unk> and the "
+        "policy cannot read it; use a Hugging Face tokenizer (model.tokenizer=DIR) or clean the data",
+        recipe.task.name,
+        prompts,
+        len(counts),
+        recipe.model.tokenizer,
+        " ".join(repr(c) for c in top),
+    )
+    return top
 
 
 def check_heldout(recipe: Recipe, task: Task) -> None:
@@ -115,6 +144,7 @@ def preflight(recipe: Recipe) -> tuple[Tokenizer, Task]:
     check_vocab(recipe, tok)
     task = build_task(recipe.task)
     check_lengths(recipe, task, tok)
+    check_unknown_chars(recipe, task, tok)
     check_heldout(recipe, task)
     check_routes_served(recipe)
     check_engine_layout(recipe)

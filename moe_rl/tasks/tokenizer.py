@@ -89,6 +89,10 @@ class CharTokenizer:
             ids.append(self.eos_id)
         return ids
 
+    def unknown_chars(self, text: str) -> set[str]:
+        """The characters of ``text`` this tokenizer lacks (each becomes ``<unk>``)."""
+        return {c for c in set(text) if c not in self._ids}
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Concatenated token strings; special and reserved tokens dropped unless asked for."""
         out = []

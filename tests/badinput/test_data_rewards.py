@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.badinput.conftest import RUN_MODEL, assert_kept, snapshot
+from tests.badinput.conftest import RUN_MODEL, assert_kept, run_cli, snapshot
 
 data_case = pytest.mark.bad_input("data")
 reward_case = pytest.mark.bad_input("reward")
@@ -158,3 +158,20 @@ def test_reward_error_names_the_record(cli, tmp_path, name):
     )
     assert "Traceback" not in line
     assert_kept(before, tmp_path)
+
+
+@data_case
+def test_characters_the_tokenizer_lacks_are_warned_about_before_training(tmp_path):
+    """CJK or emoji under the built-in character tokenizer became ``<unk>`` with no word (a
+    subprocess: the warning is a log line)."""
+    odd = (
+        json.dumps({"prompt": "你好 1+1=", "answer": "2"})
+        + "\n"
+        + json.dumps({"prompt": "😀+1=", "answer": "1"})
+    )
+    res = run_cli("check", _recipe(tmp_path, data=_records(10) + odd + "\n"), timeout=120)
+    assert res.code == 0, res.err[-2000:]
+    warning = [ln for ln in res.err.splitlines() if "tokenizer lacks" in ln]
+    assert len(warning) == 1, res.err[-2000:]
+    assert "2 prompts hold 3 characters the char tokenizer lacks" in warning[0]
+    assert all(repr(c) in warning[0] for c in "你好😀") and "model.tokenizer=DIR" in warning[0]
