@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -277,6 +278,23 @@ def _save_tokenizer(tokenizer, root: Path) -> None:
         shutil.copy2(src / f, root / f)
 
 
+def _special_ids(tokenizer) -> dict:
+    """``bos/eos/pad_token_id`` of ``tokenizer`` (those it has), as transformers' configs name them."""
+    ids = {f"{k}_token_id": getattr(tokenizer, f"{k}_id", None) for k in ("bos", "eos", "pad")}
+    return {k: int(v) for k, v in ids.items() if v is not None}
+
+
+def _readable(root: Path) -> None:
+    """Every file under ``root`` readable as an ordinary new file is (0666 less the umask): the
+    safetensors writer leaves its shards 0600, which other users of a shared checkpoint folder and
+    a server running as another user cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in root.rglob("*"):
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
+
+
 def _write(source: PolicyHFSource, out: Path, tokenizer, max_shard_bytes: int) -> Exception | None:
     """Rank 0: stream every tensor into a temp directory, add config + tokenizer, rename it to ``out``.
 
@@ -292,9 +310,15 @@ def _write(source: PolicyHFSource, out: Path, tokenizer, max_shard_bytes: int) -
             written = writer.finish()
             dtype = source.dtype or next(source.policy.model.parameters()).dtype
             cfg_json = hf_config(source.policy.cfg, dtype=dtype)
+            if tokenizer is not None:
+                special = _special_ids(tokenizer)
+                cfg_json.update(special)
+                # transformers' generate() reads eos_token_id from here: without it it never stops
+                (tmp / "generation_config.json").write_text(json.dumps(special, indent=2) + "\n")
             (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
             if tokenizer is not None:
                 _save_tokenizer(tokenizer, tmp)
+            _readable(tmp)
     except Exception as e:  # noqa: BLE001 - returned, raised after the collectives
         for _ in tensors:
             pass

@@ -282,3 +282,26 @@ def test_source_and_sink(hf_ckpt, parallel_info):
     assert gap(target, model, toks) < TOL
     with torch.no_grad():
         assert torch.equal(target.logits(toks), policy.logits(toks))
+
+
+def test_export_says_where_generation_stops_and_is_readable(hf_ckpt, parallel_info, tmp_path):
+    """transformers' ``generate()`` reads ``eos_token_id`` from generation_config.json: without it
+    a generation of the export never stopped. The shards were written 0600."""
+    import os
+    import stat
+
+    from moe_rl.tasks.tokenizer import CharTokenizer
+
+    _, path = hf_ckpt
+    policy = policy_for(path, parallel_info)
+    import_hf(policy, path)
+    tok = CharTokenizer()
+    out = export_hf(policy, tmp_path / "out", tokenizer=tok)
+    gen = transformers.GenerationConfig.from_pretrained(out)
+    assert (gen.eos_token_id, gen.bos_token_id, gen.pad_token_id) == (tok.eos_id, tok.bos_id, tok.pad_id)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert model.generation_config.eos_token_id == tok.eos_id
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in out.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f.name
