@@ -4,7 +4,7 @@ From a stable base (:data:`STABLE_BASE` on recipes/demo/base.yaml) each lever of
 is turned alone: rollout precision (``old_logprobs`` rollout or recompute, no correction),
 minibatches per rollout batch, response length, routing granularity at equal active size, depth.
 Each (cell, arm, seed) is one run from its cell's SFT start (cached by SFT signature), judged by
-``benchmarks.collapse.CRITERION`` and :data:`LEARNING`. The plan is data here, written by
+``moe_rl.lab.CRITERION`` and :data:`LEARNING`. The plan is data here, written by
 ``--write-plan`` to benchmarks/results/phase-preregistration.json before any run.
 
     python -m benchmarks.phase --write-plan
@@ -26,30 +26,21 @@ import argparse
 import json
 import logging
 import math
-import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks import collapse
-from benchmarks.arms import (
-    ARMS,
-    CACHE,
-    DEMO,
-    ROOT,
-    SMOKE_BASE,
-    cached_start,
-    cpu_seconds,
-    flatten,
-    mean,
-    sft_key,
-    start_overrides,
-    warm_start,
-)
-from benchmarks.common import RESULTS, commit, machine, result_path
-from benchmarks.volatility import PAPER, _lstsq
+from benchmarks.common import RESULTS, SMOKE_BASE, commit, machine, result_path
+from benchmarks.volatility import PAPER
 from moe_rl.config import load_recipe
+from moe_rl.lab import runner
+from moe_rl.lab.arms import ARMS, DEMO, ROOT, arm_overrides, flatten
+from moe_rl.lab.collapse import CRITERION, collapse_verdict
+from moe_rl.lab.runner import STATUS_FILE, arm_command, cpu_seconds, local_launch, run_when_ready
+from moe_rl.lab.starts import CACHE, cached_start, sft_key, start_overrides, warm_start
+from moe_rl.lab.stats import lstsq, mean
 
 log = logging.getLogger("benchmarks.phase")
 PLAN_FILE = ROOT / "benchmarks" / "results" / "phase-preregistration.json"
@@ -103,7 +94,7 @@ BASE_PROTOCOL = (
 )
 
 SCREEN_ARMS = ("GRPO", "GRPO+R2", "GRPO+R3", "GRPO+TIS", "GSPO")
-"Arms of the screen and the confirmation (definitions in moe_rl.trainer.arms.ARMS)."
+"Arms of the screen and the confirmation (definitions in moe_rl.lab.arms.ARMS)."
 DECIDING_ARMS = ("GRPO", "GSPO")
 DECIDING_DOC = (
     "BEST_CELL_RULE reads only GRPO and GSPO: the screen runs them in every cell and seed first, "
@@ -354,8 +345,8 @@ def plan_doc() -> dict:
         "skipped_in_bypass_cells": {"arms": list(NEEDS_RECOMPUTE), "doc": SKIP_DOC},
         "seeds": SEEDS,
         "criterion": {
-            **asdict(collapse.CRITERION),
-            "doc": collapse.collapse_verdict.__doc__.strip(),
+            **asdict(CRITERION),
+            "doc": collapse_verdict.__doc__.strip(),
             "also_collapsed": "runs the trainer stopped (repeated non-finite steps)",
         },
         "learning_rule": {**asdict(LEARNING), "doc": LearningRule.__doc__.strip()},
@@ -446,7 +437,7 @@ class Stage:
 
     def overrides(self, cell: str, arm: str, seed: int) -> list[str]:
         common = common_overrides(self.base, self.cells[cell], self.variant)
-        return common + collapse.arm_overrides(arm, seed, self.steps)
+        return common + arm_overrides(arm, seed, self.steps)
 
 
 def execute(st: Stage, *, jobs: int, cache: Path, launch: str | None) -> list[dict]:
@@ -468,7 +459,7 @@ def execute(st: Stage, *, jobs: int, cache: Path, launch: str | None) -> list[di
 
     def ready(item) -> bool:
         c, _, _, out = item
-        if (out / collapse.STATUS_FILE).exists():  # a finished run needs no start
+        if (out / STATUS_FILE).exists():  # a finished run needs no start
             return True
         if c not in starts and c not in uncached:
             hit = cached_start(DEMO, common(c), cache=cache)
@@ -482,85 +473,20 @@ def execute(st: Stage, *, jobs: int, cache: Path, launch: str | None) -> list[di
         starts[item[0]], _ = warm_start(DEMO, common(item[0]), cache=cache, launch=launch)
         uncached.clear()  # cells of the same signature share this start
 
-    run_launch = collapse.local_launch(launch, jobs)
+    run_launch = local_launch(launch, jobs)
 
     def one(item):
         c, a, s, out = item
-        start = None if (out / collapse.STATUS_FILE).exists() else starts[c]  # a finished run is skipped
+        start = None if (out / STATUS_FILE).exists() else starts[c]  # a finished run is skipped
         ov = st.overrides(c, a, s)
-        return collapse.resumable_run(f"{c} {a} seed {s}", DEMO, ov, out, start=start, launch=run_launch)
+        return runner.resumable_run(f"{c} {a} seed {s}", DEMO, ov, out, start=start, launch=run_launch)
 
     return run_when_ready(st.items(), jobs=jobs, ready=ready, build=build, run=one)
 
 
-def run_when_ready(items: list, *, jobs: int, ready, build, run) -> list:
-    """``[run(x) for x in items]`` with ``jobs`` workers, where an item may first need a start that
-    ``build(x)`` makes (``ready(x)``: its start exists). A free worker builds the start of the
-    first pending item that lacks one when no build is under way (one at a time: SFT starts train
-    in this process), else runs the first pending item that is ready, else waits. So starts are
-    built as early as the order asks, and the other workers run what is ready meanwhile instead
-    of waiting on a start. Results in the order of ``items``; the first error stops the workers
-    and is raised."""
-    pending = list(range(len(items)))
-    results: dict[int, object] = {}
-    errors: list[BaseException] = []
-    cond = threading.Condition()
-    building = False
-
-    def next_job():
-        nonlocal building
-        with cond:
-            while not errors and pending:
-                # one pass, each item asked once; it stops once nothing later can change the pick
-                first_ready = None
-                for i in pending:
-                    if not ready(items[i]):
-                        if not building:
-                            building = True
-                            return build, i
-                    elif first_ready is None:
-                        first_ready = i
-                        if building:
-                            break
-                if first_ready is not None:
-                    pending.remove(first_ready)
-                    return run, first_ready
-                cond.wait()
-            return None
-
-    def worker():
-        nonlocal building
-        while (job := next_job()) is not None:
-            fn, i = job
-            try:
-                out = fn(items[i])
-                if fn is run:
-                    results[i] = out
-                elif not ready(items[i]):
-                    raise RuntimeError(f"building the start of {items[i]} left it not ready")
-            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-                errors.append(e)
-            finally:
-                with cond:
-                    if fn is build:
-                        building = False
-                    cond.notify_all()
-
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return [results[i] for i in range(len(items))]
-
-
 def finished(st: Stage) -> tuple[list[tuple], list[dict]]:
     """The items of ``st`` whose runs finished, and their statuses."""
-    done = [
-        (it, it[3] / collapse.STATUS_FILE) for it in st.items() if (it[3] / collapse.STATUS_FILE).exists()
-    ]
+    done = [(it, it[3] / STATUS_FILE) for it in st.items() if (it[3] / STATUS_FILE).exists()]
     # status files older than its ended_at field: written last, so the file's time is the end
     statuses = [{"ended_at": f.stat().st_mtime, **json.loads(f.read_text())} for _, f in done]
     return [it for it, _ in done], statuses
@@ -776,7 +702,7 @@ def scale_trends(tables: dict[str, dict]) -> dict:
                     pts.append((sc["of_level"](level), v))
             if len({x for x, _ in pts}) < 2:
                 continue
-            c0, b = _lstsq([[1.0, math.log(x)] for x, _ in pts], [math.log(v) for _, v in pts])
+            c0, b = lstsq([[1.0, math.log(x)] for x, _ in pts], [math.log(v) for _, v in pts])
             out.setdefault(lever, {})[k] = {
                 "x": sc["x"],
                 "measured": {str(x): v for x, v in pts},
@@ -871,8 +797,8 @@ def dry_run(st: Stage, cache: Path, launch: str | None) -> list[str]:
     lines = []
     for c, a, s, out in st.items():
         ov = [*st.overrides(c, a, s), "train.stages=[rl]", *start_overrides(starts[c])]
-        done = "# done: " if (out / collapse.STATUS_FILE).exists() else ""
-        lines.append(done + collapse.arm_command(DEMO, ov, out, launch))
+        done = "# done: " if (out / STATUS_FILE).exists() else ""
+        lines.append(done + arm_command(DEMO, ov, out, launch))
     return lines
 
 
@@ -983,7 +909,7 @@ def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
         "headline": headline,
         "plan": {k: getattr(st, k) for k in ("base", "cells", "arms", "seeds", "steps", "variant")},
         "rules": {
-            "criterion": asdict(collapse.CRITERION),
+            "criterion": asdict(CRITERION),
             "learning": asdict(LEARNING),
             "best_cell": BEST_CELL_RULE,
         },

@@ -1,8 +1,8 @@
 """The fixed collapse criterion: when a run's reward curve counts as collapsed.
 
 One definition for ``moe-rl demo``'s report and the benchmarks (``benchmarks/collapse.py``,
-``benchmarks/phase.py``, whose plan fixed these constants before any run); the in-run sentinel
-applies the same step rule (:func:`moe_rl.trainer.sentinel.reward_drop`) to raw rewards.
+``benchmarks/phase.py``, whose plan fixed these constants before any run); the trainer's in-run
+sentinel applies the same step rule (:func:`moe_rl.trainer.sentinel.reward_drop`) to raw rewards.
 """
 
 from __future__ import annotations
