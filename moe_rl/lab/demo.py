@@ -70,10 +70,8 @@ def run_demo(
     def one(name: str) -> None:
         logf = out / f"{arm_dir(name)}.log"
         ov = [*overrides, *arm_overrides(name), "train.stages=[rl]", *start]
-        st = run_arm(
-            recipe, ov, runs[name], launch=child_launch(), resume=False, checkpoint_every=None,
-            threads=threads, log_file=logf,
-        )  # fmt: skip
+        once = {"resume": False, "checkpoint_every": None}  # a fresh run each demo, saving as the recipe says
+        st = run_arm(recipe, ov, runs[name], launch=child_launch(), threads=threads, log_file=logf, **once)
         if st["status"] != "done":
             raise UserError(f"{logf.stem} failed ({st['reason']}): its output is in {logf}")
         log.info("%s finished (%s)", name, logf)
