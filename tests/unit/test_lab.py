@@ -68,3 +68,13 @@ def test_one_panel_table_and_distinct_verdicts():
     assert collapse.PANELS is PANELS  # the lab's, not a copy
     assert hasattr(sentinel, "SentinelVerdict") and not hasattr(sentinel, "Verdict")
     assert lab_collapse.Verdict is not sentinel.SentinelVerdict
+
+
+def test_every_package_of_moe_rl_is_built():
+    """pyproject lists its packages by hand: moe_rl.lab (and any other) is among them."""
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "moe_rl").rglob("__init__.py")}
+    assert "moe_rl.lab" in found and found <= listed, found - listed
