@@ -42,7 +42,7 @@ from pathlib import Path
 
 from benchmarks.common import SMOKE_BASE, commit, machine, result_path
 from moe_rl.lab.arms import ARMS, DEMO, ROOT, arm_overrides, flatten
-from moe_rl.lab.collapse import CRITERION, collapse_verdict, held_out_drop, smoothed
+from moe_rl.lab.collapse import CRITERION, collapse_verdict, criterion_doc, held_out_drop, smoothed
 from moe_rl.lab.report import CLIPPED_OWN, PANELS, series
 from moe_rl.lab.runner import arm_command, cpu_seconds, in_pool, local_launch, read_arm, resumable_run
 from moe_rl.lab.starts import CACHE, warm_start
@@ -326,6 +326,23 @@ def parse(argv):
     return ap.parse_args(argv)
 
 
+def setting(args) -> tuple[str, dict]:
+    """The result's name and what runs: base recipe, common overrides, arms, seeds, steps, SFT start."""
+    p = PRESETS[args.preset]
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {unknown}: use {', '.join(ARMS)}")
+    return args.tag or (f"recipe-{Path(args.recipe).stem}" if args.recipe else args.preset), {
+        "base": Path(args.recipe) if args.recipe else DEMO,
+        "overrides": ([] if args.recipe else flatten(p["base"])) + list(args.set),
+        "arms": arms,
+        "seeds": args.seeds or (1 if args.recipe else p["seeds"]),
+        "steps": args.steps or (None if args.recipe else p["steps"]),
+        "sft": args.sft if args.sft is not None else not args.recipe,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     if args.replot:
@@ -335,27 +352,21 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("megatron").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore")
-    p = PRESETS[args.preset]
-    name = args.tag or (f"recipe-{Path(args.recipe).stem}" if args.recipe else args.preset)
-    base = Path(args.recipe) if args.recipe else DEMO
-    common = ([] if args.recipe else flatten(p["base"])) + list(args.set)
-    seeds = args.seeds or (1 if args.recipe else p["seeds"])
-    steps = args.steps or (None if args.recipe else p["steps"])
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown:
-        raise SystemExit(f"unknown arm(s) {unknown}: use {', '.join(ARMS)}")
-    launch = local_launch(args.launch, args.jobs)
-    use_sft = args.sft if args.sft is not None else not args.recipe
+    name, st = setting(args)
+    base, common, launch = st["base"], st["overrides"], local_launch(args.launch, args.jobs)
     root = Path(args.runs_dir) / name
-    plan = [(a, s, arm_overrides(a, s, steps), root / f"{a}-s{s}") for s in range(seeds) for a in arms]
+    plan = [
+        (a, s, arm_overrides(a, s, st["steps"]), root / f"{a}-s{s}")
+        for s in range(st["seeds"])
+        for a in st["arms"]
+    ]
     if args.dry_run:
         for _, _, ov, out in plan:
             print(arm_command(base, [*common, *ov], out, args.launch))
         return {}
     t0, c0 = time.perf_counter(), cpu_seconds()
     start, sft_info = None, None
-    if use_sft and not args.report_only:
+    if st["sft"] and not args.report_only:
         start, sft_info = warm_start(base, common, cache=Path(args.cache), launch=args.launch)
         sft_info = {k: v for k, v in sft_info.items() if k != "signature"}
 
@@ -372,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
         return resumable_run(f"{a} seed {s}", base, [*common, *ov], out, start=start, launch=launch)
 
     statuses = in_pool(one, plan, args.jobs)
-    runs = [analyse_run(a, s, st) for (a, s, _, _), st in zip(plan, statuses)]
+    runs = [analyse_run(a, s, status) for (a, s, _, _), status in zip(plan, statuses)]
     arms_out = analyse_arms(runs)
     table = format_table(arms_out)
     path = result_path("collapse", name, args.out)
@@ -384,19 +395,8 @@ def main(argv: list[str] | None = None) -> dict:
         "commit": commit(),
         "wall_s": time.perf_counter() - t0,
         "cpu_s": cpu_seconds() - c0,
-        "criterion": {
-            **asdict(CRITERION),
-            "doc": collapse_verdict.__doc__.strip(),
-            "also_collapsed": "runs the trainer stopped (repeated non-finite steps)",
-        },
-        "setting": {
-            "base": str(base),
-            "overrides": common,
-            "arms": {a: flatten(ARMS[a]) for a in arms},
-            "seeds": seeds,
-            "steps": steps,
-            "sft": use_sft,
-        },
+        "criterion": criterion_doc(),
+        "setting": {**st, "base": str(base), "arms": {a: flatten(ARMS[a]) for a in st["arms"]}},
         "sft_start": sft_info,
         "arms": arms_out,
         "table": table,

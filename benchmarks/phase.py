@@ -40,7 +40,7 @@ from benchmarks.volatility import PAPER
 from moe_rl.config import load_recipe
 from moe_rl.lab import runner
 from moe_rl.lab.arms import ARMS, DEMO, ROOT, arm_overrides, flatten
-from moe_rl.lab.collapse import CRITERION, collapse_verdict
+from moe_rl.lab.collapse import CRITERION, criterion_doc
 from moe_rl.lab.runner import STATUS_FILE, arm_command, cpu_seconds, local_launch, run_when_ready
 from moe_rl.lab.starts import CACHE, cached_start, sft_key, start_overrides, warm_start
 from moe_rl.lab.stats import lstsq, mean
@@ -192,11 +192,7 @@ def plan_doc() -> dict:
         "arms": {a: flatten(ARMS[a]) for a in SCREEN_ARMS},
         "skipped_in_bypass_cells": {"arms": list(NEEDS_RECOMPUTE), "doc": SKIP_DOC},
         "seeds": SEEDS,
-        "criterion": {
-            **asdict(CRITERION),
-            "doc": collapse_verdict.__doc__.strip(),
-            "also_collapsed": "runs the trainer stopped (repeated non-finite steps)",
-        },
+        "criterion": criterion_doc(),
         "learning_rule": {**asdict(LEARNING), "doc": LearningRule.__doc__.strip()},
         "best_cell_rule": BEST_CELL_RULE,
         "replay_rule": REPLAY_RULE,
