@@ -1,6 +1,6 @@
 """Collapse reproduction: matched A/B arms from one SFT start under a stress setting.
 
-Arms (``moe_rl.trainer.arms.ARMS``): GRPO (clip 0.2 / 0.27), GRPO + R2, GRPO + R3, GSPO (clip
+Arms (``moe_rl.lab.arms.ARMS``): GRPO (clip 0.2 / 0.27), GRPO + R2, GRPO + R3, GSPO (clip
 3e-4 / 4e-4), GSPO + R2. Every arm starts from the same SFT checkpoint; replicate ``s`` sets the
 same ``train.seed`` (sampling) and ``task.seed`` (prompt order) in every arm, so arms differ only
 in the ``algo`` section.
@@ -12,7 +12,7 @@ operands, every step written out: about twice the demo's), and a deeper MoE than
 (8 layers), at the demo's learning rate.
 
 Collapse is decided by :func:`collapse_verdict`, with constants fixed in :data:`CRITERION`
-before any run (both in ``moe_rl.trainer.collapse``, shared with ``moe-rl demo``; see its
+before any run (both in ``moe_rl.lab.collapse``, shared with ``moe-rl demo``; see its
 docstring): the trainer sentinel's rule (``moe_rl.trainer.sentinel.reward_drop``) over a
 smoothed reward curve; a run the trainer stops (non-finite steps) counts as
 collapsed too. Reported per arm: collapsed runs / runs, final and best reward, held-out accuracy,
@@ -35,40 +35,20 @@ import argparse
 import json
 import logging
 import math
-import shlex
-import sys
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks.arms import (
-    ARMS,
-    CACHE,
-    DEMO,
-    ROOT,
-    SMOKE_BASE,
-    cpu_seconds,
-    flatten,
-    mean,
-    read_arm,
-    run_arm,
-    warm_start,
-)
-from benchmarks.common import commit, machine, result_path
-from moe_rl.trainer.collapse import (  # noqa: F401 - the criterion, fixed before the runs
-    CRITERION,
-    Criterion,
-    Verdict,
-    collapse_verdict,
-    held_out_drop,
-    smoothed,
-)
+from benchmarks.common import SMOKE_BASE, commit, machine, result_path
+from moe_rl.lab.arms import ARMS, DEMO, ROOT, arm_overrides, flatten
+from moe_rl.lab.collapse import CRITERION, collapse_verdict, criterion_doc, held_out_drop, smoothed
+from moe_rl.lab.report import CLIPPED_OWN, PANELS, series
+from moe_rl.lab.runner import arm_command, cpu_seconds, in_pool, local_launch, read_arm, resumable_run
+from moe_rl.lab.starts import CACHE, warm_start
+from moe_rl.lab.stats import mean
 
 log = logging.getLogger("benchmarks.collapse")
-STATUS_FILE = "status.json"
-"Written into a run's directory when it finishes (done or stopped): a rerun of the sweep skips it."
 
 
 # -- presets -------------------------------------------------------------------------------------
@@ -126,59 +106,6 @@ PRESETS = {
 }
 
 
-# -- running (shared with benchmarks/phase.py) -----------------------------------------------------
-def local_launch(launch: str | None, jobs: int) -> str | None:
-    """``launch``, or with ``jobs`` > 1 a fresh ``moe_rl.cli train`` process per run (None: in process)."""
-    return launch or (f"{shlex.quote(sys.executable)} -m moe_rl.cli train" if jobs > 1 else None)
-
-
-def arm_command(base: str | Path, overrides: list[str], out: str | Path, launch: str | None = None) -> str:
-    """The shell command that runs one arm into ``out`` (what ``--dry-run`` prints)."""
-    prefix = shlex.split(launch) if launch else ["moe-rl", "train"]
-    return shlex.join([*prefix, str(base), *overrides, f"train.out_dir={out}"])
-
-
-def resumable_run(
-    label: str,
-    base: str | Path,
-    overrides: list[str],
-    out: Path,
-    *,
-    start: Path | None = None,
-    launch: str | None = None,
-) -> dict:
-    """:func:`benchmarks.arms.run_arm` into ``out`` unless an earlier invocation finished it there.
-
-    A run that ends (done or stopped) writes :data:`STATUS_FILE` into ``out``; with that file
-    present the run is skipped and its status read back. A crash (``failed``) writes nothing, so
-    the next invocation retries it.
-    """
-    done = Path(out) / STATUS_FILE
-    if done.exists():  # finished in an earlier invocation: resume, do not rerun
-        st = json.loads(done.read_text())
-        log.info("%s: already %s (%s)", label, st["status"], done)
-        return st
-    st = run_arm(base, overrides, out, start=start, launch=launch)
-    log.info("%s: %s in %.0fs", label, st["status"], st["wall_s"])
-    if st["status"] != "failed":  # a crash is retried by the next invocation
-        tmp = done.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**st, "ended_at": time.time()}))
-        tmp.replace(done)
-    return st
-
-
-def in_pool(fn, items: list, jobs: int) -> list:
-    """``[fn(x) for x in items]`` with ``jobs`` at a time (threads: each waits on its own process)."""
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
-        return list(pool.map(fn, items))
-
-
-def arm_overrides(arm: str, seed: int, steps: int | None) -> list[str]:
-    """The overrides that make replicate ``seed`` of ``arm`` (the same seeds in every arm)."""
-    ov = [*flatten(ARMS[arm]), f"train.seed={1234 + seed}", f"task.seed={seed}"]
-    return ov + ([f"train.rl_steps={steps}"] if steps else [])
-
-
 # -- analysis ------------------------------------------------------------------------------------
 def _vals(rows: list[dict], key: str) -> list[float]:
     return [r[key] for r in rows if r.get(key) is not None]
@@ -186,7 +113,7 @@ def _vals(rows: list[dict], key: str) -> list[float]:
 
 def analyse_run(arm: str, seed: int, status: dict) -> dict:
     """Verdict and summary numbers of one finished (or stopped) run."""
-    from moe_rl.trainer.report import summarize
+    from moe_rl.lab.report import summarize
 
     data = read_arm(status["out_dir"])
     rl = data["rl"]
@@ -301,14 +228,15 @@ def observations(arms: dict) -> list[str]:
 
 
 # -- plot ----------------------------------------------------------------------------------------
-PANELS = [
-    ("reward/mean", "reward (trailing mean of 5 steps)"),
-    ("eval/accuracy", "held-out greedy accuracy"),
-    ("flip/step/rate", "expert flip rate per optimizer step"),
-    ("clipped_own", "clipped tokens (GRPO: token ratio; GSPO: tokens of clipped seqs)"),
-    ("ratio/seq_log_sum_abs", "max |sequence log-ratio| (sum_t d)"),
-    ("entropy/mean", "token entropy"),
-]
+CURVES = (
+    "reward/mean",
+    "eval/accuracy",
+    "flip/step/rate",
+    CLIPPED_OWN,
+    "ratio/seq_log_sum_abs",
+    "entropy/mean",
+)
+"The curves of every run (titles: :data:`moe_rl.lab.report.PANELS`; the reward smoothed as the criterion)."
 
 
 def plot(runs: list[dict], out_png: Path) -> Path:
@@ -317,20 +245,18 @@ def plot(runs: list[dict], out_png: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moe_rl.trainer.report import _series
-
     fig, axes = plt.subplots(2, 3, figsize=(17, 9))
     colors = {a: plt.get_cmap("tab10")(i) for i, a in enumerate(dict.fromkeys(r["arm"] for r in runs))}
-    for ax, (key, title) in zip(axes.flat, PANELS):
+    for ax, key in zip(axes.flat, CURVES):
         for r in runs:
             data = read_arm(r["out_dir"])
             gspo = ARMS[r["arm"]]["algo"]["name"] == "gspo"
             k = (
                 key
-                if key != "clipped_own"
+                if key != CLIPPED_OWN
                 else ("clip/token_frac_of_clipped_seqs" if gspo else "clip/token_frac")
             )
-            xs, ys = _series(data["eval"] if k == "eval/accuracy" else data["rl"], k)
+            xs, ys = series(data["eval"] if k == "eval/accuracy" else data["rl"], k)
             if k == "reward/mean" and len(ys) >= CRITERION.smooth:
                 ys, xs = smoothed(ys, CRITERION.smooth), xs[CRITERION.smooth - 1 :]
             label = r["arm"] if r["seed"] == min(x["seed"] for x in runs if x["arm"] == r["arm"]) else None
@@ -345,9 +271,10 @@ def plot(runs: list[dict], out_png: Path) -> Path:
                 marker="x" if r["collapsed"] and xs and k == "reward/mean" else None,
                 markevery=[len(xs) - 1] if xs else None,
             )
-        ax.set_title(title, fontsize=10)
+        smooth = f"reward (trailing mean of {CRITERION.smooth} steps)"
+        ax.set_title(smooth if key == "reward/mean" else PANELS[key], fontsize=10)
         ax.set_xlabel("RL step")
-        if key == "clipped_own":
+        if key == CLIPPED_OWN:
             ax.set_yscale("symlog", linthresh=1e-4)
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
@@ -399,6 +326,23 @@ def parse(argv):
     return ap.parse_args(argv)
 
 
+def setting(args) -> tuple[str, dict]:
+    """The result's name and what runs: base recipe, common overrides, arms, seeds, steps, SFT start."""
+    p = PRESETS[args.preset]
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {unknown}: use {', '.join(ARMS)}")
+    return args.tag or (f"recipe-{Path(args.recipe).stem}" if args.recipe else args.preset), {
+        "base": Path(args.recipe) if args.recipe else DEMO,
+        "overrides": ([] if args.recipe else flatten(p["base"])) + list(args.set),
+        "arms": arms,
+        "seeds": args.seeds or (1 if args.recipe else p["seeds"]),
+        "steps": args.steps or (None if args.recipe else p["steps"]),
+        "sft": args.sft if args.sft is not None else not args.recipe,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     if args.replot:
@@ -408,27 +352,21 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("megatron").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore")
-    p = PRESETS[args.preset]
-    name = args.tag or (f"recipe-{Path(args.recipe).stem}" if args.recipe else args.preset)
-    base = Path(args.recipe) if args.recipe else DEMO
-    common = ([] if args.recipe else flatten(p["base"])) + list(args.set)
-    seeds = args.seeds or (1 if args.recipe else p["seeds"])
-    steps = args.steps or (None if args.recipe else p["steps"])
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown:
-        raise SystemExit(f"unknown arm(s) {unknown}: use {', '.join(ARMS)}")
-    launch = local_launch(args.launch, args.jobs)
-    use_sft = args.sft if args.sft is not None else not args.recipe
+    name, st = setting(args)
+    base, common, launch = st["base"], st["overrides"], local_launch(args.launch, args.jobs)
     root = Path(args.runs_dir) / name
-    plan = [(a, s, arm_overrides(a, s, steps), root / f"{a}-s{s}") for s in range(seeds) for a in arms]
+    plan = [
+        (a, s, arm_overrides(a, s, st["steps"]), root / f"{a}-s{s}")
+        for s in range(st["seeds"])
+        for a in st["arms"]
+    ]
     if args.dry_run:
         for _, _, ov, out in plan:
             print(arm_command(base, [*common, *ov], out, args.launch))
         return {}
     t0, c0 = time.perf_counter(), cpu_seconds()
     start, sft_info = None, None
-    if use_sft and not args.report_only:
+    if st["sft"] and not args.report_only:
         start, sft_info = warm_start(base, common, cache=Path(args.cache), launch=args.launch)
         sft_info = {k: v for k, v in sft_info.items() if k != "signature"}
 
@@ -445,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
         return resumable_run(f"{a} seed {s}", base, [*common, *ov], out, start=start, launch=launch)
 
     statuses = in_pool(one, plan, args.jobs)
-    runs = [analyse_run(a, s, st) for (a, s, _, _), st in zip(plan, statuses)]
+    runs = [analyse_run(a, s, status) for (a, s, _, _), status in zip(plan, statuses)]
     arms_out = analyse_arms(runs)
     table = format_table(arms_out)
     path = result_path("collapse", name, args.out)
@@ -457,19 +395,8 @@ def main(argv: list[str] | None = None) -> dict:
         "commit": commit(),
         "wall_s": time.perf_counter() - t0,
         "cpu_s": cpu_seconds() - c0,
-        "criterion": {
-            **asdict(CRITERION),
-            "doc": collapse_verdict.__doc__.strip(),
-            "also_collapsed": "runs the trainer stopped (repeated non-finite steps)",
-        },
-        "setting": {
-            "base": str(base),
-            "overrides": common,
-            "arms": {a: flatten(ARMS[a]) for a in arms},
-            "seeds": seeds,
-            "steps": steps,
-            "sft": use_sft,
-        },
+        "criterion": criterion_doc(),
+        "setting": {**st, "base": str(base), "arms": {a: flatten(ARMS[a]) for a in st["arms"]}},
         "sft_start": sft_info,
         "arms": arms_out,
         "table": table,

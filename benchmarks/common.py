@@ -1,4 +1,5 @@
-"""Shared helpers of the benchmarks: result file names by machine, preset and commit."""
+"""Shared presets and helpers of the benchmarks: the tiny policy, the smoke presets' policy, result
+file names by machine, preset and commit. Running, SFT starts and the arms are :mod:`moe_rl.lab`'s."""
 
 from __future__ import annotations
 
@@ -10,19 +11,45 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-TINY_MODEL = dict(
-    vocab_size=104,
-    hidden_size=128,
-    num_layers=4,
-    num_attention_heads=4,
-    num_query_groups=2,
-    head_dim=32,
-    moe_ffn_hidden_size=128,
-    num_experts=8,
-    moe_router_topk=2,
-    max_seq_len=512,
-)
-"The tiny CPU policy the issues measure: hidden 128, 4 layers, 8 experts top-2, char vocab 104."
+
+def _tiny_model() -> dict:
+    """The sizes of the default policy: ``ModelConfig``'s architecture fields that are integers."""
+    from moe_rl.config import ModelConfig
+    from moe_rl.megatron.hf_mapping import ARCH_FIELDS
+
+    default = ModelConfig()
+    sizes = {k: getattr(default, k) for k in ARCH_FIELDS if type(getattr(default, k)) is int}
+    return {**sizes, "max_seq_len": 512}
+
+
+TINY_MODEL = _tiny_model()
+"""The tiny CPU policy the issues measure: ``ModelConfig``'s defaults, the demo's policy (hidden
+128, 4 layers, 8 experts top-2, char vocab 104), with room for 512 positions."""
+
+SMOKE_BASE = {
+    "model": {
+        "hidden_size": 64,
+        "num_layers": 2,
+        "num_attention_heads": 4,
+        "num_query_groups": 2,
+        "head_dim": 16,
+        "moe_ffn_hidden_size": 64,
+        "num_experts": 4,
+        "max_seq_len": 64,
+    },
+    "task": {"arithmetic": {"min_operands": 2, "max_operands": 2}, "format_reward": 0.1},
+    "train": {
+        "sft_steps": 60,
+        "sft_batch_size": 16,
+        "sft_lr": 3e-3,
+        "prompts_per_step": 4,
+        "group_size": 4,
+        "minibatches": 2,
+        "max_new_tokens": 12,
+        "log_every": 100,
+    },
+}
+"The smoke presets' policy and task on top of recipes/demo/base.yaml: a seconds-long SFT start."
 
 
 def machine() -> str:

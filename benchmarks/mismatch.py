@@ -1,7 +1,7 @@
 """Train-inference mismatch per rollout precision (issue 13): how far the engine's own bf16 / fp16
 copy of the weights drifts from the fp32 trainer, in log-probs and in expert routing.
 
-From an SFT start (``benchmarks.arms.warm_start``), for each model, rollout precision
+From an SFT start (``moe_rl.lab.starts.warm_start``), for each model, rollout precision
 (``rollout.dtype`` fp32 / bf16 / fp16), router precision (``rollout.router_dtype``: the engine's
 own dtype, or fp32) and response length, the embedded engine samples a batch (temperature 1,
 ``ignore_eos``, so every response is exactly that long), and the trainer recomputes the same
@@ -32,8 +32,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.arms import CACHE, DEMO, SMOKE_BASE, flatten, warm_start
-from benchmarks.common import commit, machine, result_path
+from benchmarks.common import SMOKE_BASE, commit, machine, result_path
+from moe_rl.lab.arms import DEMO, flatten
+from moe_rl.lab.starts import CACHE, warm_start
 
 warnings.filterwarnings("ignore")
 log = logging.getLogger(__name__)

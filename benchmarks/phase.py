@@ -4,8 +4,9 @@ From a stable base (:data:`STABLE_BASE` on recipes/demo/base.yaml) each lever of
 is turned alone: rollout precision (``old_logprobs`` rollout or recompute, no correction),
 minibatches per rollout batch, response length, routing granularity at equal active size, depth.
 Each (cell, arm, seed) is one run from its cell's SFT start (cached by SFT signature), judged by
-``benchmarks.collapse.CRITERION`` and :data:`LEARNING`. The plan is data here, written by
-``--write-plan`` to benchmarks/results/phase-preregistration.json before any run.
+``moe_rl.lab.collapse.CRITERION`` and :data:`LEARNING`. The plan is data in
+recipes/demo/phase.plan.yaml, written by ``--write-plan`` to
+benchmarks/results/phase-preregistration.json before any run.
 
     python -m benchmarks.phase --write-plan
     python -m benchmarks.phase --stage screen [--jobs 2] [--cells base,minibatches-4] [--dry-run]
@@ -26,151 +27,31 @@ import argparse
 import json
 import logging
 import math
-import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import yaml
+
 from benchmarks import collapse
-from benchmarks.arms import (
-    ARMS,
-    CACHE,
-    DEMO,
-    ROOT,
-    SMOKE_BASE,
-    cached_start,
-    cpu_seconds,
-    flatten,
-    mean,
-    sft_key,
-    start_overrides,
-    warm_start,
-)
-from benchmarks.common import RESULTS, commit, machine, result_path
-from benchmarks.volatility import PAPER, _lstsq
+from benchmarks.common import RESULTS, SMOKE_BASE, commit, machine, result_path
+from benchmarks.volatility import PAPER
 from moe_rl.config import load_recipe
+from moe_rl.lab import runner
+from moe_rl.lab.arms import ARMS, DEMO, ROOT, arm_overrides, flatten
+from moe_rl.lab.collapse import CRITERION, criterion_doc
+from moe_rl.lab.runner import STATUS_FILE, arm_command, cpu_seconds, local_launch, run_when_ready
+from moe_rl.lab.starts import CACHE, cached_start, sft_key, start_overrides, warm_start
+from moe_rl.lab.stats import lstsq, mean
 
 log = logging.getLogger("benchmarks.phase")
 PLAN_FILE = ROOT / "benchmarks" / "results" / "phase-preregistration.json"
 RUNS = ROOT / "runs" / "phase"
 
-# -- the pre-registered plan ---------------------------------------------------------------------
-STABLE_BASE = {
-    "model": {"max_seq_len": 368},  # prompt <= 62 chars + 300 new tokens
-    "task": {"arithmetic": {"min_operands": 24, "max_operands": 30, "digits": 1, "operators": "+-"}},
-    "optim": {"lr": 3e-5},
-    "rollout": {"dtype": "fp32", "router_dtype": "same"},
-    "algo": {"old_logprobs": "recompute", "rollout_correction": "none"},
-    "train": {
-        "sft_steps": 1200,
-        "sft_batch_size": 32,
-        "rl_steps": 100,
-        "prompts_per_step": 4,
-        "group_size": 8,
-        "minibatches": 1,
-        "max_new_tokens": 300,
-        "eval_every": 20,
-        "eval_prompts": 64,
-        "flip_probe_sequences": 8,
-        "log_every": 10,
-    },
-}
-"""The stable base (overrides on recipes/demo/base.yaml). Responses: 24 to 30 one-digit operands,
-every step written out: 157 to 291 characters (mean 210) of scratchpad, one token per character.
-It is a *candidate* until the base cell's GRPO and GSPO runs pass :data:`STABLE_RULE`; the screen
-runs them first and stops there when they fail (:data:`BASE_PROTOCOL`)."""
-
-BASE_REVISIONS = (
-    {
-        "candidate": 1,
-        "changed": {"train.sft_steps": 600},
-        "result": "benchmarks/results/phase-cpu2-x86_64-base-candidate1-65749f0.json",
-        "reason": (
-            "the SFT start answered 4.7% of held-out prompts (3 of 64); rewards were 0 in almost every "
-            "group, so the advantages were 0: GRPO and GSPO seed 0 both ended at 3.1% (learned 0/1, "
-            "the criterion marks both collapsed); SFT loss was still falling fast at step 600 (0.31 at "
-            "450, 0.09 at 550), so candidate 2 trains SFT twice as long"
-        ),
-    },
-)
-"""Earlier candidates of the stable base that failed the gate, what changed, and why."""
-
-BASE_PROTOCOL = (
-    "The screen runs the base cell's GRPO and GSPO runs (seeds of the screen) before any other "
-    "run. If they fail STABLE_RULE, nothing else runs: the base is revised, this plan is "
-    "re-committed with the revision and its reason, and the failed runs are kept aside as evidence."
-)
-
-SCREEN_ARMS = ("GRPO", "GRPO+R2", "GRPO+R3", "GRPO+TIS", "GSPO")
-"Arms of the screen and the confirmation (definitions in moe_rl.trainer.arms.ARMS)."
-DECIDING_ARMS = ("GRPO", "GSPO")
-DECIDING_DOC = (
-    "BEST_CELL_RULE reads only GRPO and GSPO: the screen runs them in every cell and seed first, "
-    "then the other arms (which describe the cells but choose nothing); the confirmation starts "
-    "when every deciding run of the screen finished."
-)
-SCREEN_ORDER = (
-    "base",
-    "precision-bf16-bypass",
-    "minibatches-8",
-    "granularity-64x8",
-    "precision-fp16-bypass",
-    "minibatches-4",
-    "precision-bf16-recompute",
-    "precision-fp32-bypass",
-    "depth-12",
-    "minibatches-2",
-    "precision-fp16-recompute",
-    "length-short",
-    "depth-8",
-)
-"""The order the screen runs its cells in (every cell of the plan once): the base, then the
-levers the literature ties to the collapse most directly (uncorrected bf16 mismatch, many
-minibatches per rollout batch, fine-grained experts), then the rest. A partial screen is thus
-the most informative prefix; the best cell is chosen only over cells whose deciding runs all
-finished."""
-
-NEEDS_RECOMPUTE = ("GRPO+TIS",)
-SKIP_DOC = (
-    "GRPO+TIS is skipped in bypass cells (algo.old_logprobs=rollout): its weight pi_old / pi_rollout "
-    "is 1 there, so it would be GRPO again; moe_rl.config rejects the combination"
-)
-
-_BYPASS = {"algo": {"old_logprobs": "rollout"}}
-
-
-def _precision(dtype: str, old: str) -> dict:
-    return {"rollout": {"dtype": dtype}, "algo": {"old_logprobs": old}}
-
-
-LEVERS: dict[str, dict[str, dict]] = {
-    "precision": {  # engine precision x source of pi_old; no correction in any cell
-        "fp32": {},
-        "fp32-bypass": _BYPASS,
-        "bf16-recompute": _precision("bf16", "recompute"),
-        "bf16-bypass": _precision("bf16", "rollout"),
-        "fp16-recompute": _precision("fp16", "recompute"),
-        "fp16-bypass": _precision("fp16", "rollout"),
-    },
-    "minibatches": {str(m): ({} if m == 1 else {"train": {"minibatches": m}}) for m in (1, 2, 4, 8)},
-    "length": {  # the task alone changes (max_new_tokens stays): mean response 55 vs 210 characters
-        "long": {},
-        "short": {"task": {"arithmetic": {"min_operands": 6, "max_operands": 10}}},
-    },
-    "granularity": {  # equal active expert width: 2 x 128 = 8 x 32
-        "8x2": {},
-        "64x8": {"model": {"num_experts": 64, "moe_router_topk": 8, "moe_ffn_hidden_size": 32}},
-    },
-    "depth": {str(n): ({} if n == 4 else {"model": {"num_layers": n}}) for n in (4, 8, 12)},
-}
-"""Lever -> level -> overrides; the first level of each lever is its reference cell itself (no
-overrides): the base, or for the levers of :data:`CROSSED` the ``minibatches-4`` cell, whose
-overrides their cells add. Every other cell differs from its reference in one lever only."""
-
-SEEDS = {"screen": (0, 1), "confirm": (2, 3, 4, 5, 6), "repro": (0, 1, 2, 3, 4)}
-"""Replicates per stage. The confirmation's 5 seeds are fresh (not the screen's, whose results
-chose the cell); the repro runs in its own directory with its own 5."""
+# -- the pre-registered plan: data in recipes/demo/phase.plan.yaml ------------------------------
+PLAN_YAML = ROOT / "recipes" / "demo" / "phase.plan.yaml"
+"The plan as data beside the demo recipe (its comments say what each entry means)."
 
 
 @dataclass(frozen=True)
@@ -178,33 +59,50 @@ class LearningRule:
     """A run learns when it did not collapse and the mean held-out greedy accuracy of its last
     ``last`` evaluations exceeds its first (step 0: the SFT start) by more than ``margin``."""
 
-    last: int = 3
-    margin: float = 0.03
+    last: int
+    margin: float
 
 
-LEARNING = LearningRule()
-STABLE_RULE = (
-    "The base is stable when every screening run of GRPO and of GSPO in the base cell learns "
-    "(LEARNING) and none collapses."
-)
-BEST_CELL_RULE = (
-    "Over the screened cells, the one with the largest collapsed(GRPO) - collapsed(GSPO) (counts); "
-    "ties go to fewer GSPO collapses, then to the lower mean CPU seconds per run, then to plan "
-    "order. A cell separates when that difference is > 0."
-)
-REPLAY_RULE = (
-    "The repro's replay arm: of GRPO+R2 and GRPO+R3, the one with fewer collapses in the cell's "
-    "confirmation runs; a tie, or no confirmation runs, picks GRPO+R3."
-)
-REPRO_SUCCESS = {"seeds": 5, "grpo_min_collapsed": 4, "gspo_max_collapsed": 1, "gspo_acc_at_least_sft": True}
-"Fixed by issue 14: GRPO collapses in >= 4 of 5, GSPO in <= 1 of 5, GSPO final accuracy >= SFT start."
-REPRO_WALL_BUDGET_S = 3600
-"Issue 14: the cpu repro runs in at most 60 minutes on the 2-core machine."
-REPRO_VARIANTS = {
-    "cpu": {},  # the cell as screened; its wall time is measured against the 60-minute budget
-    "gpu": {"train": {"prompts_per_step": 32, "eval_prompts": 256, "flip_probe_sequences": 16}},
-}
-"Overrides on top of the chosen cell, per machine; the architecture stays the cell's."
+def _load_plan(path: Path = PLAN_YAML) -> dict:
+    """The plan's entries by their names here (``stable_base`` -> ``STABLE_BASE``); lists of names
+    and seeds as tuples, the learning rule as a :class:`LearningRule`."""
+    plan = {k.upper(): v for k, v in yaml.safe_load(path.read_text()).items()}
+    for k in ("SCREEN_ARMS", "DECIDING_ARMS", "SCREEN_ORDER", "NEEDS_RECOMPUTE", "EXPLORE_ARMS"):
+        plan[k] = tuple(plan[k])
+    plan["SEEDS"] = {stage: tuple(seeds) for stage, seeds in plan["SEEDS"].items()}
+    plan["CROSSED"] = {**plan["CROSSED"], "levers": tuple(plan["CROSSED"]["levers"])}
+    plan["BASE_REVISIONS"], plan["PLAN_REVISIONS"] = (
+        tuple(plan["BASE_REVISIONS"]),
+        tuple(plan["PLAN_REVISIONS"]),
+    )
+    plan["LEARNING"] = LearningRule(**plan["LEARNING"])
+    return plan
+
+
+_PLAN = _load_plan()
+STABLE_BASE: dict = _PLAN["STABLE_BASE"]
+BASE_REVISIONS: tuple = _PLAN["BASE_REVISIONS"]
+BASE_PROTOCOL: str = _PLAN["BASE_PROTOCOL"]
+SCREEN_ARMS: tuple[str, ...] = _PLAN["SCREEN_ARMS"]
+DECIDING_ARMS: tuple[str, ...] = _PLAN["DECIDING_ARMS"]
+DECIDING_DOC: str = _PLAN["DECIDING_DOC"]
+SCREEN_ORDER: tuple[str, ...] = _PLAN["SCREEN_ORDER"]
+NEEDS_RECOMPUTE: tuple[str, ...] = _PLAN["NEEDS_RECOMPUTE"]
+SKIP_DOC: str = _PLAN["SKIP_DOC"]
+CROSSED: dict = _PLAN["CROSSED"]
+LEVERS: dict[str, dict[str, dict]] = _PLAN["LEVERS"]
+SEEDS: dict[str, tuple[int, ...]] = _PLAN["SEEDS"]
+LEARNING: LearningRule = _PLAN["LEARNING"]
+STABLE_RULE: str = _PLAN["STABLE_RULE"]
+BEST_CELL_RULE: str = _PLAN["BEST_CELL_RULE"]
+REPLAY_RULE: str = _PLAN["REPLAY_RULE"]
+REPRO_SUCCESS: dict = _PLAN["REPRO_SUCCESS"]
+REPRO_WALL_BUDGET_S: int = _PLAN["REPRO_WALL_BUDGET_S"]
+REPRO_VARIANTS: dict[str, dict] = _PLAN["REPRO_VARIANTS"]
+PLAN_REVISIONS: tuple = _PLAN["PLAN_REVISIONS"]
+EXPLORE: dict[str, dict] = _PLAN["EXPLORE"]
+EXPLORE_DOC: str = _PLAN["EXPLORE_DOC"]
+EXPLORE_ARMS: tuple[str, ...] = _PLAN["EXPLORE_ARMS"]
 
 _SMOKE_TRAIN = {"sft_steps": 20, "minibatches": 1, "eval_every": 1, "eval_prompts": 4}
 SMOKE = {
@@ -214,71 +112,12 @@ SMOKE = {
     "seeds": (0,),
     "steps": 3,
 }
-"The smoke stage: the tiny policy, 2 cells x 2 arms x 1 seed x 3 steps."
+"The smoke stage (not part of the plan): the tiny policy, 2 cells x 2 arms x 1 seed x 3 steps."
 
 
 def _merged(a: dict, b: dict) -> dict:
     """``b`` over ``a``, one level of sections deep (recipe overrides)."""
     return {k: {**a.get(k, {}), **b.get(k, {})} for k in {**a, **b}}
-
-
-EXPLORE = {
-    "minibatches-8+bf16-bypass": {
-        "lever": "minibatches x precision",
-        "level": "8 x bf16-bypass",
-        "overrides": _merged(LEVERS["minibatches"]["8"], LEVERS["precision"]["bf16-bypass"]),
-        "skip_arms": list(NEEDS_RECOMPUTE),
-        "reference": "minibatches-8",
-    },
-    "minibatches-8+lr-1e-4": {
-        "lever": "minibatches x learning rate",
-        "level": "8 x 1e-4",
-        "overrides": _merged(LEVERS["minibatches"]["8"], {"optim": {"lr": 1e-4}}),
-        "skip_arms": [],
-        "reference": "minibatches-8",
-    },
-}
-"""Cells outside the pre-registered plan (``--stage explore``): levers turned together after no
-lever turned alone separated the arms. ``minibatches-8+bf16-bypass``: the closest cell's 8
-minibatch updates per rollout batch with a bf16 engine whose log-probs are pi_old, uncorrected
-(off-policy updates on top of a train-inference mismatch, the setting of arXiv 2512.01374).
-``minibatches-8+lr-1e-4``: the closest cell at 3.3x its learning rate, the one knob that raised the
-flip rate per step on this policy (``benchmarks/volatility.py``), below the 2e-4 at which the
-collapse preset broke every arm. Never in the plan, the best-cell rule or the repro; their counts
-are leads for a new plan, not evidence."""
-EXPLORE_DOC = "not pre-registered: levers turned together after the plan's single levers did not separate"
-EXPLORE_ARMS = ("GRPO", "GRPO+R3", "GSPO")
-"The explore stage's arms: the deciding two and R3, which replays the bf16 engine's routes."
-
-CROSSED = {"lever": "minibatches", "level": "4", "levers": ("length", "granularity", "depth")}
-"""Levers turned from the ``minibatches-4`` cell instead of the base (:data:`PLAN_REVISIONS` 1):
-their cells add ``train.minibatches=4`` and their first level is that cell."""
-
-PLAN_REVISIONS = (
-    {
-        "revision": 1,
-        "changed": (
-            "the length, granularity and depth levers are turned from the minibatches-4 cell "
-            "(train.minibatches=4, the GSPO paper's setting) instead of the base (one minibatch)"
-        ),
-        "reason": (
-            "With one minibatch per rollout batch, an fp32 engine and pi_old recomputed, every "
-            "importance ratio is exactly 1 and nothing is clipped: GRPO and GSPO are one computation "
-            "(their base-cell trajectories are identical in every logged reward and accuracy, seeds 0 "
-            "and 1), and so are GRPO+R2 (it replays the routes it recorded at the same weights) and, up "
-            "to the engine's rounding, GRPO+R3 and GRPO+TIS. A lever turned alone from there cannot "
-            "separate the arms, whatever it does to routing: the mechanism under test (routes drifting "
-            "between pi_old and the updated policy, making token ratios extreme) needs updates away "
-            "from pi_old. Decided from that identity before any run of the revised cells."
-        ),
-        "evidence": (
-            "granularity-64x8 at one minibatch, seed 0 (runs kept in runs/phase/rejected/"
-            "granularity-64x8-m1): GRPO and GSPO identical at all 100 steps, held-out 73.4% -> 87.5%, "
-            "flip 0.07-0.49% per optimizer step"
-        ),
-    },
-)
-"""Revisions of the plan after its first commit: what changed, why, and the evidence."""
 
 
 def reference_cell(lever: str) -> str:
@@ -353,11 +192,7 @@ def plan_doc() -> dict:
         "arms": {a: flatten(ARMS[a]) for a in SCREEN_ARMS},
         "skipped_in_bypass_cells": {"arms": list(NEEDS_RECOMPUTE), "doc": SKIP_DOC},
         "seeds": SEEDS,
-        "criterion": {
-            **asdict(collapse.CRITERION),
-            "doc": collapse.collapse_verdict.__doc__.strip(),
-            "also_collapsed": "runs the trainer stopped (repeated non-finite steps)",
-        },
+        "criterion": criterion_doc(),
         "learning_rule": {**asdict(LEARNING), "doc": LearningRule.__doc__.strip()},
         "best_cell_rule": BEST_CELL_RULE,
         "replay_rule": REPLAY_RULE,
@@ -446,7 +281,7 @@ class Stage:
 
     def overrides(self, cell: str, arm: str, seed: int) -> list[str]:
         common = common_overrides(self.base, self.cells[cell], self.variant)
-        return common + collapse.arm_overrides(arm, seed, self.steps)
+        return common + arm_overrides(arm, seed, self.steps)
 
 
 def execute(st: Stage, *, jobs: int, cache: Path, launch: str | None) -> list[dict]:
@@ -468,7 +303,7 @@ def execute(st: Stage, *, jobs: int, cache: Path, launch: str | None) -> list[di
 
     def ready(item) -> bool:
         c, _, _, out = item
-        if (out / collapse.STATUS_FILE).exists():  # a finished run needs no start
+        if (out / STATUS_FILE).exists():  # a finished run needs no start
             return True
         if c not in starts and c not in uncached:
             hit = cached_start(DEMO, common(c), cache=cache)
@@ -482,85 +317,20 @@ def execute(st: Stage, *, jobs: int, cache: Path, launch: str | None) -> list[di
         starts[item[0]], _ = warm_start(DEMO, common(item[0]), cache=cache, launch=launch)
         uncached.clear()  # cells of the same signature share this start
 
-    run_launch = collapse.local_launch(launch, jobs)
+    run_launch = local_launch(launch, jobs)
 
     def one(item):
         c, a, s, out = item
-        start = None if (out / collapse.STATUS_FILE).exists() else starts[c]  # a finished run is skipped
+        start = None if (out / STATUS_FILE).exists() else starts[c]  # a finished run is skipped
         ov = st.overrides(c, a, s)
-        return collapse.resumable_run(f"{c} {a} seed {s}", DEMO, ov, out, start=start, launch=run_launch)
+        return runner.resumable_run(f"{c} {a} seed {s}", DEMO, ov, out, start=start, launch=run_launch)
 
     return run_when_ready(st.items(), jobs=jobs, ready=ready, build=build, run=one)
 
 
-def run_when_ready(items: list, *, jobs: int, ready, build, run) -> list:
-    """``[run(x) for x in items]`` with ``jobs`` workers, where an item may first need a start that
-    ``build(x)`` makes (``ready(x)``: its start exists). A free worker builds the start of the
-    first pending item that lacks one when no build is under way (one at a time: SFT starts train
-    in this process), else runs the first pending item that is ready, else waits. So starts are
-    built as early as the order asks, and the other workers run what is ready meanwhile instead
-    of waiting on a start. Results in the order of ``items``; the first error stops the workers
-    and is raised."""
-    pending = list(range(len(items)))
-    results: dict[int, object] = {}
-    errors: list[BaseException] = []
-    cond = threading.Condition()
-    building = False
-
-    def next_job():
-        nonlocal building
-        with cond:
-            while not errors and pending:
-                # one pass, each item asked once; it stops once nothing later can change the pick
-                first_ready = None
-                for i in pending:
-                    if not ready(items[i]):
-                        if not building:
-                            building = True
-                            return build, i
-                    elif first_ready is None:
-                        first_ready = i
-                        if building:
-                            break
-                if first_ready is not None:
-                    pending.remove(first_ready)
-                    return run, first_ready
-                cond.wait()
-            return None
-
-    def worker():
-        nonlocal building
-        while (job := next_job()) is not None:
-            fn, i = job
-            try:
-                out = fn(items[i])
-                if fn is run:
-                    results[i] = out
-                elif not ready(items[i]):
-                    raise RuntimeError(f"building the start of {items[i]} left it not ready")
-            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-                errors.append(e)
-            finally:
-                with cond:
-                    if fn is build:
-                        building = False
-                    cond.notify_all()
-
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return [results[i] for i in range(len(items))]
-
-
 def finished(st: Stage) -> tuple[list[tuple], list[dict]]:
     """The items of ``st`` whose runs finished, and their statuses."""
-    done = [
-        (it, it[3] / collapse.STATUS_FILE) for it in st.items() if (it[3] / collapse.STATUS_FILE).exists()
-    ]
+    done = [(it, it[3] / STATUS_FILE) for it in st.items() if (it[3] / STATUS_FILE).exists()]
     # status files older than its ended_at field: written last, so the file's time is the end
     statuses = [{"ended_at": f.stat().st_mtime, **json.loads(f.read_text())} for _, f in done]
     return [it for it, _ in done], statuses
@@ -776,7 +546,7 @@ def scale_trends(tables: dict[str, dict]) -> dict:
                     pts.append((sc["of_level"](level), v))
             if len({x for x, _ in pts}) < 2:
                 continue
-            c0, b = _lstsq([[1.0, math.log(x)] for x, _ in pts], [math.log(v) for _, v in pts])
+            c0, b = lstsq([[1.0, math.log(x)] for x, _ in pts], [math.log(v) for _, v in pts])
             out.setdefault(lever, {})[k] = {
                 "x": sc["x"],
                 "measured": {str(x): v for x, v in pts},
@@ -871,8 +641,8 @@ def dry_run(st: Stage, cache: Path, launch: str | None) -> list[str]:
     lines = []
     for c, a, s, out in st.items():
         ov = [*st.overrides(c, a, s), "train.stages=[rl]", *start_overrides(starts[c])]
-        done = "# done: " if (out / collapse.STATUS_FILE).exists() else ""
-        lines.append(done + collapse.arm_command(DEMO, ov, out, launch))
+        done = "# done: " if (out / STATUS_FILE).exists() else ""
+        lines.append(done + arm_command(DEMO, ov, out, launch))
     return lines
 
 
@@ -983,7 +753,7 @@ def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
         "headline": headline,
         "plan": {k: getattr(st, k) for k in ("base", "cells", "arms", "seeds", "steps", "variant")},
         "rules": {
-            "criterion": asdict(collapse.CRITERION),
+            "criterion": asdict(CRITERION),
             "learning": asdict(LEARNING),
             "best_cell": BEST_CELL_RULE,
         },

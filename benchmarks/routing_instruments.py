@@ -25,8 +25,7 @@ import warnings
 
 import torch
 
-from benchmarks.arms import SMOKE_BASE
-from benchmarks.common import result_path
+from benchmarks.common import SMOKE_BASE, result_path
 
 warnings.filterwarnings("ignore")
 

@@ -1,7 +1,7 @@
 """Expert volatility: how much routing moves per optimizer step under real RL updates.
 
 For each configuration (learning rate x depth x experts x top-k x algorithm) the policy starts
-from a warm SFT checkpoint of its architecture (trained once, cached by ``benchmarks.arms``),
+from a warm SFT checkpoint of its architecture (trained once, cached by ``moe_rl.lab.starts``),
 then runs ``rl_steps`` real RL steps of the trainer (rollouts, rewards, group advantages, pi_old
 recompute, M minibatch updates: ``moe_rl.trainer.rl.collect`` + ``train_on``). A probe stands in
 for the optimizer and, after every one of the M updates, computes the natural top-k routes of
@@ -38,8 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from benchmarks.arms import ARMS, CACHE, DEMO, SMOKE_BASE, cpu_seconds, flatten, mean, warm_start
-from benchmarks.common import commit, machine, result_path
+from benchmarks.common import SMOKE_BASE, commit, machine, result_path
+from moe_rl.lab.arms import ARMS, DEMO, flatten
+from moe_rl.lab.runner import cpu_seconds
+from moe_rl.lab.starts import CACHE, warm_start
+from moe_rl.lab.stats import lstsq, mean
 
 if TYPE_CHECKING:
     from moe_rl.config import Recipe
@@ -252,8 +255,8 @@ def measure(run: Run, recipe: Recipe, ckpt: Path, rl_steps: int, probe_rows: int
 
 def run_sweep(p: dict, cache: Path) -> tuple[list[dict], dict]:
     """Every configuration of preset ``p``; returns the results and the SFT starts used."""
-    from benchmarks.arms import ensure_parallel
     from moe_rl.config import load_recipe
+    from moe_rl.lab.runner import ensure_parallel
     from moe_rl.trainer.run import Run
 
     ensure_parallel()
@@ -303,13 +306,6 @@ def run_sweep(p: dict, cache: Path) -> tuple[list[dict], dict]:
 
 
 # -- where 10% falls -----------------------------------------------------------------------------
-def _lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
-    import numpy as np
-
-    sol, *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(ys, dtype=float), rcond=None)
-    return [float(x) for x in sol]
-
-
 def analyse(results: list[dict], p: dict) -> dict:
     """Log-log fits of per-step flip rate vs depth (per LR and jointly with LR); where 10% falls."""
     rl, re_, rk = p["ref"]
@@ -319,14 +315,14 @@ def analyse(results: list[dict], p: dict) -> dict:
     for lr in p["lrs"]:
         xs = [(n, v) for n, a, v in pts if a == lr]
         if len({n for n, _ in xs}) >= 2:
-            c, s = _lstsq([[1.0, math.log(n)] for n, _ in xs], [math.log(v) for _, v in xs])
+            c, s = lstsq([[1.0, math.log(n)] for n, _ in xs], [math.log(v) for _, v in xs])
             out["per_lr"][f"{lr:g}"] = {
                 "depth_exponent": s,
                 "at_48_layers": math.exp(c + s * math.log(48)),
                 "measured": {str(n): v for n, v in xs},
             }
     if len({n for n, _, _ in pts}) >= 2 and len({a for _, a, _ in pts}) >= 2:
-        c, s, q = _lstsq([[1.0, math.log(n), math.log(a)] for n, a, _ in pts], [math.log(v) for *_, v in pts])
+        c, s, q = lstsq([[1.0, math.log(n), math.log(a)] for n, a, _ in pts], [math.log(v) for *_, v in pts])
         lr10 = math.exp((math.log(PAPER["flip_per_step"]) - c - s * math.log(PAPER["layers"])) / q)
         out["joint"] = {
             "log_rate": "c + a*log(layers) + b*log(lr)",

@@ -73,7 +73,7 @@ def cmd_demo(args) -> int:
     from pathlib import Path
 
     from moe_rl.errors import PathError, UserError
-    from moe_rl.trainer.demo import DEFAULT_RECIPE, run_demo
+    from moe_rl.lab.demo import DEFAULT_RECIPE, run_demo
 
     if not Path(args.recipe).is_file():
         raise PathError(f"--recipe {args.recipe} is not a file: give a recipe such as {DEFAULT_RECIPE}")
@@ -85,7 +85,7 @@ def cmd_demo(args) -> int:
 
 def cmd_report(args) -> int:
     from moe_rl.errors import UserError
-    from moe_rl.trainer.report import report
+    from moe_rl.lab.report import report
 
     bad = [r for r in args.runs if r.startswith("=") or r.endswith("=")]
     if bad:
@@ -171,24 +171,31 @@ def _replacing_file(out):
 
 
 def cmd_bench(args) -> int:
-    """Run benchmarks/<name>.py (a checkout's benchmarks package) with its own arguments."""
-    import importlib
-    from pathlib import Path
+    """Run benchmarks/<name>.py of the checkout moe-rl runs from, with its own arguments: ``python -m
+    benchmarks.<name>`` in a child process (:func:`moe_rl.lab.runner.run_child`) that finds the
+    checkout's ``benchmarks`` package, in this working directory; its exit status is the command's."""
+    import os
+    import subprocess
 
     from moe_rl.errors import UserError
+    from moe_rl.lab.arms import ROOT
+    from moe_rl.lab.runner import run_child
 
-    root = Path(__file__).resolve().parents[1]
-    helpers = {"common", "arms", "trl_peer"}  # modules the benchmarks share, not benchmarks
-    if args.name in helpers or not (root / "benchmarks" / f"{args.name}.py").exists():
+    helpers = {"common", "trl_peer"}  # modules the benchmarks share, not benchmarks
+    if args.name in helpers or not (ROOT / "benchmarks" / f"{args.name}.py").exists():
         names = sorted(
             p.stem
-            for p in (root / "benchmarks").glob("*.py")
+            for p in (ROOT / "benchmarks").glob("*.py")
             if not p.stem.startswith("_") and p.stem not in helpers
         )
         raise UserError(f"no benchmark {args.name!r}; available: {', '.join(names)}")
-    sys.path.insert(0, str(root))
-    mod = importlib.import_module(f"benchmarks.{args.name}")
-    mod.main(args.args)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    try:
+        run_child(
+            [sys.executable, "-m", f"benchmarks.{args.name}", *args.args], {**os.environ, "PYTHONPATH": path}
+        )
+    except subprocess.CalledProcessError as e:
+        return e.returncode
     return 0
 
 

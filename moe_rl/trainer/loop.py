@@ -13,7 +13,7 @@ import torch
 
 from moe_rl import dist
 from moe_rl.trainer.rl import StepResult, encode_prompts, local_prompts, rewards_of, rl_step, sampling_for
-from moe_rl.trainer.sentinel import Sentinel, Verdict
+from moe_rl.trainer.sentinel import Sentinel, SentinelVerdict
 from moe_rl.trainer.state import TrainingStopped
 from moe_rl.trainer.timer import StepTimer
 
@@ -81,7 +81,7 @@ def _guard_non_finite(run: Run, result: StepResult, bad_steps: int, step: int, m
     return bad_steps
 
 
-def _check_sentinel(sentinel: Sentinel, metrics: dict[str, float]) -> Verdict:
+def _check_sentinel(sentinel: Sentinel, metrics: dict[str, float]) -> SentinelVerdict:
     """The collapse sentinel's verdict on this step (``sentinel/fired`` added to the metrics)."""
     verdict = sentinel.check(metrics)
     metrics["sentinel/fired"] = float(len(verdict.fired))
@@ -90,7 +90,7 @@ def _check_sentinel(sentinel: Sentinel, metrics: dict[str, float]) -> Verdict:
     return verdict
 
 
-def _stop_or_roll_back(run: Run, verdict: Verdict) -> bool:
+def _stop_or_roll_back(run: Run, verdict: SentinelVerdict) -> bool:
     """Carry out the verdict (after the step is logged): ``stop`` raises; ``rollback`` reloads the
     last good checkpoint at a lower LR and returns True (the loop continues from its step)."""
     if verdict.action == "stop":

@@ -20,7 +20,7 @@ DEAD_ENTROPY_TOL = 1e-4
 def reward_drop(
     best: float | None, below: int, reward: float, *, drop_frac: float, min_best: float
 ) -> tuple[float, int]:
-    """One step of the collapse rule, shared by this sentinel and ``benchmarks/collapse.py``.
+    """One step of the collapse rule, shared by this sentinel and ``moe_rl.lab.collapse``.
 
     ``best`` is the running best reward (None before the first step) and ``below`` the number of
     consecutive steps under ``drop_frac`` x best, counted once the best exceeds ``min_best``
@@ -36,7 +36,7 @@ def reward_drop(
 
 
 @dataclass
-class Verdict:
+class SentinelVerdict:
     """What the sentinel saw in one step: the detectors that fired and the strongest action."""
 
     fired: list[str]
@@ -77,10 +77,10 @@ class Sentinel:
         self.vocab_size = vocab_size
         "The policy's vocabulary (for the dead-policy entropy; None: that check is off)."
 
-    def check(self, metrics: dict[str, float]) -> Verdict:
+    def check(self, metrics: dict[str, float]) -> SentinelVerdict:
         """Run every detector on one RL step's metrics; the strongest action of those that fired."""
         cfg = self.cfg
-        verdict = Verdict(fired=[], action="off", reasons=[])
+        verdict = SentinelVerdict(fired=[], action="off", reasons=[])
         actions = []
 
         def fire(detector: str, action: str, reason: str) -> None:

@@ -76,13 +76,13 @@ def test_full_disk_is_one_line(cli, tmp_path, run_dir, monkeypatch):
     savefig does not report it, so the write here is a plain one)."""
     if not Path("/dev/full").exists():
         pytest.skip("no /dev/full")
-    import moe_rl.trainer.report
+    import moe_rl.lab.report
 
     def plot(arms, out_png):
         with open("/dev/full", "wb") as f:
             f.write(b"\x89PNG" * 4096)
 
-    monkeypatch.setattr(moe_rl.trainer.report, "plot", plot)
+    monkeypatch.setattr(moe_rl.lab.report, "plot", plot)
     before = snapshot(run_dir)
     cli("report", run_dir, "--out", tmp_path / "r.png").one_line(
         r"disk full: no space left on the device: free"
@@ -175,7 +175,7 @@ def test_demo_bad_jobs(cli):
 
 def test_demo_without_a_start_is_refused(tmp_path):
     from moe_rl.errors import UserError
-    from moe_rl.trainer.demo import run_demo
+    from moe_rl.lab.demo import run_demo
 
     (tmp_path / "r.yaml").write_text(f"include: {ROOT / 'recipes/demo/base.yaml'}\ntrain: {{stages: [rl]}}\n")
     with pytest.raises(UserError, match="neither model.hf_path nor checkpoint.load names a start"):

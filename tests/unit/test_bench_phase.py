@@ -9,10 +9,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks/ is a package there
 
-from benchmarks import arms, phase
-from benchmarks.arms import DEMO, flatten, sft_key
-from benchmarks.collapse import CRITERION
+from benchmarks import phase
 from moe_rl.config import ConfigError, load_recipe
+from moe_rl.lab import starts
+from moe_rl.lab.arms import DEMO, ROOT, flatten
+from moe_rl.lab.collapse import CRITERION
+from moe_rl.lab.starts import sft_key
 
 
 def _keys(overrides: dict) -> set[str]:
@@ -371,7 +373,7 @@ def test_the_screen_stops_after_the_base_gate_when_the_base_is_not_stable(tmp_pa
         return {"finished": True}
 
     monkeypatch.setattr(phase, "warm_start", lambda *a, **k: (tmp_path / "sft", {}))
-    monkeypatch.setattr(phase.collapse, "resumable_run", fake_run)
+    monkeypatch.setattr(phase.runner, "resumable_run", fake_run)
     monkeypatch.setattr(phase, "finished", lambda st: ([it for it in st.items()], [{}] * len(st.items())))
     monkeypatch.setattr(phase, "analyse", lambda items, st: items)
     never_learned = {"runs": 2, "collapsed": 0, "learned": 0}
@@ -413,20 +415,20 @@ def test_runs_of_the_shipped_starts_key_begin_from_it_and_a_changed_file_is_refu
     from moe_rl.errors import UserError
 
     ov = phase.common_overrides(phase.STABLE_BASE, phase.cells()["minibatches-8"])
-    start, info = arms.cached_start(DEMO, ov, cache=tmp_path / "empty")
-    assert start == arms.ROOT / "recipes/demo/start" and info["shipped"] and info["reused"]
-    assert arms.start_overrides(start) == [f"model.hf_path={start}"]
-    assert arms.start_overrides(tmp_path / "ckpts") == [f"checkpoint.load={tmp_path / 'ckpts'}"]
+    start, info = starts.cached_start(DEMO, ov, cache=tmp_path / "empty")
+    assert start == ROOT / "recipes/demo/start" and info["shipped"] and info["reused"]
+    assert starts.start_overrides(start) == [f"model.hf_path={start}"]
+    assert starts.start_overrides(tmp_path / "ckpts") == [f"checkpoint.load={tmp_path / 'ckpts'}"]
     other = phase.common_overrides(phase.STABLE_BASE, phase.cells()["depth-8"])
-    assert arms.cached_start(DEMO, other, cache=tmp_path / "empty") is None
+    assert starts.cached_start(DEMO, other, cache=tmp_path / "empty") is None
 
     copy = tmp_path / "start"
     shutil.copytree(start, copy)
     shutil.copy(start.with_suffix(".json"), tmp_path / "start.json")
-    assert arms.shipped_start(info["key"], (tmp_path / "start.json",)) == copy
+    assert starts.shipped_start(info["key"], (tmp_path / "start.json",)) == copy
     (copy / "config.json").write_text((copy / "config.json").read_text() + " ")
     with pytest.raises(UserError, match=r"config\.json is .* restore it"):
-        arms.shipped_start(info["key"], (tmp_path / "start.json",))
+        starts.shipped_start(info["key"], (tmp_path / "start.json",))
 
 
 def test_runs_span_is_first_start_to_last_end_and_finished_reads_each_end(tmp_path):

@@ -8,7 +8,7 @@ import yaml
 from moe_rl.config import ConfigError, load_recipe, read_recipe_data, recipe_from_dict, to_dict
 
 ROOT = Path(__file__).parents[2] / "recipes"
-RECIPES = sorted(ROOT.rglob("*.yaml"))
+RECIPES = sorted(p for p in ROOT.rglob("*.yaml") if ".plan" not in p.suffixes)  # *.plan.yaml: sweep plans
 INCLUDING = [p for p in RECIPES if "include" in yaml.safe_load(p.read_text())]
 
 

@@ -1,10 +1,10 @@
-"""moe_rl.trainer.report.story: the demo's ten-second picture and what it says."""
+"""moe_rl.lab.report.story: the demo's ten-second picture and what it says."""
 
 from __future__ import annotations
 
 import math
 
-from moe_rl.trainer.report import differing_ingredient, story
+from moe_rl.lab.report import differing_ingredient, story
 
 
 def _arm(rewards, entropy, seq_lr=0.5, grad=1.0):
@@ -40,7 +40,7 @@ def test_a_collapse_is_marked_and_its_precursor_named(tmp_path):
 def test_without_a_collapse_the_sequence_log_ratio_is_shown():
     arms = {"GRPO": _arm([0.5] * 30, [0.01] * 30, seq_lr=3.0), "GSPO": _arm([0.5] * 30, [0.01] * 30)}
     verdicts = {}
-    from moe_rl.trainer.collapse import collapse_verdict
+    from moe_rl.lab.collapse import collapse_verdict
 
     for a, arm in arms.items():
         verdicts[a] = collapse_verdict([r["reward/mean"] for r in arm["rl"]])
@@ -56,8 +56,8 @@ def test_the_demo_writes_its_picture_detail_and_verdicts(tmp_path):
     import json
     from pathlib import Path
 
-    from moe_rl.trainer.arms import DEMO_ARMS
-    from moe_rl.trainer.demo import run_demo
+    from moe_rl.lab.arms import DEMO_ARMS
+    from moe_rl.lab.demo import run_demo
 
     root = Path(__file__).resolve().parents[2]
     ov = [
@@ -100,7 +100,7 @@ def test_the_shipped_demo_start_runs_every_arm(tmp_path):
     import json
     from pathlib import Path
 
-    from moe_rl.trainer.demo import DEFAULT_RECIPE, run_demo
+    from moe_rl.lab.demo import DEFAULT_RECIPE, run_demo
 
     root = Path(__file__).resolve().parents[2]
     ov = [

@@ -156,7 +156,7 @@ def test_fp32_rollouts_have_no_mismatch_and_bypass_mode_no_trainer_routes(tmp_pa
 
 
 def test_report_shows_the_mismatch(tmp_path, parallel_info):
-    from moe_rl.trainer.report import report
+    from moe_rl.lab.report import report
 
     run(tiny(tmp_path / "bf16", algo={"name": "grpo"}, rollout={"dtype": "bf16"}))
     run(tiny(tmp_path / "fp32", algo={"name": "grpo"}))

@@ -123,7 +123,7 @@ def test_combine_metrics_micro_minibatch_and_data_parallel():
 
 def test_arms_are_one_definition_of_overrides():
     from moe_rl.config import load_recipe
-    from moe_rl.trainer.arms import ARMS, DEMO_ARMS, arm_dir, arm_overrides
+    from moe_rl.lab.arms import ARMS, DEMO_ARMS, arm_dir, arm_overrides
 
     assert set(DEMO_ARMS) <= set(ARMS) and arm_dir("GRPO+R2") == "grpo_r2"
     for name in ARMS:

@@ -2,16 +2,31 @@
 
 An arm is a base recipe plus ``section.field=value`` overrides, exactly what ``moe-rl train``
 takes, so the same arm runs in process, under torchrun or through Slurm with the recipe file
-unchanged. The demo (:mod:`moe_rl.trainer.demo`), ``benchmarks/collapse.py``,
-``benchmarks/volatility.py`` and ``benchmarks/throughput.py`` all read :data:`ARMS`.
+unchanged. The demo (:mod:`moe_rl.lab.demo`), ``benchmarks/collapse.py``, ``benchmarks/phase.py``,
+``benchmarks/volatility.py`` and ``benchmarks/throughput.py`` all read :data:`ARMS`; the clip
+bands are the loss registry's (:data:`moe_rl.losses.LOSSES`).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-_GRPO = {"name": "grpo", "eps_low": 0.2, "eps_high": 0.27}
-_GSPO = {"name": "gspo", "eps_low": 3e-4, "eps_high": 4e-4}
+from moe_rl.losses import LOSSES
+
+ROOT = Path(__file__).resolve().parents[2]
+"The checkout (recipes and runs are found from here, whatever the working directory)."
+DEMO = ROOT / "recipes" / "demo" / "base.yaml"
+"The tiny policy and arithmetic task every CPU preset and the demo's SFT stage start from."
+
+
+def _band(name: str) -> dict:
+    """``algo`` fields of loss ``name`` at its paper's clip band (:data:`moe_rl.losses.LOSSES`)."""
+    return {"name": name, "eps_low": LOSSES[name].eps_low, "eps_high": LOSSES[name].eps_high}
+
+
+_GRPO = _band("grpo")
+_GSPO = _band("gspo")
 ARMS: dict[str, dict] = {
     "GRPO": {"algo": {**_GRPO, "routing": "none"}},
     "GRPO+R2": {"algo": {**_GRPO, "routing": "r2"}},
@@ -25,6 +40,8 @@ GRPO with truncated importance sampling against the train-inference mismatch (C 
 
 DEMO_ARMS = ("GRPO", "GRPO+R3", "GSPO")
 "The arms ``moe-rl demo`` runs: the replay arm is the repro's (benchmarks/phase.py, REPLAY_RULE)."
+FIRST_SEED = 1234
+"``train.seed`` of replicate 0 (replicate ``s`` samples with ``FIRST_SEED + s``, prompts in order ``s``)."
 
 
 def arm_dir(name: str) -> str:
@@ -32,11 +49,16 @@ def arm_dir(name: str) -> str:
     return name.lower().replace("+", "_")
 
 
-def arm_overrides(name: str) -> list[str]:
-    """The overrides of arm ``name`` (``algo.name=grpo``, ...); an unknown name lists the arms."""
+def arm_overrides(name: str, seed: int | None = None, steps: int | None = None) -> list[str]:
+    """The overrides of arm ``name`` (``algo.name=grpo``, ...); an unknown name lists the arms.
+    With ``seed``: replicate ``seed`` (the same ``train.seed`` and ``task.seed`` in every arm, so
+    arms differ only in ``algo``); with ``steps``: that many RL steps."""
     if name not in ARMS:
         raise KeyError(f"unknown arm {name!r}: use one of {', '.join(ARMS)}")
-    return flatten(ARMS[name])
+    ov = flatten(ARMS[name])
+    if seed is not None:
+        ov += [f"train.seed={FIRST_SEED + seed}", f"task.seed={seed}"]
+    return ov + ([f"train.rl_steps={steps}"] if steps else [])
 
 
 def yaml_value(v: object) -> str:

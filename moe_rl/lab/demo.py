@@ -1,12 +1,13 @@
 """``make demo``: GRPO, GRPO + Routing Replay and GSPO from one start, seed and prompt order, side by
-side; report (``report.png``: :func:`moe_rl.trainer.report.story`; ``report-detail.png``: every metric).
+side; report (``report.png``: :func:`moe_rl.lab.report.story`; ``report-detail.png``: every metric).
 
 The default recipe, ``recipes/demo/closest.yaml``, is a short form of the phase diagram's closest cell
 (docs/phase.md, "The demo"): it starts from the SFT start shipped in ``recipes/demo/start``
 (``model.hf_path``) and runs the RL arms only. A recipe whose ``train.stages`` holds ``sft`` (e.g.
-``recipes/demo/base.yaml``) first gets its SFT start trained once and cached under its
-``train.out_dir``. The arms are :data:`moe_rl.trainer.arms.DEMO_ARMS`, each the recipe plus the arm's
-overrides, so the demo and the benchmarks compare the same algorithm settings. They run as one
+``recipes/demo/base.yaml``) first gets its SFT start (:func:`moe_rl.lab.starts.warm_start`: trained
+once into its ``train.out_dir``, reused by later demos). The arms are
+:data:`moe_rl.lab.arms.DEMO_ARMS`, each the recipe plus the arm's overrides, so the demo and the
+benchmarks compare the same algorithm settings. They run through :mod:`moe_rl.lab.runner`, one
 process each, ``jobs`` at a time (default: all of them), the machine's cores shared between them;
 each arm's output goes to ``<out>/<arm>.log``.
 """
@@ -16,17 +17,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from moe_rl.config import load_recipe
 from moe_rl.errors import UserError
-from moe_rl.megatron.checkpoint import latest_checkpoint
-from moe_rl.trainer.arms import DEMO_ARMS, arm_dir, arm_overrides
-from moe_rl.trainer.report import load_arm, report, story
+from moe_rl.lab.arms import DEMO_ARMS, arm_dir, arm_overrides
+from moe_rl.lab.report import load_arm, report, story
+from moe_rl.lab.runner import child_launch, in_pool, run_arm
+from moe_rl.lab.starts import start_overrides, warm_start
 from moe_rl.trainer.timer import StepTimer
 
 log = logging.getLogger(__name__)
@@ -34,35 +32,14 @@ log = logging.getLogger(__name__)
 DEFAULT_RECIPE = "recipes/demo/closest.yaml"
 
 
-def _train(
-    recipe: Path, overrides: list[str], *, threads: int | None = None, log_file: Path | None = None
-) -> None:
-    """``moe-rl train recipe overrides`` as a child process (its output to ``log_file`` when given)."""
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", str(recipe), *overrides]
-    log.info("running %s", " ".join(cmd))
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    if log_file is None:
-        subprocess.run(cmd, check=True, env=env)
-        return
-    with open(log_file, "w") as f:
-        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
-    if rc:
-        raise UserError(f"{log_file.stem} failed (exit status {rc}): its output is in {log_file}")
-
-
 def _start(recipe: Path, overrides: list[str]) -> list[str]:
-    """The overrides that start every arm from the same weights, training the SFT start first
-    when the recipe has an SFT stage and no earlier demo left one."""
+    """The overrides that start every arm from the same weights: the recipe's SFT start
+    (:func:`~moe_rl.lab.starts.warm_start` into its ``train.out_dir``) when it has an SFT stage,
+    else the start it names."""
     base = load_recipe(recipe, overrides)
     if "sft" in base.train.stages:
-        sft_ckpt = Path(base.train.out_dir) / "checkpoints"
-        if latest_checkpoint(sft_ckpt) is None:
-            _train(recipe, [*overrides, "train.stages=[sft]"])
-        else:
-            log.info("reusing the SFT start at %s (delete it to retrain)", sft_ckpt)
-        return [f"checkpoint.load={sft_ckpt}"]
+        ckpt, _ = warm_start(recipe, overrides, launch=child_launch(), root=Path(base.train.out_dir))
+        return start_overrides(ckpt)
     if not (base.model.hf_path or base.checkpoint.load):
         raise UserError(
             f"{recipe}: train.stages has no sft and neither model.hf_path nor checkpoint.load names a "
@@ -91,16 +68,17 @@ def run_demo(
     runs = {name: out / arm_dir(name) for name in DEMO_ARMS}
 
     def one(name: str) -> None:
-        shutil.rmtree(runs[name], ignore_errors=True)
-        rl_only = ["train.stages=[rl]", f"train.out_dir={runs[name]}", *start]
         logf = out / f"{arm_dir(name)}.log"
-        _train(recipe, [*overrides, *arm_overrides(name), *rl_only], threads=threads, log_file=logf)
+        ov = [*overrides, *arm_overrides(name), "train.stages=[rl]", *start]
+        once = {"resume": False, "checkpoint_every": None}  # a fresh run each demo, saving as the recipe says
+        st = run_arm(recipe, ov, runs[name], launch=child_launch(), threads=threads, log_file=logf, **once)
+        if st["status"] != "done":
+            raise UserError(f"{logf.stem} failed ({st['reason']}): its output is in {logf}")
         log.info("%s finished (%s)", name, logf)
 
     with timer.record("arms"):
         log.info("running %s, %d at a time (%d threads each)", ", ".join(DEMO_ARMS), jobs, threads)
-        with ThreadPoolExecutor(jobs) as pool:
-            list(pool.map(one, DEMO_ARMS))
+        in_pool(one, list(DEMO_ARMS), jobs)
     with timer.record("report"):
         table, rows = report({n: str(d) for n, d in runs.items()}, out / "report-detail.png")
         told = story({name: load_arm(d) for name, d in runs.items()}, out / "report.png")

@@ -1,4 +1,4 @@
-"""benchmarks.arms: an interrupted SFT start resumes and ends where an uninterrupted one does; a
+"""moe_rl.lab.starts and moe_rl.lab.runner: an interrupted SFT start resumes and ends where an uninterrupted one does; a
 run in a child process is timed alone."""
 
 import json
@@ -8,9 +8,11 @@ import sys
 import pytest
 import torch
 
-from benchmarks import arms
+from benchmarks.common import SMOKE_BASE
+from moe_rl.lab import runner, starts
+from moe_rl.lab.arms import DEMO, flatten
 
-SFT = [*arms.flatten(arms.SMOKE_BASE), "train.sft_steps=5", "train.sft_batch_size=4"]
+SFT = [*flatten(SMOKE_BASE), "train.sft_steps=5", "train.sft_batch_size=4"]
 
 
 def _weights(ckpt) -> dict[str, torch.Tensor]:
@@ -19,7 +21,7 @@ def _weights(ckpt) -> dict[str, torch.Tensor]:
     from moe_rl.megatron.parallel import parallel_info
     from moe_rl.megatron.policy import build_policy
 
-    recipe = load_recipe(arms.DEMO, SFT)
+    recipe = load_recipe(DEMO, SFT)
     policy = build_policy(recipe.model, recipe.parallel, parallel_info())
     load_checkpoint(ckpt, policy.model, load_rng=False)
     return {
@@ -35,8 +37,8 @@ def _losses(root) -> list[float]:
 def test_an_interrupted_sft_start_resumes_to_the_same_weights(tmp_path, parallel_info, monkeypatch):
     from moe_rl.trainer import sft
 
-    monkeypatch.setattr(arms, "SFT_CHECKPOINT_EVERY", 2)
-    ref, info = arms.warm_start(arms.DEMO, SFT, cache=tmp_path / "ref")
+    monkeypatch.setattr(starts, "SFT_CHECKPOINT_EVERY", 2)
+    ref, info = starts.warm_start(DEMO, SFT, cache=tmp_path / "ref")
     assert not info["reused"] and info["steps"] == 5
 
     real, calls, kill_at = sft.sft_step, [], [4]
@@ -49,13 +51,13 @@ def test_an_interrupted_sft_start_resumes_to_the_same_weights(tmp_path, parallel
 
     monkeypatch.setattr(sft, "sft_step", counted)
     with pytest.raises(KeyboardInterrupt):
-        arms.warm_start(arms.DEMO, SFT, cache=tmp_path / "cut")
+        starts.warm_start(DEMO, SFT, cache=tmp_path / "cut")
     root = tmp_path / "cut" / ref.parent.name
     assert not (root / "sft.json").exists() and (root / "checkpoints").is_dir()
 
     calls.clear()
     kill_at[0] = 0
-    cut, info = arms.warm_start(arms.DEMO, SFT, cache=tmp_path / "cut")
+    cut, info = starts.warm_start(DEMO, SFT, cache=tmp_path / "cut")
     assert len(calls) == 3  # steps 2, 3, 4 only: resumed from the checkpoint after step 2
     assert not info["reused"] and info["steps"] == 5  # resumed: every step once in metrics.jsonl
     assert _losses(root) == _losses(ref.parent)
@@ -63,7 +65,7 @@ def test_an_interrupted_sft_start_resumes_to_the_same_weights(tmp_path, parallel
     assert want.keys() == got.keys()
     for k in want:
         assert torch.equal(want[k], got[k]), k
-    again, info = arms.warm_start(arms.DEMO, SFT, cache=tmp_path / "cut")
+    again, info = starts.warm_start(DEMO, SFT, cache=tmp_path / "cut")
     assert info["reused"] and again == cut
 
 
@@ -75,9 +77,9 @@ def _rl_rows(out) -> dict[int, dict]:
 def test_a_stopped_rl_arm_resumes_and_ends_as_one_that_never_saved(tmp_path, parallel_info, monkeypatch):
     from moe_rl.trainer import loop
 
-    start, _ = arms.warm_start(arms.DEMO, SFT, cache=tmp_path / "sft")
+    start, _ = starts.warm_start(DEMO, SFT, cache=tmp_path / "sft")
     ov = [*SFT, "train.rl_steps=4", "checkpoint.every=2", "train.eval_prompts=4", "train.seed=7"]
-    ref = arms.run_arm(arms.DEMO, [*ov, "checkpoint.every=0"], tmp_path / "ref", start=start)  # never saves
+    ref = runner.run_arm(DEMO, [*ov, "checkpoint.every=0"], tmp_path / "ref", start=start)  # never saves
     assert ref["status"] == "done" and not ref["resumed"]
 
     real, calls = loop.rl_step, []
@@ -90,11 +92,11 @@ def test_a_stopped_rl_arm_resumes_and_ends_as_one_that_never_saved(tmp_path, par
 
     monkeypatch.setattr(loop, "rl_step", stopped_in_step_3)
     with pytest.raises(KeyboardInterrupt):
-        arms.run_arm(arms.DEMO, ov, tmp_path / "cut", start=start)
+        runner.run_arm(DEMO, ov, tmp_path / "cut", start=start)
     calls.clear()
     calls.append("no more stops")
     monkeypatch.setattr(loop, "rl_step", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    cut = arms.run_arm(arms.DEMO, ov, tmp_path / "cut", start=start)
+    cut = runner.run_arm(DEMO, ov, tmp_path / "cut", start=start)
     assert cut["status"] == "done" and cut["resumed"] and len(calls) == 1 + 2  # steps 2 and 3 only
     want, got = _rl_rows(tmp_path / "ref"), _rl_rows(tmp_path / "cut")
     assert sorted(got) == sorted(want) == [0, 1, 2, 3]
@@ -102,7 +104,7 @@ def test_a_stopped_rl_arm_resumes_and_ends_as_one_that_never_saved(tmp_path, par
         for k in ("reward/mean", "loss/pg", "grad_norm", "flip/step/rate", "eval/accuracy"):
             assert got[step].get(k) == row.get(k), (step, k)
     # another run's directory (a different recipe) is never resumed: it starts over
-    other = arms.run_arm(arms.DEMO, [*ov, "train.seed=8"], tmp_path / "cut", start=start)
+    other = runner.run_arm(DEMO, [*ov, "train.seed=8"], tmp_path / "cut", start=start)
     assert other["status"] == "done" and not other["resumed"]
 
 
@@ -111,7 +113,7 @@ def test_a_child_run_is_timed_alone_while_others_end_beside_it():
     busy one that ended during it, as the process-wide children totals would."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from benchmarks.arms import run_child
+    from moe_rl.lab.runner import run_child
 
     busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass"
     idle = "import time; time.sleep(4)"

@@ -1,14 +1,14 @@
 """The fixed collapse criterion: when a run's reward curve counts as collapsed.
 
 One definition for ``moe-rl demo``'s report and the benchmarks (``benchmarks/collapse.py``,
-``benchmarks/phase.py``, whose plan fixed these constants before any run); the in-run sentinel
-applies the same step rule (:func:`moe_rl.trainer.sentinel.reward_drop`) to raw rewards.
+``benchmarks/phase.py``, whose plan fixed these constants before any run); the trainer's in-run
+sentinel applies the same step rule (:func:`moe_rl.trainer.sentinel.reward_drop`) to raw rewards.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from moe_rl.trainer.sentinel import reward_drop
 
@@ -86,6 +86,12 @@ def collapse_verdict(rewards: list[float], c: Criterion = CRITERION) -> Verdict:
             return Verdict("collapsed", run_start + off, s[best_i], best_i + off, s[-1])
     state = "unresolved" if run_start is not None else "fine"
     return Verdict(state, None if run_start is None else run_start + off, s[best_i], best_i + off, s[-1])
+
+
+def criterion_doc(c: Criterion = CRITERION) -> dict:
+    """The criterion as a result file records it: its constants, the rule in words, what else counts."""
+    also = "runs the trainer stopped (repeated non-finite steps)"
+    return {**asdict(c), "doc": collapse_verdict.__doc__.strip(), "also_collapsed": also}
 
 
 def held_out_drop(evals: list[float], c: Criterion = CRITERION) -> bool:

@@ -9,19 +9,30 @@ from pathlib import Path
 from moe_rl.errors import DataError, PathError
 
 ROLLOUT_FLIP = "flip/rollout_vs_trainer/rate"
-PANELS = [
-    ("reward/mean", "reward (mean)"),
-    ("eval/accuracy", "held-out greedy accuracy"),
-    ("flip/step/rate", "expert flip rate per optimizer step"),
-    ("clip/token_frac", "clipped token fraction"),
-    ("clip/seq_frac", "clipped sequence fraction"),
-    ("ratio/seq_log_sum_abs", "max |sequence log-ratio|"),
-    ("mismatch/k3", "train-inference mismatch (k3 KL, pi_roll || pi_old)"),
-    ("flip/rollout_vs_trainer/rate", "rollout-vs-trainer expert flip rate"),
-]
+CLIPPED_OWN = "clipped_own"
+"""A panel key: the clipped tokens at each arm's own granularity (``clip/token_frac``, or for a
+sequence-level loss ``clip/token_frac_of_clipped_seqs``)."""
+PANELS: dict[str, str] = {
+    "reward/mean": "reward (mean)",
+    "eval/accuracy": "held-out greedy accuracy",
+    "flip/step/rate": "expert flip rate per optimizer step",
+    "clip/token_frac": "clipped token fraction",
+    "clip/seq_frac": "clipped sequence fraction",
+    "ratio/seq_log_sum_abs": "max |sequence log-ratio|",
+    "mismatch/k3": "train-inference mismatch (k3 KL, pi_roll || pi_old)",
+    ROLLOUT_FLIP: "rollout-vs-trainer expert flip rate",
+    CLIPPED_OWN: "clipped tokens (GRPO: token ratio; GSPO: tokens of clipped seqs)",
+    "entropy/mean": "token entropy",
+}
+"""The title of every curve a report draws, by metric key: :func:`plot` draws :data:`DETAIL_PANELS`,
+``benchmarks/collapse.py`` its runs' curves."""
+DETAIL_PANELS = tuple(PANELS)[:8]
+"The panels of ``report-detail.png`` (``moe-rl report``): every metric the arms compare on."
 
 
-def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """``(steps, values)`` of metric ``key`` over metrics rows (rows without it are left out);
+    ``ratio/seq_log_sum_abs`` is the larger of ``|ratio/seq_log_sum_min|`` and ``|..._max|``."""
     xs, ys = [], []
     for r in rows:
         if key == "ratio/seq_log_sum_abs":
@@ -71,7 +82,7 @@ def _mean(v: list[float]) -> float:
 def summarize(name: str, arm: dict) -> dict:
     rl, ev = arm["rl"], arm["eval"]
     acc = [r["eval/accuracy"] for r in ev if r.get("eval/accuracy") is not None]
-    _, lr = _series(rl, "ratio/seq_log_sum_abs")
+    _, lr = series(rl, "ratio/seq_log_sum_abs")
     return {
         "arm": name,
         "steps": len(rl),
@@ -142,12 +153,12 @@ def plot(arms: dict[str, dict], out_png: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 4, figsize=(20, 8))
-    for ax, (key, title) in zip(axes.flat, PANELS):
+    for ax, key in zip(axes.flat, DETAIL_PANELS):
         for name, arm in arms.items():
             rows = arm["eval"] if key == "eval/accuracy" else arm["rl"]
-            xs, ys = _series(rows, key)
+            xs, ys = series(rows, key)
             ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=name)
-        ax.set_title(title)
+        ax.set_title(PANELS[key])
         ax.set_xlabel("RL step")
         if key.startswith(("clip/", "mismatch/")):
             ax.set_yscale("symlog", linthresh=1e-4)
@@ -174,7 +185,7 @@ _PRECURSOR_STEPS = 20
 
 
 def _late_mean(rows: list[dict], key: str, lo: int, hi: int) -> float:
-    _, ys = _series([r for r in rows if lo <= r["step"] <= hi], key)
+    _, ys = series([r for r in rows if lo <= r["step"] <= hi], key)
     ys = [abs(y) for y in ys if y is not None and math.isfinite(y)]
     return _mean(ys)
 
@@ -221,7 +232,7 @@ def story(arms: dict[str, dict], out_png: str | Path) -> dict:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moe_rl.trainer.collapse import CRITERION, collapse_verdict, smoothed
+    from moe_rl.lab.collapse import CRITERION, collapse_verdict, smoothed
 
     k = CRITERION.smooth
     verdicts = {a: collapse_verdict([r.get("reward/mean") for r in arm["rl"]]) for a, arm in arms.items()}
@@ -229,15 +240,15 @@ def story(arms: dict[str, dict], out_png: str | Path) -> dict:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     for i, (name, arm) in enumerate(arms.items()):
         color = plt.get_cmap("tab10")(i)
-        xs, ys = _series(arm["rl"], "reward/mean")
+        xs, ys = series(arm["rl"], "reward/mean")
         if len(ys) >= k:
             axes[0].plot(xs[k - 1 :], smoothed(ys, k), color=color, label=name)
         v = verdicts[name]
         if v.collapsed:
             axes[0].plot([xs[v.step]], [smoothed(ys, k)[v.step - k + 1]], "x", color=color, ms=12, mew=3)
-        ex, ey = _series(arm["eval"], "eval/accuracy")
+        ex, ey = series(arm["eval"], "eval/accuracy")
         axes[1].plot(ex, ey, marker="o", color=color, label=name)
-        ix, iy = _series(arm["rl"], key)
+        ix, iy = series(arm["rl"], key)
         axes[2].plot(ix, iy, color=color, label=name, alpha=0.85)
     axes[0].set_title(f"reward (trailing mean of {k} steps; x = collapsed)")
     axes[1].set_title("held-out greedy accuracy")

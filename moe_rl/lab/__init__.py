@@ -1,0 +1,13 @@
+"""Experiments: what runs and judges comparisons of the trainer's algorithms (the trainer never
+imports this package).
+
+- :mod:`moe_rl.lab.arms`: the arm table (GRPO, GRPO + R2 / R3 / TIS, GSPO, GSPO + R2) as recipe
+  overrides, clip bands from :data:`moe_rl.losses.LOSSES`;
+- :mod:`moe_rl.lab.starts`: SFT starts (shipped, cached by SFT signature, trained once);
+- :mod:`moe_rl.lab.runner`: one runner (in process, child process or launcher; resume; atomic
+  status files; a pool; CPU accounting);
+- :mod:`moe_rl.lab.collapse`: the fixed collapse criterion and its verdict;
+- :mod:`moe_rl.lab.report`: metrics read back, tables and pictures (``moe-rl report``);
+- :mod:`moe_rl.lab.demo`: ``moe-rl demo``;
+- :mod:`moe_rl.lab.stats`: means and least-squares fits.
+"""

@@ -1,0 +1,308 @@
+"""One runner for every experiment: an arm (a recipe plus overrides) in this process, in a child
+process or through a launcher, resumed from its checkpoint, its end noted in an atomic status file,
+many at a time in a pool, with the CPU seconds each took.
+
+- :func:`run_recipe` runs ``moe-rl train base overrides`` in process (``launch`` None) or as
+  ``launch base overrides`` (a command prefix: :func:`child_launch`, ``launch/torchrun.sh``,
+  ``sbatch --wait launch/slurm.sbatch``), its child timed alone (:func:`run_child`);
+- :func:`run_arm` runs one RL arm from a start and says how it ended; :func:`resumable_run` does
+  so unless an earlier invocation finished it (:data:`STATUS_FILE`);
+- :func:`in_pool` and :func:`run_when_ready` run many, ``jobs`` at a time;
+- :func:`read_arm` reads an arm's metrics back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ARM_CHECKPOINT_EVERY = 10
+"""An RL arm saves every this many steps (unless its overrides say otherwise), so that a killed
+one resumes (:func:`run_arm`); saving does not change the run (tests/unit/test_lab_runner.py)."""
+STATUS_FILE = "status.json"
+"Written into a run's directory when it finishes (done or stopped): a rerun of the sweep skips it."
+
+
+# -- processes and CPU time ----------------------------------------------------------------------
+def cpu_seconds() -> float:
+    """CPU seconds of this process and its finished children (comparable on a shared machine).
+    The children's share counts every child reaped in between, those of concurrent runs too: a
+    run in a child process is timed by :func:`run_child` instead."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def run_child(cmd: list[str], env: dict | None = None, *, log_file: Path | None = None) -> float:
+    """``subprocess.run(cmd, check=True)`` (its output into ``log_file`` when given), returning the
+    CPU seconds of that child and of the descendants it waited for: its own ``wait4`` resource
+    usage, which runs going on beside it in other threads do not enter (as they enter
+    :func:`cpu_seconds`)."""
+    with open(log_file, "w") if log_file else contextlib.nullcontext() as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:  # interrupted: do not leave the child running
+            proc.kill()
+            proc.wait()
+            raise
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+    return usage.ru_utime + usage.ru_stime
+
+
+def child_launch() -> str:
+    """The launch prefix of a fresh ``moe-rl train`` process on this machine (this interpreter)."""
+    return f"{shlex.quote(sys.executable)} -m moe_rl.cli train"
+
+
+def local_launch(launch: str | None, jobs: int) -> str | None:
+    """``launch``, or with ``jobs`` > 1 a fresh ``moe_rl.cli train`` process per run (None: in process)."""
+    return launch or (child_launch() if jobs > 1 else None)
+
+
+def arm_command(base: str | Path, overrides: list[str], out: str | Path, launch: str | None = None) -> str:
+    """The shell command that runs one arm into ``out`` (what a ``--dry-run`` prints)."""
+    prefix = shlex.split(launch) if launch else ["moe-rl", "train"]
+    return shlex.join([*prefix, str(base), *overrides, f"train.out_dir={out}"])
+
+
+def ensure_parallel() -> None:
+    """A world-of-one process group for in-process runs (kept for every run of this process)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        from moe_rl.config import ParallelConfig
+        from moe_rl.megatron.parallel import init_parallel
+
+        init_parallel(ParallelConfig(), seed=0)
+
+
+# -- one run -------------------------------------------------------------------------------------
+def run_recipe(
+    base: str | Path,
+    overrides: list[str],
+    launch: str | None = None,
+    *,
+    resume: bool = False,
+    threads: int | None = None,
+    log_file: Path | None = None,
+) -> dict:
+    """``moe-rl train base overrides``: in this process (``launch`` None) or as ``launch base overrides``
+    (``resume``: ``--resume``, from the newest intact checkpoint of the run's directory).
+
+    ``launch`` is a command prefix, e.g. :func:`child_launch` (a fresh process per arm),
+    ``launch/torchrun.sh`` (one node) or ``"sbatch --wait --nodes=3 launch/slurm.sbatch"`` (Slurm;
+    ``--wait`` makes the harness wait for each arm). A launched run gets ``threads`` as
+    ``OMP_NUM_THREADS`` when given, and writes its output into ``log_file`` when given.
+
+    Returns, launched, ``{"cpu_s": ...}`` (:func:`run_child`: the launcher's process tree on this
+    machine, so under ``sbatch`` the job's own CPU is not in it); in process, the run's result.
+    """
+    if launch:
+        cmd = [*shlex.split(launch), str(base), *overrides, *(["--resume"] if resume else [])]
+        log.info("launching %s", shlex.join(cmd))
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        return {"cpu_s": run_child(cmd, env, log_file=log_file)}
+    from moe_rl.config import load_recipe
+    from moe_rl.trainer.run import run
+
+    recipe = load_recipe(base, overrides)
+    if recipe.parallel.world_size == 1:
+        ensure_parallel()
+    return run(recipe, resume=resume)
+
+
+def run_arm(
+    base: str | Path,
+    overrides: list[str],
+    out_dir: str | Path,
+    *,
+    start: Path | None = None,
+    launch: str | None = None,
+    resume: bool = True,
+    checkpoint_every: int | None = ARM_CHECKPOINT_EVERY,
+    threads: int | None = None,
+    log_file: Path | None = None,
+) -> dict:
+    """One RL arm into ``out_dir`` (from SFT start ``start`` when given): a fresh one, or, with
+    ``resume``, the same run resumed when ``out_dir`` holds its checkpoint (:func:`resumable`: e.g.
+    a run stopped by SIGTERM, which saves at the next step). It saves every ``checkpoint_every``
+    steps unless ``overrides`` say otherwise (None: as the recipe says).
+
+    Returns ``{"status": "done" | "stopped" | "failed", "reason", "wall_s", "cpu_s", "resumed"}``
+    (times of this attempt only); a run the trainer stops on purpose (repeated non-finite steps, a
+    sentinel set to stop) is ``stopped``.
+    """
+    from moe_rl.lab.starts import start_overrides
+    from moe_rl.trainer.loop import TrainingStopped
+
+    out_dir = Path(out_dir)
+    every = [] if checkpoint_every is None else [f"checkpoint.every={checkpoint_every}"]
+    ov = [*every, *overrides, f"train.out_dir={out_dir}"]
+    if start is not None:
+        ov += ["train.stages=[rl]", *start_overrides(start)]
+    resume = resume and resumable(out_dir, base, ov)
+    if resume:
+        log.info("resuming %s from its checkpoint", out_dir)
+    else:
+        shutil.rmtree(out_dir, ignore_errors=True)  # metrics.jsonl appends: start clean
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    status, reason, child = "done", None, {}
+    try:
+        done = run_recipe(base, ov, launch, resume=resume, threads=threads, log_file=log_file)
+        child = done if launch else {}
+    except TrainingStopped as e:
+        status, reason = "stopped", str(e)
+    except subprocess.CalledProcessError as e:
+        status, reason = "failed", f"exit status {e.returncode}"
+    return {
+        "status": status,
+        "reason": reason,
+        "wall_s": time.perf_counter() - t0,
+        "cpu_s": child.get("cpu_s", cpu_seconds() - c0),
+        "out_dir": str(out_dir),
+        "resumed": resume,
+    }
+
+
+def resumable(out_dir: Path, base: str | Path, overrides: list[str]) -> bool:
+    """True when ``out_dir`` holds an intact checkpoint of the run ``base`` + ``overrides`` would
+    make: its saved ``recipe.yaml`` resolves to the same recipe (anything else starts over)."""
+    from moe_rl.config import load_recipe, to_dict
+    from moe_rl.megatron.checkpoint import latest_checkpoint
+
+    def run_of(recipe) -> dict:  # how often it saves does not change a run
+        d = to_dict(recipe)
+        return {**d, "checkpoint": {k: v for k, v in d["checkpoint"].items() if k not in ("every", "keep")}}
+
+    saved = out_dir / "recipe.yaml"
+    if not saved.exists() or latest_checkpoint(out_dir / "checkpoints") is None:
+        return False
+    try:
+        return run_of(load_recipe(saved)) == run_of(load_recipe(base, overrides))
+    except Exception as e:  # an unreadable or older recipe: not this run
+        log.info("not resuming %s: %s", out_dir, e)
+        return False
+
+
+def resumable_run(
+    label: str,
+    base: str | Path,
+    overrides: list[str],
+    out: Path,
+    *,
+    start: Path | None = None,
+    launch: str | None = None,
+) -> dict:
+    """:func:`run_arm` into ``out`` unless an earlier invocation finished it there.
+
+    A run that ends (done or stopped) writes :data:`STATUS_FILE` into ``out`` (atomically: written
+    beside it, then renamed); with that file present the run is skipped and its status read back.
+    A crash (``failed``) writes nothing, so the next invocation retries it.
+    """
+    done = Path(out) / STATUS_FILE
+    if done.exists():  # finished in an earlier invocation: resume, do not rerun
+        st = json.loads(done.read_text())
+        log.info("%s: already %s (%s)", label, st["status"], done)
+        return st
+    st = run_arm(base, overrides, out, start=start, launch=launch)
+    log.info("%s: %s in %.0fs", label, st["status"], st["wall_s"])
+    if st["status"] != "failed":  # a crash is retried by the next invocation
+        tmp = done.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**st, "ended_at": time.time()}))
+        tmp.replace(done)
+    return st
+
+
+def read_arm(out_dir: str | Path) -> dict:
+    """``{"rl": rows, "eval": rows}`` of a finished (or stopped) arm; empty when it wrote nothing."""
+    from moe_rl.lab.report import load_arm
+
+    if not (Path(out_dir) / "metrics.jsonl").exists():
+        return {"rl": [], "eval": []}
+    return load_arm(out_dir)
+
+
+# -- many runs -----------------------------------------------------------------------------------
+def in_pool(fn, items: list, jobs: int) -> list:
+    """``[fn(x) for x in items]`` with ``jobs`` at a time (threads: each waits on its own process)."""
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        return list(pool.map(fn, items))
+
+
+def run_when_ready(items: list, *, jobs: int, ready, build, run) -> list:
+    """``[run(x) for x in items]`` with ``jobs`` workers, where an item may first need a start that
+    ``build(x)`` makes (``ready(x)``: its start exists). A free worker builds the start of the
+    first pending item that lacks one when no build is under way (one at a time: SFT starts train
+    in this process), else runs the first pending item that is ready, else waits. So starts are
+    built as early as the order asks, and the other workers run what is ready meanwhile instead
+    of waiting on a start. Results in the order of ``items``; the first error stops the workers
+    and is raised."""
+    pending = list(range(len(items)))
+    results: dict[int, object] = {}
+    errors: list[BaseException] = []
+    cond = threading.Condition()
+    building = False
+
+    def next_job():
+        nonlocal building
+        with cond:
+            while not errors and pending:
+                # one pass, each item asked once; it stops once nothing later can change the pick
+                first_ready = None
+                for i in pending:
+                    if not ready(items[i]):
+                        if not building:
+                            building = True
+                            return build, i
+                    elif first_ready is None:
+                        first_ready = i
+                        if building:
+                            break
+                if first_ready is not None:
+                    pending.remove(first_ready)
+                    return run, first_ready
+                cond.wait()
+            return None
+
+    def worker():
+        nonlocal building
+        while (job := next_job()) is not None:
+            fn, i = job
+            try:
+                out = fn(items[i])
+                if fn is run:
+                    results[i] = out
+                elif not ready(items[i]):
+                    raise RuntimeError(f"building the start of {items[i]} left it not ready")
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                errors.append(e)
+            finally:
+                with cond:
+                    if fn is build:
+                        building = False
+                    cond.notify_all()
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [results[i] for i in range(len(items))]

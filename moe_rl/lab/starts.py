@@ -1,0 +1,197 @@
+"""SFT starts: the weights every arm of a comparison begins from, one mechanism for the demo and the
+benchmarks.
+
+A start is found or made by the *SFT signature* of a recipe (:func:`sft_signature`: everything the
+SFT stage reads: model, task knobs, SFT steps, batch, LR, seed, optimizer), in this order:
+
+1. a finished SFT run of that signature (``recipe.yaml`` + ``checkpoints/``) among :data:`REUSABLE_SFT`;
+2. the finished start in its own folder (``sft.json`` beside ``checkpoints/``): by default
+   ``<cache>/<sft_key>/``, for the demo its recipe's ``train.out_dir``;
+3. a start shipped in the repository as HF safetensors (:data:`SHIPPED_STARTS`, checked by sha256);
+4. else it is trained once into that folder (:func:`warm_start`), resuming an interrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from moe_rl.lab.arms import ROOT
+from moe_rl.lab.runner import cpu_seconds, run_recipe
+
+if TYPE_CHECKING:
+    from moe_rl.config import Recipe
+
+log = logging.getLogger(__name__)
+
+CACHE = ROOT / "runs" / "bench_cache"
+"Where SFT starts are cached, one directory per SFT signature."
+REUSABLE_SFT = (ROOT / "runs" / "demo" / "sft",)
+"Finished SFT runs (recipe.yaml + checkpoints/) reused when their SFT signature matches."
+SHIPPED_STARTS = (ROOT / "recipes" / "demo" / "start.json",)
+"""SFT starts shipped in the repository as HF safetensors (fp32, so the weights are the cached
+checkpoint's bit for bit): each JSON names its ``sft_key`` and its files' sha256; a recipe of that
+key starts from the folder beside it (``model.hf_path``) instead of training the start again."""
+SFT_CHECKPOINT_EVERY = 100
+"""An SFT start saves every this many steps: a stopped or killed one resumes where it was (an
+uninterrupted one and a resumed one give the same weights: tests/unit/test_lab_runner.py)."""
+SFT_TRAIN_KEYS = ("seed", "sft_steps", "sft_batch_size", "sft_lr")
+"The train fields the SFT stage reads (the rest of train is RL only)."
+INFO_FILE = "sft.json"
+"Written beside a start's ``checkpoints/`` when its SFT finished (what it took, its final loss)."
+
+
+def sft_signature(recipe: Recipe) -> dict:
+    """Everything the SFT stage of ``recipe`` depends on, as plain data."""
+    from moe_rl.config import to_dict
+
+    d = to_dict(recipe)
+    optim = dict(d["optim"])
+    if recipe.train.sft_lr is not None:  # the SFT stage runs at sft_lr: the RL LR does not matter
+        optim.pop("lr")
+        optim.pop("min_lr")
+    task = {k: v for k, v in d["task"].items() if k not in ("seed", "format_reward")}
+    train = {k: d["train"][k] for k in SFT_TRAIN_KEYS}
+    return {"model": d["model"], "task": task, "optim": optim, "train": train}
+
+
+def sft_key(recipe: Recipe) -> str:
+    """A short hash of :func:`sft_signature` (the cache directory name)."""
+    blob = json.dumps(sft_signature(recipe), sort_keys=True, default=str).encode()
+    return hashlib.blake2b(blob, digest_size=6).hexdigest()
+
+
+def _reusable(sig: dict) -> Path | None:
+    from moe_rl.config import load_recipe
+    from moe_rl.megatron.checkpoint import latest_checkpoint
+
+    for d in REUSABLE_SFT:
+        if not (d / "recipe.yaml").exists() or latest_checkpoint(d / "checkpoints") is None:
+            continue
+        try:
+            if sft_signature(load_recipe(d / "recipe.yaml")) == sig:
+                return d / "checkpoints"
+        except Exception as e:  # an older recipe layout: not a match
+            log.debug("cannot compare %s: %s", d, e)
+    return None
+
+
+def _sft_recipe(base: str | Path, overrides: list[str]):
+    from moe_rl.config import load_recipe
+
+    return load_recipe(base, [*overrides, "train.stages=[sft]"])
+
+
+def shipped_start(key: str, shipped: tuple[Path, ...] = SHIPPED_STARTS) -> Path | None:
+    """The HF folder of a shipped SFT start of SFT key ``key`` (:data:`SHIPPED_STARTS`), else None.
+    Its files are checked against the sha256 its JSON records: a changed file is an error, never a
+    silently different start."""
+    from moe_rl.errors import UserError
+
+    for info_file in shipped:
+        if not info_file.exists():
+            continue
+        info = json.loads(info_file.read_text())
+        if info.get("sft_key") != key:
+            continue
+        folder = info_file.with_suffix("")
+        for name, digest in info["sha256"].items():
+            f = folder / name
+            got = hashlib.sha256(f.read_bytes()).hexdigest() if f.exists() else "missing"
+            if got != digest:
+                raise UserError(
+                    f"shipped SFT start {folder}: {name} is {got[:12]}, {info_file.name} records "
+                    f"{digest[:12]}: restore it (git checkout -- {folder}) or delete {info_file}"
+                )
+        return folder
+    return None
+
+
+def is_hf_start(start: Path) -> bool:
+    """Whether an SFT start is an HF safetensors folder (loaded by ``model.hf_path``) rather than a
+    checkpoint directory (loaded by ``checkpoint.load``)."""
+    return (Path(start) / "config.json").is_file()
+
+
+def start_overrides(start: Path) -> list[str]:
+    """The overrides that begin a run from SFT start ``start`` (weights only, either kind)."""
+    return [f"model.hf_path={start}" if is_hf_start(start) else f"checkpoint.load={start}"]
+
+
+def _finished_start(recipe, root: Path) -> tuple[Path, dict] | None:
+    """The finished SFT start of ``recipe``'s signature (a finished run of :data:`REUSABLE_SFT`,
+    ``root``'s checkpoints with :data:`INFO_FILE`, or a shipped HF start) and its info, else None."""
+    from moe_rl.megatron.checkpoint import latest_checkpoint
+
+    key = sft_key(recipe)
+    reuse = _reusable(sft_signature(recipe))
+    if reuse is not None:
+        return reuse, {"checkpoint": str(reuse), "reused": True, "key": key}
+    ckpt, info_file = root / "checkpoints", root / INFO_FILE
+    if info_file.exists() and latest_checkpoint(ckpt) is not None:
+        return ckpt, {**json.loads(info_file.read_text()), "reused": True}
+    shipped = shipped_start(key)
+    if shipped is not None:
+        return shipped, {"checkpoint": str(shipped), "reused": True, "key": key, "shipped": True}
+    return None
+
+
+def cached_start(
+    base: str | Path, overrides: list[str] = (), *, cache: Path = CACHE
+) -> tuple[Path, dict] | None:
+    """The finished SFT start of ``base`` + ``overrides`` and its info, if one exists (a finished
+    run of :data:`REUSABLE_SFT` of the same signature, the cache's, or a shipped one), else None;
+    trains nothing."""
+    recipe = _sft_recipe(base, overrides)
+    return _finished_start(recipe, cache / sft_key(recipe))
+
+
+def warm_start(
+    base: str | Path,
+    overrides: list[str] = (),
+    *,
+    cache: Path = CACHE,
+    launch: str | None = None,
+    root: Path | None = None,
+) -> tuple[Path, dict]:
+    """The SFT start of ``base`` + ``overrides`` (trained now if none is found) and its info.
+
+    It is trained into ``root`` (default ``<cache>/<sft_key>``), ``launch``-ed as
+    :func:`moe_rl.lab.runner.run_recipe` runs a recipe. The SFT saves every
+    :data:`SFT_CHECKPOINT_EVERY` steps; one stopped or killed before its end (checkpoints but no
+    :data:`INFO_FILE`) is resumed from its newest intact checkpoint."""
+    from moe_rl.megatron.checkpoint import latest_checkpoint
+    from moe_rl.trainer.metrics import read_metrics
+
+    recipe = _sft_recipe(base, overrides)
+    root = Path(root) if root is not None else cache / sft_key(recipe)
+    hit = _finished_start(recipe, root)
+    if hit is not None:
+        log.info("reusing the SFT start %s", hit[0])
+        return hit
+    ckpt = root / "checkpoints"
+    resume = latest_checkpoint(ckpt) is not None  # without sft.json: stopped or killed before its end
+    if resume:
+        log.info("resuming the interrupted SFT start %s", ckpt)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    sft = ["train.stages=[sft]", f"train.out_dir={root}", "checkpoint.dir=null", "checkpoint.load=null"]
+    run_recipe(base, [*overrides, *sft, f"checkpoint.every={SFT_CHECKPOINT_EVERY}"], launch, resume=resume)
+    rows = read_metrics(root / "metrics.jsonl", "sft")
+    info = {
+        "checkpoint": str(ckpt),
+        "key": sft_key(recipe),
+        "wall_s": time.perf_counter() - t0,
+        "cpu_s": cpu_seconds() - c0,
+        "steps": len(rows),
+        "final_loss": sum(r["loss"] for r in rows[-10:]) / max(1, len(rows[-10:])),
+        "signature": sft_signature(recipe),
+    }
+    (root / INFO_FILE).write_text(json.dumps(info, indent=1))
+    return ckpt, {**info, "reused": False}
