@@ -39,10 +39,10 @@ from benchmarks.common import RESULTS, SMOKE_BASE, commit, machine, result_path
 from benchmarks.volatility import PAPER
 from moe_rl.config import load_recipe
 from moe_rl.lab import runner
-from moe_rl.lab.arms import ARMS, DEMO, ROOT, arm_overrides, flatten
+from moe_rl.lab.arms import ARMS, DEMO, ROOT, arm_overrides, flatten, start_overrides
 from moe_rl.lab.collapse import CRITERION, criterion_doc
 from moe_rl.lab.runner import STATUS_FILE, arm_command, cpu_seconds, local_launch, run_when_ready
-from moe_rl.lab.starts import CACHE, cached_start, sft_key, start_overrides, warm_start
+from moe_rl.lab.starts import CACHE, cached_start, sft_key, warm_start
 from moe_rl.lab.stats import lstsq, mean
 
 log = logging.getLogger("benchmarks.phase")

@@ -78,3 +78,14 @@ def flatten(tree: dict, prefix: str = "") -> list[str]:
         key = f"{prefix}{k}"
         out += flatten(v, key + ".") if isinstance(v, dict) else [f"{key}={yaml_value(v)}"]
     return out
+
+
+def is_hf_start(start: Path) -> bool:
+    """Whether an SFT start is an HF safetensors folder (loaded by ``model.hf_path``) rather than a
+    checkpoint directory (loaded by ``checkpoint.load``)."""
+    return (Path(start) / "config.json").is_file()
+
+
+def start_overrides(start: Path) -> list[str]:
+    """The overrides that begin a run from SFT start ``start`` (weights only, either kind)."""
+    return [f"model.hf_path={start}" if is_hf_start(start) else f"checkpoint.load={start}"]

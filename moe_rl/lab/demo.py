@@ -21,10 +21,10 @@ from pathlib import Path
 
 from moe_rl.config import load_recipe
 from moe_rl.errors import UserError
-from moe_rl.lab.arms import DEMO_ARMS, arm_dir, arm_overrides
+from moe_rl.lab.arms import DEMO_ARMS, arm_dir, arm_overrides, start_overrides
 from moe_rl.lab.report import load_arm, report, story
 from moe_rl.lab.runner import child_launch, in_pool, run_arm
-from moe_rl.lab.starts import start_overrides, warm_start
+from moe_rl.lab.starts import warm_start
 from moe_rl.trainer.timer import StepTimer
 
 log = logging.getLogger(__name__)

@@ -148,7 +148,7 @@ def run_arm(
     (times of this attempt only); a run the trainer stops on purpose (repeated non-finite steps, a
     sentinel set to stop) is ``stopped``.
     """
-    from moe_rl.lab.starts import start_overrides
+    from moe_rl.lab.arms import start_overrides
     from moe_rl.trainer.loop import TrainingStopped
 
     out_dir = Path(out_dir)

@@ -112,17 +112,6 @@ def shipped_start(key: str, shipped: tuple[Path, ...] = SHIPPED_STARTS) -> Path 
     return None
 
 
-def is_hf_start(start: Path) -> bool:
-    """Whether an SFT start is an HF safetensors folder (loaded by ``model.hf_path``) rather than a
-    checkpoint directory (loaded by ``checkpoint.load``)."""
-    return (Path(start) / "config.json").is_file()
-
-
-def start_overrides(start: Path) -> list[str]:
-    """The overrides that begin a run from SFT start ``start`` (weights only, either kind)."""
-    return [f"model.hf_path={start}" if is_hf_start(start) else f"checkpoint.load={start}"]
-
-
 def _finished_start(recipe, root: Path) -> tuple[Path, dict] | None:
     """The finished SFT start of ``recipe``'s signature (a finished run of :data:`REUSABLE_SFT`,
     ``root``'s checkpoints with :data:`INFO_FILE`, or a shipped HF start) and its info, else None."""

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 
 from benchmarks import phase
 from moe_rl.config import ConfigError, load_recipe
-from moe_rl.lab import starts
+from moe_rl.lab import arms, starts
 from moe_rl.lab.arms import DEMO, ROOT, flatten
 from moe_rl.lab.collapse import CRITERION
 from moe_rl.lab.starts import sft_key
@@ -417,8 +417,8 @@ def test_runs_of_the_shipped_starts_key_begin_from_it_and_a_changed_file_is_refu
     ov = phase.common_overrides(phase.STABLE_BASE, phase.cells()["minibatches-8"])
     start, info = starts.cached_start(DEMO, ov, cache=tmp_path / "empty")
     assert start == ROOT / "recipes/demo/start" and info["shipped"] and info["reused"]
-    assert starts.start_overrides(start) == [f"model.hf_path={start}"]
-    assert starts.start_overrides(tmp_path / "ckpts") == [f"checkpoint.load={tmp_path / 'ckpts'}"]
+    assert arms.start_overrides(start) == [f"model.hf_path={start}"]
+    assert arms.start_overrides(tmp_path / "ckpts") == [f"checkpoint.load={tmp_path / 'ckpts'}"]
     other = phase.common_overrides(phase.STABLE_BASE, phase.cells()["depth-8"])
     assert starts.cached_start(DEMO, other, cache=tmp_path / "empty") is None
 
