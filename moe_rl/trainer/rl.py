@@ -395,7 +395,7 @@ def train_on(run: Run, batch: RLBatch, timer: StepTimer | None = None, *, step: 
         for hook in run.hooks:
             hook.begin(run, step, batch)
     loss_metrics, grad_norms, entropy, flips, skipped = [], [], [], {}, 0
-    for j, (mb, (num_sequences, num_tokens)) in enumerate(zip(minibatches, counts)):
+    for mb, (num_sequences, num_tokens) in zip(minibatches, counts):
         micro = micro_batches(run, batch.lens_B, mb.start, mb.stop)
         per_micro = [
             _micro_step(run, batch, rows, loss_fn, (num_sequences, num_tokens), entropy, flips)
@@ -405,6 +405,7 @@ def train_on(run: Run, batch: RLBatch, timer: StepTimer | None = None, *, step: 
         stats = run.optimizer.step()
         skipped += int(stats["skipped"])
         grad_norms.append(stats["grad_norm"])  # already global: the optimizer reduces the gradients
+        j = len(grad_norms) - 1  # this update's index in the step
         event = OptimizerStep(run, "rl", step, j, cfg.minibatches, stats, batch)
         with timer.record("probe"):
             for hook in run.hooks:
