@@ -61,8 +61,8 @@ def main(argv=None) -> dict:
     from moe_rl.megatron.routing import RoutingSession
     from moe_rl.routing import RouterAction
     from moe_rl.routing.flip import flip_rate
+    from moe_rl.trainer.context import Run
     from moe_rl.trainer.rl import collect
-    from moe_rl.trainer.run import Run
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="cpu", choices=PRESETS)
@@ -117,11 +117,9 @@ def main(argv=None) -> dict:
         run.policy.model.load_state_dict(start)
         from dataclasses import replace
 
-        from moe_rl.megatron.optim import Optimizer
-
-        run.optimizer = Optimizer(run.policy.model, replace(recipe.optim, lr=lr, grad_clip=1.0), run.info)
+        tuned = run.derive(optim=replace(recipe.optim, lr=lr, grad_clip=1.0), new_optimizer=True)
         update("none")
-        run.optimizer.step()
+        tuned.optimizer.step()
         after = natural()
         flips = flip_rate(before, after, valid)
         with torch.no_grad():
@@ -135,8 +133,8 @@ def main(argv=None) -> dict:
     run.policy.model.load_state_dict(start)
     t = _interleaved(
         {
-            "natural": lambda: (update("none"), run.optimizer.zero_grad()),
-            "r2": lambda: (update("r2"), run.optimizer.zero_grad()),
+            "natural": lambda: (update("none"), tuned.optimizer.zero_grad()),
+            "r2": lambda: (update("r2"), tuned.optimizer.zero_grad()),
             "probe": lambda: (natural(), natural()),
         },
         p["repeats"],

@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 
 LAYOUTS = {"world1": [], "ep2": ["--ep", "2", "--dp", "2"], "tp2": ["--tp", "2"]}
 
@@ -84,8 +83,8 @@ def rl_steps(model: str, repeats: int, threads: int) -> dict:
     interleaved at the same step indices after one warm-up step each."""
     import torch
 
-    from benchmarks.throughput import MICRO, MODELS, PRESETS, PeakMemory, bench_step, build_recipe
-    from moe_rl.trainer.run import Run
+    from benchmarks.throughput import MICRO, MODELS, PRESETS, PeakMemory, bench_step, build_recipe, combo_run
+    from moe_rl.trainer.context import Run
 
     torch.set_num_threads(threads)
     dims, preset = (MICRO["small"], "smoke") if model == "micro" else (MODELS[model], "cpu")
@@ -98,14 +97,10 @@ def rl_steps(model: str, repeats: int, threads: int) -> dict:
         mem = PeakMemory(run.info.device)
         for rep in range(1 + repeats):
             for algo, routing in RL_COMBOS:
-                run.recipe = replace(
-                    recipe, algo=replace(recipe.algo, name=algo, routing=routing, old_logprobs="recompute")
-                )
-                rec = bench_step(run, rep, mem)
+                rec = bench_step(combo_run(run, algo, routing, "recompute"), rep, mem)
                 for p in RL_PHASES if rep else ():
                     cpu[f"{algo}/{routing}"][p].append(rec[p]["cpu_s"])
     finally:
-        run.recipe = recipe
         run.close()
     return summarize_rl(cpu, model, preset, repeats, threads)
 

@@ -72,7 +72,7 @@ from moe_rl.trainer.timer import StepTimer  # noqa: E402
 
 if TYPE_CHECKING:
     from moe_rl.config import Recipe
-    from moe_rl.trainer.run import Run
+    from moe_rl.trainer.context import Run
 
 ALGOS = ("grpo", "gspo", "gspo_token")
 ROUTINGS = ("none", "r2", "r3")
@@ -356,34 +356,29 @@ def measure(
     """Run every (algo, routing, old_logprobs) combo ``warmup + repeats`` times, interleaved;
     per-step records. ``own_gemms``: a combo whose GEMMs one more step records, then timed alone
     (:mod:`benchmarks.gemm_floor`)."""
-    from dataclasses import replace
+    from moe_rl.trainer.context import Run
 
-    from moe_rl.trainer.run import Run
-
-    run = Run(recipe)
+    base = Run(recipe)
     try:
         if export_dir:
             from moe_rl.megatron.hf import export_hf
 
-            export_hf(run.policy, export_dir, tokenizer=run.tok)  # the TRL peer starts from these weights
-        run.make_optimizer("rl")
-        mem = PeakMemory(run.info.device)
+            export_hf(base.policy, export_dir, tokenizer=base.tok)  # the TRL peer starts from these weights
+        base.make_optimizer("rl")
+        mem = PeakMemory(base.info.device)
         if rollouts_in:
-            run.engine, run.engine_gives_routes = RecordedEngine(rollouts_in), True
+            run, keeping = base.derive(engine=RecordedEngine(rollouts_in), engine_gives_routes=True), None
         else:
-            run.ensure_engine()
-            run.engine = KeepingEngine(run.engine)
+            base.ensure_engine()
+            keeping = KeepingEngine(base.engine)
+            run = base.derive(engine=keeping)
         recorded = [] if rollouts_out else None
         steps: dict[str, list] = {combo_name(*c): [] for c in combos}
         for rep in range(warmup + repeats):
             for combo in combos:
-                algo, routing, old = combo
-                run.recipe = replace(
-                    recipe, algo=replace(recipe.algo, name=algo, routing=routing, old_logprobs=old)
-                )
-                if isinstance(run.engine, KeepingEngine):  # the TP=2 worker replays the first combo's
-                    run.engine.keep = recorded if combo == combos[0] else None
-                rec = reduce_over_ranks(bench_step(run, rep, mem))
+                if keeping is not None:  # the TP=2 worker replays the first combo's
+                    keeping.keep = recorded if combo == combos[0] else None
+                rec = reduce_over_ranks(bench_step(combo_run(run, *combo), rep, mem))
                 if rep >= warmup:
                     steps[combo_name(*combo)].append(rec)
         if rollouts_out and run.info.rank == 0:
@@ -392,12 +387,8 @@ def measure(
         if own_gemms:
             from benchmarks.gemm_floor import GemmRecorder, own_gemm_seconds
 
-            algo, routing, old = own_gemms
-            run.recipe = replace(
-                recipe, algo=replace(recipe.algo, name=algo, routing=routing, old_logprobs=old)
-            )
             with GemmRecorder() as gemm_calls:
-                bench_step(run, warmup + repeats, mem)
+                bench_step(combo_run(run, *own_gemms), warmup + repeats, mem)
             gemms = {
                 "combo": combo_name(*own_gemms),
                 "warm": own_gemm_seconds(gemm_calls),
@@ -414,10 +405,16 @@ def measure(
             "memory_meter": mem.method,
         }
     finally:
-        run.recipe = recipe
-        run.close()
+        base.close()
     out = {"layout": info, "combos": {k: summarize(v) for k, v in steps.items()}}
     return {**out, "own_gemms": gemms} if gemms else out
+
+
+def combo_run(run: Run, algo: str, routing: str, old: str) -> Run:
+    """``run`` derived for one combo: its algo, routing and pi_old source (optimizer shared)."""
+    from dataclasses import replace
+
+    return run.derive(algo=replace(run.recipe.algo, name=algo, routing=routing, old_logprobs=old))
 
 
 def summarize(steps: list[dict]) -> dict:

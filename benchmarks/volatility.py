@@ -3,9 +3,10 @@
 For each configuration (learning rate x depth x experts x top-k x algorithm) the policy starts
 from a warm SFT checkpoint of its architecture (trained once, cached by ``moe_rl.lab.starts``),
 then runs ``rl_steps`` real RL steps of the trainer (rollouts, rewards, group advantages, pi_old
-recompute, M minibatch updates: ``moe_rl.trainer.rl.collect`` + ``train_on``). A probe stands in
-for the optimizer and, after every one of the M updates, computes the natural top-k routes of
-``probe`` rollout sequences of that batch (docs/algorithms.md#expert-flip-rate), giving:
+recompute, M minibatch updates: ``moe_rl.trainer.rl.rl_step`` on a run derived for the
+configuration, ``Run.derive``). A hook after each optimizer step (``Run.add_hook``) computes,
+after every one of the M updates, the natural top-k routes of ``probe`` rollout sequences of that
+batch (docs/algorithms.md#expert-flip-rate), giving:
 
 - the **per-step flip rate** (routes just before vs just after each update), overall, per
   minibatch index j, per layer, and the token any-flip rate;
@@ -43,11 +44,12 @@ from moe_rl.lab.arms import ARMS, DEMO, flatten
 from moe_rl.lab.runner import cpu_seconds
 from moe_rl.lab.starts import CACHE, warm_start
 from moe_rl.lab.stats import lstsq, mean
+from moe_rl.trainer.hooks import OptimizerStep, StepHook
 
 if TYPE_CHECKING:
     from moe_rl.config import Recipe
-    from moe_rl.megatron.optim import Optimizer
-    from moe_rl.trainer.run import Run
+    from moe_rl.trainer.context import Run
+    from moe_rl.trainer.rl import RLBatch
 
 log = logging.getLogger("benchmarks.volatility")
 PAPER = {"layers": 48, "experts": 128, "topk": 8, "flip_per_step": 0.10}
@@ -139,46 +141,37 @@ def arch_overrides(p: dict, arch: tuple[int, int, int]) -> list[str]:
 
 # -- measurement ---------------------------------------------------------------------------------
 @dataclass
-class StepProbe:
-    """Stands in for the run's optimizer: after every step, the natural routes of the probe rows
-    against the previous step's (per-step flip) and against pi_old's (drift)."""
+class StepProbe(StepHook):
+    """A hook after each optimizer step: the natural routes of the first ``rows`` rows of the
+    batch against the previous step's (per-step flip) and against pi_old's (drift)."""
 
-    run: Run
-    opt: Optimizer
     rows: int
     records: list = field(default_factory=list)
 
-    def begin(self, batch, rl_step: int) -> None:
+    def begin(self, run: Run, step: int, batch: RLBatch) -> None:
         self.tokens = batch.tokens_BT[: self.rows]
         self.valid = batch.valid_BS[: self.rows].reshape(-1)
-        self.base = self.prev = self._routes()
-        self.rl_step, self.j = rl_step, 0
+        self.base = self.prev = self._routes(run)
 
-    def _routes(self):
+    def _routes(self, run: Run):
         from moe_rl.trainer.rl import natural_routes
 
-        routes_BSLK = natural_routes(self.run, self.tokens)
+        routes_BSLK = natural_routes(run, self.tokens)
         return routes_BSLK.reshape(-1, *routes_BSLK.shape[2:])
 
-    def step(self) -> dict:
+    def __call__(self, event: OptimizerStep) -> None:
         from moe_rl.routing.flip import flip_counts
 
-        stats = self.opt.step()
-        now = self._routes()
-        self.j += 1
+        now = self._routes(event.run)
         self.records.append(
             {
-                "rl_step": self.rl_step,
-                "j": self.j,
+                "rl_step": event.step,
+                "j": event.minibatch + 1,
                 "step": flip_counts(self.prev, now, self.valid),
                 "drift": flip_counts(self.base, now, self.valid),
             }
         )
         self.prev = now
-        return stats
-
-    def __getattr__(self, name):  # step_count, lr_scale, zero_grad, ...
-        return getattr(self.opt, name)
 
 
 def rates(counts: list[dict]) -> dict:
@@ -215,22 +208,14 @@ TRAINER_KEYS = (
 def measure(run: Run, recipe: Recipe, ckpt: Path, rl_steps: int, probe_rows: int) -> dict:
     """``rl_steps`` real RL steps of ``recipe`` from ``ckpt`` on ``run``; flip records summarised."""
     from moe_rl.megatron.checkpoint import load_checkpoint
-    from moe_rl.trainer.rl import collect, train_on
+    from moe_rl.trainer.rl import rl_step
+    from moe_rl.trainer.timer import StepTimer
 
-    assert recipe.model == run.recipe.model, "one Run per architecture"
-    run.recipe = recipe  # same policy, this configuration's algo / optim / train
     load_checkpoint(ckpt, run.policy.model, load_rng=False)
-    run.make_optimizer("rl")
-    probe = StepProbe(run, run.optimizer, probe_rows)
-    run.optimizer = probe
-    trainer = []
-    for step in range(rl_steps):
-        batch, metrics = collect(run, step)
-        probe.begin(batch, step)
-        metrics.update(train_on(run, batch))
-        run.engine.update_weights(run.weights_for_engine(), str(probe.opt.step_count))
-        trainer.append(metrics)
-    run.optimizer = probe.opt
+    # same policy, this configuration's algo / optim / train, Adam from scratch
+    measured = run.derive(recipe=recipe, new_optimizer=True)
+    probe = measured.add_hook(StepProbe(probe_rows))
+    trainer = [rl_step(measured, step, StepTimer()).metrics for step in range(rl_steps)]
     mcount = recipe.train.minibatches
     # Adam's first updates (bias-corrected to about +-lr per parameter) move the routes about
     # twice as much as later ones: the headline numbers leave the first rollout batch out

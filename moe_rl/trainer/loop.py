@@ -1,7 +1,8 @@
-"""The RL stage driver, phase by phase (the step itself is :func:`moe_rl.trainer.rl.rl_step`).
+"""The RL stage, phase by phase (the step itself is :func:`moe_rl.trainer.rl.rl_step`).
 
 Each RL step: generate, score, pi_old, M minibatch updates, weight sync (``rl_step``); then
-evaluate, guards (non-finite updates, collapse sentinel, rollback), log, checkpoint.
+evaluate, the collapse sentinel (stop, or roll back), log; the guards against non-finite updates,
+signals and checkpoints are the loop SFT shares (:func:`moe_rl.trainer.stage.run_stage`).
 """
 
 from __future__ import annotations
@@ -12,45 +13,55 @@ from typing import TYPE_CHECKING
 import torch
 
 from moe_rl import dist
-from moe_rl.trainer.rl import StepResult, encode_prompts, local_prompts, rewards_of, rl_step, sampling_for
+from moe_rl.trainer.rl import encode_prompts, local_prompts, rewards_of, rl_step, sampling_for
 from moe_rl.trainer.sentinel import Sentinel, SentinelVerdict
+from moe_rl.trainer.stage import Stage, run_stage
 from moe_rl.trainer.state import TrainingStopped
 from moe_rl.trainer.timer import StepTimer
 
 if TYPE_CHECKING:
-    from moe_rl.trainer.run import Run
+    from moe_rl.trainer.context import Run
 
 log = logging.getLogger(__name__)
 
 
 def run_rl(run: Run) -> dict[str, float]:
     """RL steps with weight sync, metrics, checkpoints, guards and evaluation; the last metrics."""
-    cfg = run.recipe.train
-    sentinel = _start(run)
-    bad_steps, metrics, step = 0, {}, run.state.step
-    while step < cfg.rl_steps:
-        result = rl_step(run, step, StepTimer())  # generate, score, pi_old, updates, sync
-        metrics = result.metrics
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-            metrics.update(evaluate(run, step + 1))
-        bad_steps = _guard_non_finite(run, result, bad_steps, step, cfg.max_bad_steps)
-        verdict = _check_sentinel(sentinel, metrics)
-        run.sink.log(step, "rl", metrics)
-        run.progress(step, cfg.rl_steps, metrics)
-        if _stop_or_roll_back(run, verdict):
-            step = run.state.step
-            continue
-        step += 1
-        run.state.step, run.state.sentinel, run.state.lr_scale = step, sentinel.state, run.optimizer.lr_scale
-        run.stop_if_signalled(f"rl step {step}", can_save=bad_steps == 0)
-        if run.recipe.checkpoint.every and step % run.recipe.checkpoint.every == 0 and step < cfg.rl_steps:
-            if bad_steps:
-                log.warning("rl step %d: no checkpoint inside a streak of skipped steps", step)
-            else:
-                run.save()
-    final = evaluate(run, cfg.rl_steps)
-    run.sink.log(cfg.rl_steps, "rl_eval", final)
+    stage = RLStage(run)
+    metrics = run_stage(run, stage)
+    final = evaluate(run, stage.steps)
+    run.sink.log(stage.steps, "rl_eval", final)
     return {**metrics, **final}
+
+
+class RLStage(Stage):
+    """RL's steps for :func:`run_stage`: an RL step and its evaluation, then the sentinel."""
+
+    name = "rl"
+    advice = "lower optim.lr or check the data"
+
+    def __init__(self, run: Run):
+        super().__init__(run, run.recipe.train.rl_steps)
+        self.sentinel = _start(run)
+
+    def step(self, step: int) -> tuple[dict[str, float], bool]:
+        """Generate, score, pi_old, updates, sync; the evaluation when due. Skipped: any update was
+        (weights that became non-finite are the sentinel's: ``weights/finite`` is 0 and the step's
+        weights were not synced; see :func:`moe_rl.trainer.sentinel.dead_policy`)."""
+        result = rl_step(self.run, step, StepTimer())
+        every = self.run.recipe.train.eval_every
+        if every and (step + 1) % every == 0:
+            result.metrics.update(evaluate(self.run, step + 1))
+        return result.metrics, result.skipped_updates > 0
+
+    def finish(self, step: int, metrics: dict[str, float], skipped: bool) -> bool:
+        verdict = _check_sentinel(self.sentinel, metrics)
+        self.run.sink.log(step, "rl", metrics)
+        self.run.progress(step, self.steps, metrics)
+        return _stop_or_roll_back(self.run, verdict)
+
+    def advanced(self, step: int) -> None:
+        self.run.state.sentinel, self.run.state.lr_scale = self.sentinel.state, self.run.optimizer.lr_scale
 
 
 def _start(run: Run) -> Sentinel:
@@ -63,22 +74,6 @@ def _start(run: Run) -> Sentinel:
             run.save()
         run.sink.log(0, "rl_eval", evaluate(run, 0))
     return Sentinel(run.recipe.sentinel, run.state.sentinel, vocab_size=run.recipe.model.vocab_size)
-
-
-def _guard_non_finite(run: Run, result: StepResult, bad_steps: int, step: int, max_bad_steps: int) -> int:
-    """Consecutive steps with skipped (non-finite) updates; stop the run at ``max_bad_steps``.
-
-    (Weights that became non-finite are the sentinel's: ``weights/finite`` is 0 and the step's
-    weights were not synced to the engine; see :func:`moe_rl.trainer.sentinel.dead_policy`.)
-    """
-    bad_steps = bad_steps + 1 if result.skipped_updates else 0
-    if bad_steps >= max_bad_steps:
-        raise TrainingStopped(
-            f"{bad_steps} consecutive RL steps had non-finite loss or gradients "
-            f"(each skipped); stopping at step {step}, nothing saved; {run.last_good_text()}: "
-            "lower optim.lr or check the data"
-        )
-    return bad_steps
 
 
 def _check_sentinel(sentinel: Sentinel, metrics: dict[str, float]) -> SentinelVerdict:

@@ -18,8 +18,9 @@ lives there. No other function here moves a tensor between devices.
 
 Phases, as :func:`rl_step` times them (``time/<phase>`` in the metrics; they add up to
 ``time/step``): rollout (sample prompts, ``engine.generate``), old_logprob (rewards,
-advantages, the pi_old forward), train (the M updates), probe (the flip probes inside train,
-excluded from it), sync (``engine.update_weights``).
+advantages, the pi_old forward), train (the M updates), probe (the run's hooks inside train,
+the flip probe among them, excluded from it: :mod:`moe_rl.trainer.hooks`), sync
+(``engine.update_weights``).
 """
 
 from __future__ import annotations
@@ -47,11 +48,12 @@ from moe_rl.routing.codec import decode_routes
 from moe_rl.routing.flip import flip_counts, flip_metrics
 from moe_rl.routing.validate import validate_routes
 from moe_rl.tasks.base import Prompt, make_rng
+from moe_rl.trainer.hooks import OptimizerStep
 from moe_rl.trainer.sft import encode_pair
 from moe_rl.trainer.timer import StepTimer
 
 if TYPE_CHECKING:
-    from moe_rl.trainer.run import Run
+    from moe_rl.trainer.context import Run
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 "A loss of ``moe_rl.losses.LOSSES``: ``(LossBatch, AlgoConfig) -> (loss, metrics)``."
@@ -94,7 +96,7 @@ def rl_step(run: Run, step: int, timer: StepTimer) -> StepResult:
     """RL step ``step``: generate, score, pi_old, M minibatch updates, weight sync."""
     batch, metrics = collect(run, step, timer)
     with timer.record("train"):
-        train_metrics = train_on(run, batch, timer)  # flip probes are recorded as "probe"
+        train_metrics = train_on(run, batch, timer, step=step)  # hooks are recorded as "probe"
     finite = weights_finite(run.policy.model)  # non-finite weights never reach the engine
     with timer.record("sync"):
         if finite:
@@ -376,8 +378,9 @@ def flip_rates(run: Run, counts: dict[str, list[dict]]) -> dict[str, float]:
 
 
 # -- the M minibatch updates -------------------------------------------------------------------------
-def train_on(run: Run, batch: RLBatch, timer: StepTimer | None = None) -> dict[str, float]:
-    """M minibatch updates with flip probes (timed as "probe"); their metrics, reduced over DP.
+def train_on(run: Run, batch: RLBatch, timer: StepTimer | None = None, *, step: int = 0) -> dict[str, float]:
+    """M minibatch updates of RL step ``step``, the run's hooks around them (timed as "probe":
+    the flip probe, :mod:`moe_rl.trainer.hooks`); their metrics, reduced over DP.
 
     ``optim/skipped_updates`` counts the updates the optimizer skipped (non-finite).
     """
@@ -388,12 +391,9 @@ def train_on(run: Run, batch: RLBatch, timer: StepTimer | None = None) -> dict[s
     per_minibatch = b // cfg.minibatches
     minibatches = [slice(i * per_minibatch, (i + 1) * per_minibatch) for i in range(cfg.minibatches)]
     counts = _global_counts(run, [batch.mask_BT[mb] for mb in minibatches])
-    n_probe = probe_rows(run, b)
-    probe_BT, probe_lens_B = batch.tokens_BT[:n_probe], batch.lens_B[:n_probe]
-    before = batch.probe_before_BSLK if n_probe else None  # no probe rows: no flip/step
-    if n_probe and before is None:
-        with timer.record("probe"):
-            before = natural_routes(run, probe_BT, probe_lens_B)
+    with timer.record("probe"):
+        for hook in run.hooks:
+            hook.begin(run, step, batch)
     loss_metrics, grad_norms, entropy, flips, skipped = [], [], [], {}, 0
     for mb, (num_sequences, num_tokens) in zip(minibatches, counts):
         micro = micro_batches(run, batch.lens_B, mb.start, mb.stop)
@@ -405,13 +405,14 @@ def train_on(run: Run, batch: RLBatch, timer: StepTimer | None = None) -> dict[s
         stats = run.optimizer.step()
         skipped += int(stats["skipped"])
         grad_norms.append(stats["grad_norm"])  # already global: the optimizer reduces the gradients
-        if before is not None and run.optimizer.step_count % cfg.flip_probe_every == 0:
-            with timer.record("probe"):
-                after = natural_routes(run, probe_BT, probe_lens_B)
-            probe_valid_BS = batch.valid_BS[: probe_BT.shape[0]]
-            flips.setdefault("flip/step", []).append(route_flips(before, after, probe_valid_BS))
-            before = after
+        j = len(grad_norms) - 1  # this update's index in the step
+        event = OptimizerStep(run, "rl", step, j, cfg.minibatches, stats, batch)
+        with timer.record("probe"):
+            for hook in run.hooks:
+                hook(event)
     metrics = _reduce_over_dp(run, loss_metrics, entropy, flips)
+    for hook in run.hooks:
+        metrics.update(hook.metrics(run))
     metrics["grad_norm"] = max(grad_norms)
     metrics["lr"] = stats["lr"]
     metrics["optim/skipped_updates"] = float(skipped)

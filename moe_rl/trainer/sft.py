@@ -1,16 +1,22 @@
-"""SFT warm start: teacher-forced training on a task's demonstrations.
+"""SFT warm start: teacher-forced training on a task's demonstrations; the SFT stage (:func:`run_sft`).
 
 Shape legend: B = demonstrations, T = padded prompt + response tokens.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import TYPE_CHECKING
 
 import torch
 
 from moe_rl.dist import all_reduce
 from moe_rl.tasks.base import make_rng
+from moe_rl.trainer.hooks import OptimizerStep
+from moe_rl.trainer.stage import Stage, run_stage
+from moe_rl.trainer.state import TrainingStopped
+from moe_rl.trainer.timer import StepTimer
 
 if TYPE_CHECKING:
     from moe_rl.megatron.optim import Optimizer
@@ -18,6 +24,9 @@ if TYPE_CHECKING:
     from moe_rl.megatron.policy import Policy
     from moe_rl.tasks.base import Task
     from moe_rl.tasks.tokenizer import Tokenizer
+    from moe_rl.trainer.context import Run
+
+log = logging.getLogger(__name__)
 
 
 def encode_pair(tok: Tokenizer, prompt: str, response: str | None, max_len: int) -> tuple[list[int], int]:
@@ -68,3 +77,56 @@ def sft_step(
     nll = loss.detach().clone()
     all_reduce(nll, info.dp_group)
     return {"loss": float(nll), "tokens": n_tokens, **stats}
+
+
+def run_sft(run: Run) -> dict[str, float]:
+    """The SFT stage; resumable at any checkpoint. Its loop (:func:`moe_rl.trainer.stage.run_stage`)
+    skips and counts steps with a non-finite loss or gradient (the optimizer applies nothing),
+    stops after ``train.max_bad_steps`` of them in a row, writes no periodic checkpoint inside such
+    a streak, and stops after the step on a signal. A gradient norm of exactly 0 means a dead policy
+    (uniform output): the run stops, nothing saved. The run's hooks see every optimizer step."""
+    run.state.step, run.state.stage = run.state.step_of("sft"), "sft"
+    return run_stage(run, SFTStage(run, run.recipe.train.sft_steps))
+
+
+class SFTStage(Stage):
+    """SFT's steps for :func:`run_stage`: one optimizer step of token-mean NLL on demonstrations."""
+
+    name = "sft"
+    advice = "lower optim.lr (or train.sft_lr) or check the data"
+
+    def step(self, step: int) -> tuple[dict[str, float], bool]:
+        run, cfg, timer = self.run, self.run.recipe.train, StepTimer()
+        with timer.record("step"):
+            tokens_BT, mask_BT = sft_batch(
+                run.task,
+                run.tok,
+                step=step,
+                batch_size=cfg.sft_batch_size,
+                seed=cfg.seed,
+                max_len=run.recipe.model.max_seq_len,
+            )
+            metrics = sft_step(run.policy, run.optimizer, tokens_BT, mask_BT, run.info)
+        event = OptimizerStep(run, "sft", step, 0, 1, dict(metrics))
+        for hook in run.hooks:  # after the timed step: measurements do not count in step_s
+            hook(event)
+        metrics["step_s"] = timer.total()
+        run.sink.log(step, "sft", metrics)
+        if run.info.rank == 0 and (step % cfg.log_every == 0 or step == self.steps - 1):
+            log.info(
+                "sft step %d/%d loss %.4f grad_norm %.3f %.3fs",
+                step + 1,
+                self.steps,
+                metrics["loss"],
+                metrics["grad_norm"],
+                metrics["step_s"],
+            )
+        return metrics, bool(metrics.get("skipped")) or not math.isfinite(metrics["loss"])
+
+    def finish(self, step: int, metrics: dict[str, float], skipped: bool) -> bool:
+        if not skipped and metrics["grad_norm"] == 0.0:
+            raise TrainingStopped(
+                f"the policy is dead at sft step {step + 1} (gradient norm exactly 0: uniform output), "
+                f"nothing saved; {self.run.last_good_text()}: lower optim.lr (or train.sft_lr)"
+            )
+        return False

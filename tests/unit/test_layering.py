@@ -18,7 +18,8 @@ a. ``moe_rl.config``, ``configlib``, ``losses``, ``routing`` and ``tasks`` never
 b. megatron-core (``megatron.*``) is imported only under ``moe_rl/megatron/``;
 c. ``moe_rl.trainer`` never imports ``moe_rl.lab`` or ``benchmarks``;
 d. ``moe_rl.rollout`` never imports ``moe_rl.trainer``;
-e. no import cycle among ``moe_rl`` modules.
+e. no import cycle among ``moe_rl`` modules at run time (imports under ``if TYPE_CHECKING:`` do not
+   close a cycle; they count for rules a-d).
 
 A failure names the file and line of every offending import (for a cycle: of each edge in it).
 ``KNOWN_UNTIL_MERGE`` lists the edges that break a rule today and that a parallel branch removes;
@@ -43,12 +44,7 @@ PACKAGES = {"moe_rl": ROOT / "moe_rl", "moe_rl.kernels": ROOT / "kernels"}
 ANNOTATIONS_COUNT = True
 "Whether imports under ``if TYPE_CHECKING:`` are edges (module docstring)."
 
-KNOWN_UNTIL_MERGE: dict[tuple[str, str], str] = {
-    # rule e: trainer/run.py imports trainer/loop.py inside _run_rl (a lazy import), loop.py imports
-    # Run under TYPE_CHECKING. Branch `trainer` (issue 30: Run, the context, and the stages in
-    # separate modules, run_sft in sft.py) removes the circle; delete this entry when it is merged.
-    ("moe_rl.trainer.run", "moe_rl.trainer.loop"): "branch trainer: Run and the stages in separate modules",
-}
+KNOWN_UNTIL_MERGE: dict[tuple[str, str], str] = {}
 """(importer, imported) edges allowed until the named branch is merged; empty it then."""
 
 
@@ -213,7 +209,10 @@ def test_layer_rule(graph, rule):
 
 
 def test_no_import_cycle(graph):
-    cycle = find_cycle(graph, KNOWN_UNTIL_MERGE)
+    # a TYPE_CHECKING import back into a module that imports this one (trainer.hooks names the Run
+    # that trainer.context builds) orders nothing at run time: the cycle rule reads the runtime
+    # graph; rules a-d count annotations too (an annotation is still an arrow into a layer)
+    cycle = find_cycle([e for e in graph if not e.annotation], KNOWN_UNTIL_MERGE)
     assert cycle is None, (
         "import cycle " + " -> ".join([cycle[0].src, *(e.dst for e in cycle)]) + (f":\n{_report(cycle)}")
     )
