@@ -221,3 +221,45 @@ def test_stop_signals_outside_the_main_thread_install_nothing():
     t.start()
     t.join()
     assert seen == [True]
+
+
+@pytest.mark.bad_input("output")
+def test_a_second_train_into_a_running_runs_folder_is_refused_naming_the_holder(tmp_path):
+    """It used to be accepted while the first had no checkpoint yet: metrics.jsonl interleaved two
+    runs and recipe.yaml was the second's. A real concurrent ``moe-rl train``."""
+    path = recipe(tmp_path, sft_steps=400, checkpoint={"every": 0})
+    log = tmp_path / "log"
+    first = _start(path, log)
+    try:
+        deadline = time.time() + 300
+        while not _rows(tmp_path, "sft"):
+            assert first.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        recipe_before = (tmp_path / "run/recipe.yaml").read_bytes()
+        second = run_cli("train", path, "train.sft_steps=2", "--fresh", cwd=tmp_path, timeout=120)
+        second.one_line(rf"train\.out_dir .*run is in use by another run: pid {first.pid} on .*wait for it")
+        assert first.poll() is None  # the first run goes on
+        assert (tmp_path / "run/recipe.yaml").read_bytes() == recipe_before
+    finally:
+        os.kill(first.pid, signal.SIGTERM)
+        assert first.wait(timeout=300) == 128 + signal.SIGTERM
+    rows = _rows(tmp_path, "sft")
+    assert rows == list(range(len(rows)))  # one run's rows, in order
+
+
+@pytest.mark.bad_input("output")
+def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path):
+    """``kill -9`` leaves the lock file; its flock died with the process, so the next run takes it."""
+    path = recipe(tmp_path, sft_steps=400, checkpoint={"every": 0})
+    log = tmp_path / "log"
+    first = _start(path, log)
+    while not _rows(tmp_path, "sft"):
+        assert first.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.05)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    assert (tmp_path / "run/.moe-rl.lock").exists()
+    res = run_cli("train", path, "train.sft_steps=2", "--fresh", cwd=tmp_path, timeout=300)
+    assert res.code == 0, res.err[-3000:]
+    assert "taking over the lock of a run that ended without releasing it" in res.err
+    assert not (tmp_path / "run/.moe-rl.lock").exists()  # released at the end
