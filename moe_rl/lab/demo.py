@@ -10,6 +10,12 @@ once into its ``train.out_dir``, reused by later demos). The arms are
 benchmarks compare the same algorithm settings. They run through :mod:`moe_rl.lab.runner`, one
 process each, ``jobs`` at a time (default: all of them), the machine's cores shared between them;
 each arm's output goes to ``<out>/<arm>.log``.
+
+``out`` is the demo's own: a folder holding anything the demo did not write (no
+:data:`MARKER`) is refused, so ``--out`` never replaces a user's folders named like an arm. A
+rerun into the demo's own ``out`` skips the arms that finished with the same recipe
+(:func:`moe_rl.lab.runner.resumable_run`) and runs the rest; every arm's recipe is checked before
+any arm (or SFT) starts.
 """
 
 from __future__ import annotations
@@ -19,17 +25,46 @@ import logging
 import os
 from pathlib import Path
 
-from moe_rl.config import load_recipe
-from moe_rl.errors import UserError
+from moe_rl.config import ConfigError, load_recipe
+from moe_rl.errors import PathError, UserError
 from moe_rl.lab.arms import DEMO_ARMS, arm_dir, arm_overrides, start_overrides
 from moe_rl.lab.report import load_arm, report, story
-from moe_rl.lab.runner import child_launch, in_pool, run_arm
+from moe_rl.lab.runner import child_launch, in_pool, resumable_run
 from moe_rl.lab.starts import warm_start
 from moe_rl.trainer.timer import StepTimer
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RECIPE = "recipes/demo/closest.yaml"
+MARKER = ".moe-rl-demo"
+"Written into a demo's ``out``: the folder is the demo's own (a rerun may write into it)."
+
+
+def claim_out(out: Path, recipe: Path, overrides: list[str]) -> None:
+    """Refuse an ``out`` holding anything the demo did not write; mark it the demo's."""
+    if out.exists() and not out.is_dir():
+        raise PathError(f"demo --out {out} is a file: give a new or empty folder")
+    if out.is_dir() and not (out / MARKER).exists():
+        theirs = sorted(p.name for p in out.iterdir())
+        if theirs:
+            shown = ", ".join(theirs[:3]) + (f" and {len(theirs) - 3} more" if len(theirs) > 3 else "")
+            raise PathError(
+                f"demo --out {out} holds files the demo did not write ({shown}): give a new or empty folder "
+                "(the demo writes a folder per arm and report.png there)"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f"{MARKER}.tmp"
+    tmp.write_text(json.dumps({"recipe": str(recipe), "overrides": overrides}))
+    tmp.replace(out / MARKER)
+
+
+def check_arms(recipe: Path, overrides: list[str]) -> None:
+    """Every arm's recipe loads (a ConfigError naming the arm), before any arm or SFT starts."""
+    for name in DEMO_ARMS:
+        try:
+            load_recipe(recipe, [*overrides, *arm_overrides(name), "train.stages=[rl]"])
+        except ConfigError as e:
+            raise ConfigError(f"demo arm {name}: {e}") from None
 
 
 def _start(recipe: Path, overrides: list[str]) -> list[str]:
@@ -61,17 +96,19 @@ def run_demo(
         raise UserError(f"demo recipe {recipe} is not a file: give a recipe such as {DEFAULT_RECIPE}")
     jobs = max(1, min(jobs or len(DEMO_ARMS), len(DEMO_ARMS)))
     threads = max(1, (os.cpu_count() or 1) // jobs)
+    check_arms(recipe, overrides)
+    claim_out(out, recipe, overrides)
     timer = StepTimer()
     with timer.record("sft"):
         start = _start(recipe, overrides)
-    out.mkdir(parents=True, exist_ok=True)
     runs = {name: out / arm_dir(name) for name in DEMO_ARMS}
 
     def one(name: str) -> None:
         logf = out / f"{arm_dir(name)}.log"
         ov = [*overrides, *arm_overrides(name), "train.stages=[rl]", *start]
-        once = {"resume": False, "checkpoint_every": None}  # a fresh run each demo, saving as the recipe says
-        st = run_arm(recipe, ov, runs[name], launch=child_launch(), threads=threads, log_file=logf, **once)
+        # skipped when a demo before finished it with this recipe; saves as the recipe says
+        kw = {"resume": True, "checkpoint_every": None, "threads": threads, "log_file": logf}
+        st = resumable_run(name, recipe, ov, runs[name], launch=child_launch(), **kw)
         if st["status"] != "done":
             raise UserError(f"{logf.stem} failed ({st['reason']}): its output is in {logf}")
         log.info("%s finished (%s)", name, logf)

@@ -148,14 +148,10 @@ def run_arm(
     (times of this attempt only); a run the trainer stops on purpose (repeated non-finite steps, a
     sentinel set to stop) is ``stopped``.
     """
-    from moe_rl.lab.arms import start_overrides
     from moe_rl.trainer.loop import TrainingStopped
 
     out_dir = Path(out_dir)
-    every = [] if checkpoint_every is None else [f"checkpoint.every={checkpoint_every}"]
-    ov = [*every, *overrides, f"train.out_dir={out_dir}"]
-    if start is not None:
-        ov += ["train.stages=[rl]", *start_overrides(start)]
+    ov = arm_run_overrides(out_dir, overrides, start, checkpoint_every)
     resume = resume and resumable(out_dir, base, ov)
     if resume:
         log.info("resuming %s from its checkpoint", out_dir)
@@ -180,24 +176,65 @@ def run_arm(
     }
 
 
-def resumable(out_dir: Path, base: str | Path, overrides: list[str]) -> bool:
-    """True when ``out_dir`` holds an intact checkpoint of the run ``base`` + ``overrides`` would
-    make: its saved ``recipe.yaml`` resolves to the same recipe (anything else starts over)."""
+def same_run(out_dir: Path, base: str | Path, overrides: list[str], *, any_start: bool = False) -> bool:
+    """True when ``out_dir``'s saved ``recipe.yaml`` resolves to the recipe ``base`` + ``overrides``
+    makes (how often it saves aside: that does not change a run; ``any_start``: nor where its SFT
+    start was found, which a caller skipping a finished run need not know)."""
     from moe_rl.config import load_recipe, to_dict
-    from moe_rl.megatron.checkpoint import latest_checkpoint
 
-    def run_of(recipe) -> dict:  # how often it saves does not change a run
+    def run_of(recipe) -> dict:
         d = to_dict(recipe)
-        return {**d, "checkpoint": {k: v for k, v in d["checkpoint"].items() if k not in ("every", "keep")}}
+        skip = ("every", "keep", "load") if any_start else ("every", "keep")
+        d["checkpoint"] = {k: v for k, v in d["checkpoint"].items() if k not in skip}
+        if any_start:
+            d["model"] = {k: v for k, v in d["model"].items() if k != "hf_path"}
+            d["train"] = {k: v for k, v in d["train"].items() if k != "stages"}
+        return d
 
     saved = out_dir / "recipe.yaml"
-    if not saved.exists() or latest_checkpoint(out_dir / "checkpoints") is None:
+    if not saved.exists():
         return False
     try:
         return run_of(load_recipe(saved)) == run_of(load_recipe(base, overrides))
     except Exception as e:  # an unreadable or older recipe: not this run
-        log.info("not resuming %s: %s", out_dir, e)
+        log.info("not the same run in %s: %s", out_dir, e)
         return False
+
+
+def resumable(out_dir: Path, base: str | Path, overrides: list[str]) -> bool:
+    """True when ``out_dir`` holds an intact checkpoint of the run ``base`` + ``overrides`` would
+    make: its saved ``recipe.yaml`` resolves to the same recipe (anything else starts over)."""
+    from moe_rl.megatron.checkpoint import latest_checkpoint
+
+    if latest_checkpoint(out_dir / "checkpoints") is None:
+        return False
+    return same_run(out_dir, base, overrides)
+
+
+def arm_run_overrides(
+    out_dir: Path, overrides: list[str], start: Path | None, checkpoint_every: int | None
+) -> list[str]:
+    """The overrides :func:`run_arm` trains with: how often to save, ``overrides``, the output
+    folder and the SFT start's."""
+    from moe_rl.lab.arms import start_overrides
+
+    every = [] if checkpoint_every is None else [f"checkpoint.every={checkpoint_every}"]
+    ov = [*every, *overrides, f"train.out_dir={out_dir}"]
+    if start is not None:
+        ov += ["train.stages=[rl]", *start_overrides(start)]
+    return ov
+
+
+def read_status(path: Path) -> dict | None:
+    """A run's :data:`STATUS_FILE`, or None (with a warning naming it) when it cannot be read."""
+    try:
+        st = json.loads(path.read_text())
+        if isinstance(st, dict) and "status" in st:
+            return st
+        raise ValueError("no 'status' field")
+    except (OSError, ValueError) as e:
+        log.warning("%s is unreadable (%s): running that arm again", path, e)
+        return None
 
 
 def resumable_run(
@@ -208,19 +245,29 @@ def resumable_run(
     *,
     start: Path | None = None,
     launch: str | None = None,
+    **run_kw,
 ) -> dict:
-    """:func:`run_arm` into ``out`` unless an earlier invocation finished it there.
+    """:func:`run_arm` into ``out`` (``run_kw``: its other arguments) unless an earlier invocation
+    finished this same run there.
 
     A run that ends (done or stopped) writes :data:`STATUS_FILE` into ``out`` (atomically: written
-    beside it, then renamed); with that file present the run is skipped and its status read back.
-    A crash (``failed``) writes nothing, so the next invocation retries it.
+    beside it, then renamed); with that file present, and ``out``'s recipe the one asked for, the
+    run is skipped and its status read back. A crash (``failed``) writes nothing, so the next
+    invocation retries it; so does an unreadable status file or one of another run (a changed
+    recipe or override), whose folder starts over.
     """
     done = Path(out) / STATUS_FILE
     if done.exists():  # finished in an earlier invocation: resume, do not rerun
-        st = json.loads(done.read_text())
-        log.info("%s: already %s (%s)", label, st["status"], done)
-        return st
-    st = run_arm(base, overrides, out, start=start, launch=launch)
+        st = read_status(done)
+        every = run_kw.get("checkpoint_every", ARM_CHECKPOINT_EVERY)
+        ov = arm_run_overrides(Path(out), overrides, start, every)
+        if st is not None and same_run(Path(out), base, ov, any_start=True):
+            log.info("%s: already %s (%s)", label, st["status"], done)
+            return st
+        if st is not None:
+            log.warning("%s: %s holds another run (its recipe differs): running this one", label, out)
+        done.unlink(missing_ok=True)
+    st = run_arm(base, overrides, out, start=start, launch=launch, **run_kw)
     log.info("%s: %s in %.0fs", label, st["status"], st["wall_s"])
     if st["status"] != "failed":  # a crash is retried by the next invocation
         tmp = done.with_suffix(".tmp")

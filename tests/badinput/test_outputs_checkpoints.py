@@ -490,3 +490,30 @@ def test_a_checkpoint_of_another_shape_is_one_line_naming_the_tensor(cli, run_co
         r"decoder\.layers\.mlp\.experts\.experts\.linear_fc1\.weight is .*64, 32.* in the checkpoint and .*96, 32.* in the model"
     )
     assert_kept(before, run_copy)
+
+
+@pytest.mark.bad_input("output")
+def test_demo_out_holding_a_users_files_is_refused(cli, tmp_path):
+    """``moe-rl demo --out DIR`` used to remove DIR/grpo, DIR/gspo, DIR/grpo_r3 (a user's folders
+    of those names, with their files) and overwrite report.png, without a word."""
+    out = tmp_path / "mine"
+    (out / "grpo").mkdir(parents=True)
+    (out / "grpo" / "notes.txt").write_text("my notes")
+    (out / "report.png").write_bytes(b"my picture")
+    before = snapshot(out)
+    cli("demo", "--out", out, "train.rl_steps=1").one_line(
+        r"path error: demo --out .*mine holds files the demo did not write \(grpo, report\.png\): give a new or empty"
+    )
+    assert_kept(before, out)
+    assert sorted(p.name for p in out.iterdir()) == ["grpo", "report.png"]
+
+
+@pytest.mark.bad_input("output")
+def test_demo_arm_config_error_is_named_before_any_arm_starts(cli, tmp_path):
+    """An override one arm cannot take (a token-level correction on GSPO's sequence ratio) used to
+    show only in that arm's log, after SFT and the arms before it had run."""
+    out = tmp_path / "demo"
+    cli("demo", "--out", out, "algo.rollout_correction=icepop").one_line(
+        r"configuration error: demo arm GSPO: "
+    )
+    assert not out.exists()

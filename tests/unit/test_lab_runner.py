@@ -10,7 +10,7 @@ import torch
 
 from benchmarks.common import SMOKE_BASE
 from moe_rl.lab import runner, starts
-from moe_rl.lab.arms import DEMO, flatten
+from moe_rl.lab.arms import DEMO, ROOT, flatten
 
 SFT = [*flatten(SMOKE_BASE), "train.sft_steps=5", "train.sft_batch_size=4"]
 
@@ -123,3 +123,33 @@ def test_a_child_run_is_timed_alone_while_others_end_beside_it():
     with pytest.raises(subprocess.CalledProcessError) as e:
         run_child([sys.executable, "-c", "raise SystemExit(3)"])
     assert e.value.returncode == 3
+
+
+def test_a_finished_run_is_skipped_only_when_it_is_the_same_run(tmp_path, monkeypatch):
+    """The status file skips a finished run only when the folder's recipe is the one asked for (a
+    changed override reruns it); an unreadable status file is a warning and a rerun, not a
+    JSONDecodeError traceback with no file named."""
+    import yaml
+
+    from moe_rl.config import load_recipe, to_dict
+
+    base = ROOT / "recipes/tiny.yaml"
+    calls = []
+
+    def fake_run_arm(b, overrides, out, **kw):
+        calls.append(list(overrides))
+        out.mkdir(parents=True, exist_ok=True)
+        ov = runner.arm_run_overrides(out, overrides, kw.get("start"), kw.get("checkpoint_every", 1))
+        (out / "recipe.yaml").write_text(yaml.safe_dump(to_dict(load_recipe(b, ov))))
+        return {"status": "done", "reason": None, "wall_s": 0.0, "cpu_s": 0.0, "resumed": False}
+
+    monkeypatch.setattr(runner, "run_arm", fake_run_arm)
+    out = tmp_path / "arm"
+    runner.resumable_run("a", base, ["optim.lr=1e-4"], out, checkpoint_every=None)
+    runner.resumable_run("a", base, ["optim.lr=1e-4"], out, checkpoint_every=None)
+    assert len(calls) == 1  # the same run: skipped
+    runner.resumable_run("a", base, ["optim.lr=2e-4"], out, checkpoint_every=None)
+    assert len(calls) == 2  # another run in that folder: run again
+    (out / runner.STATUS_FILE).write_text("{trunc")
+    runner.resumable_run("a", base, ["optim.lr=2e-4"], out, checkpoint_every=None)
+    assert len(calls) == 3 and json.loads((out / runner.STATUS_FILE).read_text())["status"] == "done"

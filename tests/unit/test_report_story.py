@@ -117,3 +117,8 @@ def test_the_shipped_demo_start_runs_every_arm(tmp_path):
     doc = json.loads((tmp_path / "demo" / "report.json").read_text())
     assert doc["sft_s"] < 5 and len(doc["rows"]) == 3  # no SFT ran: the arms loaded the start
     assert not (tmp_path / "demo" / "sft").exists()
+    # a rerun into the demo's own folder (after Ctrl-C, say) keeps the finished arms, not retrains them
+    rows = {p: p.read_bytes() for p in (tmp_path / "demo").glob("*/metrics.jsonl")}
+    assert len(rows) == 3
+    run_demo(root / DEFAULT_RECIPE, ov, out=tmp_path / "demo")
+    assert {p: p.read_bytes() for p in (tmp_path / "demo").glob("*/metrics.jsonl")} == rows
