@@ -44,7 +44,17 @@ from benchmarks.common import SMOKE_BASE, commit, machine, result_path
 from moe_rl.lab.arms import ARMS, DEMO, ROOT, arm_overrides, flatten
 from moe_rl.lab.collapse import CRITERION, collapse_verdict, criterion_doc, held_out_drop, smoothed
 from moe_rl.lab.report import CLIPPED_OWN, PANELS, series
-from moe_rl.lab.runner import arm_command, cpu_seconds, in_pool, local_launch, read_arm, resumable_run
+from moe_rl.lab.results import write_json
+from moe_rl.lab.runner import (
+    STATUS_FILE,
+    arm_command,
+    cpu_seconds,
+    in_pool,
+    local_launch,
+    read_arm,
+    read_status,
+    resumable_run,
+)
 from moe_rl.lab.starts import CACHE, warm_start
 from moe_rl.lab.stats import mean
 
@@ -372,18 +382,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     def one(item):
         a, s, ov, out = item
-        if args.report_only:
-            return {
-                "status": "done",
-                "reason": None,
-                "wall_s": math.nan,
-                "cpu_s": math.nan,
-                "out_dir": str(out),
-            }
+        if args.report_only:  # only runs that finished: their status file says how
+            st = read_status(out / STATUS_FILE) if (out / STATUS_FILE).exists() else None
+            return None if st is None else {**st, "out_dir": str(out)}
         return resumable_run(f"{a} seed {s}", base, [*common, *ov], out, start=start, launch=launch)
 
     statuses = in_pool(one, plan, args.jobs)
-    runs = [analyse_run(a, s, status) for (a, s, _, _), status in zip(plan, statuses)]
+    unfinished = [str(out) for (_, _, _, out), st in zip(plan, statuses) if st is None]
+    if unfinished:
+        log.warning("%d of %d runs have not finished (left out): %s", len(unfinished), len(plan), unfinished)
+    runs = [analyse_run(a, s, st) for (a, s, _, _), st in zip(plan, statuses) if st is not None]
     arms_out = analyse_arms(runs)
     table = format_table(arms_out)
     path = result_path("collapse", name, args.out)
@@ -396,6 +404,8 @@ def main(argv: list[str] | None = None) -> dict:
         "wall_s": time.perf_counter() - t0,
         "cpu_s": cpu_seconds() - c0,
         "criterion": criterion_doc(),
+        "runs_planned": len(plan),
+        "runs_unfinished": unfinished,
         "setting": {**st, "base": str(base), "arms": {a: flatten(ARMS[a]) for a in st["arms"]}},
         "sft_start": sft_info,
         "arms": arms_out,
@@ -404,7 +414,7 @@ def main(argv: list[str] | None = None) -> dict:
         "runs": runs,
         "plot": png.name,
     }
-    path.write_text(json.dumps(doc, indent=1, default=str))
+    write_json(path, doc)
     print(table)
     print("\n".join(doc["observations"]))
     print(f"wrote {path} and {png} in {doc['wall_s']:.0f}s")

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import TINY_MODEL, commit, machine
+from moe_rl.lab.results import write_json
 
 PRESETS = {"tiny": TINY_MODEL}  # hidden 128, 4 layers, 8 experts top-2, vocab 104 (the tiny CPU policy)
 
@@ -142,7 +143,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"engine_throughput-{result['machine']}-{args.preset}-{result['commit']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(path, result, indent=2, newline=True)
     plot(result, path.with_suffix(".png"))
     print(json.dumps({k: v for k, v in result.items() if k != "model"}, indent=2))
     print(f"wrote {path} and {path.with_suffix('.png')}")

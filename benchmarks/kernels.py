@@ -40,6 +40,7 @@ import torch
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import commit, gemm_rate, machine  # noqa: E402
+from moe_rl.lab.results import write_json
 
 ROOT = Path(__file__).resolve().parent
 PRESETS = {
@@ -306,7 +307,7 @@ def run_preset(args) -> Path:
         if tiles:
             result["tiles"].append(tiles)
         args.out.mkdir(parents=True, exist_ok=True)
-        out_json.write_text(json.dumps(result, indent=1))
+        write_json(out_json, result)
         plot(result, out_png)
     print(f"wrote {out_json} and {out_png}")
     return out_json
@@ -376,7 +377,7 @@ def gspo_study(args) -> Path:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"kernels-{machine()}-gspo-{commit()}.json"
-    path.write_text(json.dumps(res, indent=1))
+    write_json(path, res)
     print(f"wrote {path}")
     return path
 
@@ -446,7 +447,7 @@ def codegen(args) -> Path:
                 rows.append(row)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"kernels-codegen-{triton.__version__}-{commit()}.json"
-    path.write_text(json.dumps(rows, indent=1))
+    write_json(path, rows)
     print(f"wrote {path}")
     return path
 

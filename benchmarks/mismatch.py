@@ -34,6 +34,7 @@ import torch
 
 from benchmarks.common import SMOKE_BASE, commit, machine, result_path
 from moe_rl.lab.arms import DEMO, flatten
+from moe_rl.lab.results import write_json
 from moe_rl.lab.starts import CACHE, warm_start
 
 warnings.filterwarnings("ignore")
@@ -160,7 +161,7 @@ def run_cells(preset_name: str, cache: Path) -> dict:
         res = measure(runs[model], dtype, router, length, preset["prompts"], preset["group"])
         res.update(model=model, dtype=dtype, router=router, length=length)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(res, indent=1))
+        write_json(tmp, res)
         tmp.replace(path)
         results[key] = res
     return results
@@ -267,7 +268,7 @@ def main(argv=None) -> dict:
         "notes": "responses are forced to their length (ignore_eos); tokens/s at one torch thread",
     }
     path = result_path("mismatch", args.preset, args.out)
-    path.write_text(json.dumps(doc, indent=1))
+    write_json(path, doc)
     plot(results, preset, path.with_suffix(".png"))
     print(json.dumps(doc["headline"], indent=1))
     return doc

@@ -41,6 +41,7 @@ from moe_rl.config import load_recipe
 from moe_rl.lab import runner
 from moe_rl.lab.arms import ARMS, DEMO, ROOT, arm_overrides, flatten, start_overrides
 from moe_rl.lab.collapse import CRITERION, criterion_doc
+from moe_rl.lab.results import write_json
 from moe_rl.lab.runner import STATUS_FILE, arm_command, cpu_seconds, local_launch, run_when_ready
 from moe_rl.lab.starts import CACHE, cached_start, sft_key, warm_start
 from moe_rl.lab.stats import lstsq, mean
@@ -762,7 +763,7 @@ def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
         "runs": runs,
         "plot": png.name,
     }
-    path.write_text(json.dumps(doc, indent=1, default=str))
+    write_json(path, doc)
     log.info("wrote %s and %s", path, png)
     return doc
 
@@ -791,7 +792,7 @@ def main(argv: list[str] | None = None) -> dict:
     warnings.filterwarnings("ignore")
     if args.write_plan:
         path = Path(args.out) if args.out else PLAN_FILE
-        path.write_text(json.dumps(plan_doc(), indent=1) + "\n")
+        write_json(path, plan_doc(), newline=True)
         print(f"wrote {path}")
         return plan_doc()
     st = make_stage(args)

@@ -26,6 +26,7 @@ import warnings
 import torch
 
 from benchmarks.common import SMOKE_BASE, result_path
+from moe_rl.lab.results import write_json
 
 warnings.filterwarnings("ignore")
 
@@ -151,7 +152,7 @@ def main(argv=None) -> dict:
     res["probe_overhead_ratio_default_probe"] = t_probe * probe_frac / t_nat
     run.close()
     path = result_path("routing_instruments", args.preset, args.out)
-    path.write_text(json.dumps(res, indent=1))
+    write_json(path, res)
     print(json.dumps(res, indent=1))
     print(f"wrote {path}")
     return res

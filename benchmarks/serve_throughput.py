@@ -41,6 +41,7 @@ import torch
 import yaml
 
 from benchmarks.common import TINY_MODEL, result_path
+from moe_rl.lab.results import write_json
 
 TINY = {**TINY_MODEL, "max_seq_len": 256}  # the tiny CPU policy, room for 128 new tokens
 
@@ -208,7 +209,7 @@ def main(argv=None) -> dict:
         res.update(_bench_single(a, tmp, policy, prompts))
     res = {"headline": _headline(res), **res}
     path = result_path("serve_throughput", "tiny")
-    path.write_text(json.dumps(res, indent=1))
+    write_json(path, res)
     if "router" in res:
         _plot(res, path.with_suffix(".png"))
     print(json.dumps(res, indent=1))
@@ -340,7 +341,7 @@ def bench_pushes(a, tmp: Path, info) -> dict:
         res["before"] = json.loads(Path(a.before).read_text())
     path = result_path("serve_throughput", "pushes", a.out)
     tmp_path = path.with_suffix(".tmp")
-    tmp_path.write_text(json.dumps(res, indent=1, allow_nan=False))
+    write_json(tmp_path, res)
     os.replace(tmp_path, path)
     _plot_pushes(res, path.with_suffix(".png"))
     print(json.dumps(res["headline"], indent=1))

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import result_path
+from moe_rl.lab.results import write_json
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes/cluster/qwen3_30b_a3b_grpo.yaml"
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     path = result_path("startup", "30b-rank", a.out)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(res, indent=1, allow_nan=False))
+    write_json(tmp, res)
     os.replace(tmp, path)
     _plot(res, path.with_suffix(".png"))
     print(json.dumps(res["headline"], indent=1))

@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 
+from moe_rl.lab.results import write_json
+
 LAYOUTS = {"world1": [], "ep2": ["--ep", "2", "--dp", "2"], "tp2": ["--tp", "2"]}
 
 
@@ -161,7 +163,7 @@ def main(argv=None) -> dict:
     if a.rl:
         res = rl_steps(a.rl, a.repeats, a.threads)
         path = result_path("step_time", f"rl-{a.rl}", a.out)
-        path.write_text(json.dumps(res, indent=1))
+        write_json(path, res)
         for name, phases in res["combos"].items():
             print(name, " ".join(f"{p}={v['min']:.3f}/{v['median']:.3f}" for p, v in phases.items()))
         print("probe_frac (min/median)", f"{res['probe_frac_min']:.4f}/{res['probe_frac_median']:.4f}")
@@ -212,7 +214,7 @@ def main(argv=None) -> dict:
     res["import_moe_rl_loads_megatron"] = megatron == "True"
     res = {"headline": {f"step_s_{k}": v["median_s"] for k, v in res["layouts"].items()}, **res}
     path = result_path("step_time", "tiny")
-    path.write_text(json.dumps(res, indent=1))
+    write_json(path, res)
     print(json.dumps(res, indent=1))
     return res
 

@@ -68,6 +68,7 @@ from benchmarks.throughput_report import (  # noqa: E402
     table,
     trl_ratio,
 )
+from moe_rl.lab.results import write_json  # noqa: E402
 from moe_rl.trainer.timer import StepTimer  # noqa: E402
 
 if TYPE_CHECKING:
@@ -524,7 +525,7 @@ def worker(args) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         if args.worker == "tp2":
             res["note"] = "rollouts replayed from the world-1 run's embedded engine (TP > 1 has none)"
-        Path(args.out).write_text(json.dumps(res))
+        write_json(Path(args.out), res, indent=None)
 
 
 def run_trl(
@@ -707,7 +708,7 @@ def main(argv=None) -> dict:
         )
     res["wall_s"], res["loadavg_1m_end"] = clock.seconds(), os.getloadavg()[0]
     res["headline"] = headline(res)
-    path.write_text(json.dumps(res, indent=1) + "\n")
+    write_json(path, res, newline=True)
     plot(res, path.with_suffix(".png"))
     print(table(res))
     print(f"wrote {path} and {path.with_suffix('.png')}")

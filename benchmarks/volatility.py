@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 from benchmarks.common import SMOKE_BASE, commit, machine, result_path
 from moe_rl.lab.arms import ARMS, DEMO, flatten
+from moe_rl.lab.results import write_json
 from moe_rl.lab.runner import cpu_seconds
 from moe_rl.lab.starts import CACHE, warm_start
 from moe_rl.lab.stats import lstsq, mean
@@ -556,7 +557,7 @@ def main(argv: list[str] | None = None) -> dict:
         p = {**PRESETS[doc["preset"]], **doc["settings"], "ref": tuple(doc["settings"]["ref"])}
         doc["where_10pct"] = analyse(doc["configs"], p)
         plot(doc["configs"], doc["where_10pct"], p, path.with_suffix(".png"))
-        path.write_text(json.dumps(doc, indent=1, default=str))
+        write_json(path, doc)
         print(doc["where_10pct"]["text"])
         return doc
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -582,7 +583,7 @@ def main(argv: list[str] | None = None) -> dict:
         "configs": results,
         "plot": png.name,
     }
-    path.write_text(json.dumps(doc, indent=1, default=str))
+    write_json(path, doc)
     print(fit["text"])
     print(f"wrote {path} and {png} in {doc['wall_s']:.0f}s")
     return doc

@@ -29,6 +29,7 @@ from moe_rl.config import ConfigError, load_recipe
 from moe_rl.errors import PathError, UserError
 from moe_rl.lab.arms import DEMO_ARMS, arm_dir, arm_overrides, start_overrides
 from moe_rl.lab.report import load_arm, report, story
+from moe_rl.lab.results import write_json
 from moe_rl.lab.runner import child_launch, in_pool, resumable_run
 from moe_rl.lab.starts import warm_start
 from moe_rl.trainer.timer import StepTimer
@@ -133,7 +134,7 @@ def run_demo(
         "threads_per_arm": threads,
         "cpu_count": os.cpu_count(),
     }
-    (out / "report.json").write_text(json.dumps(doc, indent=1))
+    write_json(out / "report.json", doc)
     return (
         f"{table}\n\n{told['title']}; {told['ingredient']}: {told['why']}\n"
         f"start {t_sft:.0f}s, arms {t_arms:.0f}s, total {wall:.0f}s; picture: {out / 'report.png'} "

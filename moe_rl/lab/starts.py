@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moe_rl.lab.arms import ROOT
+from moe_rl.lab.results import write_json
 from moe_rl.lab.runner import cpu_seconds, run_recipe
 
 if TYPE_CHECKING:
@@ -182,5 +183,5 @@ def warm_start(
         "final_loss": sum(r["loss"] for r in rows[-10:]) / max(1, len(rows[-10:])),
         "signature": sft_signature(recipe),
     }
-    (root / INFO_FILE).write_text(json.dumps(info, indent=1))
+    write_json(root / INFO_FILE, info)
     return ckpt, {**info, "reused": False}

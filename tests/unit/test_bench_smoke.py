@@ -179,3 +179,23 @@ def test_mismatch_smoke(tmp_path, cache, parallel_info):
     assert bf16["abs_log_ratio"] > 100 * max(fp32["abs_log_ratio"], 1e-9) and bf16["tokens_per_cpu_s"] > 0
     again = main(["--preset", "smoke", "--out", str(tmp_path / "again.json"), "--cache", str(cache)])
     assert again["cells"] == doc["cells"]  # resumed from the saved cells
+
+
+def test_collapse_report_only_counts_only_finished_runs(tmp_path):
+    """``--report-only`` used to count an arm with no run folder as a finished run ("0/1
+    collapsed"); a run that never finished is left out and listed."""
+    from benchmarks import collapse
+
+    doc = collapse.main(
+        [
+            "--preset",
+            "smoke",
+            "--runs-dir",
+            str(tmp_path / "runs"),
+            "--report-only",
+            "--out",
+            str(tmp_path / "c.json"),
+        ]
+    )
+    assert doc["runs"] == [] and doc["arms"] == {}
+    assert len(doc["runs_unfinished"]) == doc["runs_planned"] > 0

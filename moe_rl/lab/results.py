@@ -1,0 +1,48 @@
+"""Result files: JSON written atomically, with ``null`` for a number that is not one.
+
+A benchmark or a demo writes its result over the previous one; written in place, a full disk
+left an 8 KB truncated JSON where the last good result was. :func:`write_json` writes a temp file
+beside the target, flushes it to disk and renames it over the target, so a reader (or the next
+run) sees the old file or the complete new one. Non-finite floats (NaN, infinities: a rate of no
+steps, a fit of too few points) become ``null`` (bare ``NaN`` is not JSON; strict parsers refuse
+the whole file).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every non-finite float replaced by None (dicts, lists and tuples walked)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if hasattr(obj, "item") and getattr(obj, "ndim", None) == 0:  # a numpy / torch scalar
+        return json_safe(obj.item())
+    return obj
+
+
+def write_json(path: str | Path, doc: Any, *, indent: int | None = 1, newline: bool = False) -> Path:
+    """Write ``doc`` as JSON at ``path`` atomically (temp file, fsync, rename); non-finite floats
+    as ``null``, other non-JSON values as their ``str``. ``newline``: end the file with one."""
+    path = Path(path)
+    text = json.dumps(json_safe(doc), indent=indent, default=str, allow_nan=False) + ("\n" if newline else "")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
