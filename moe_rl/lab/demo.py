@@ -41,8 +41,8 @@ MARKER = ".moe-rl-demo"
 "Written into a demo's ``out``: the folder is the demo's own (a rerun may write into it)."
 
 
-def claim_out(out: Path, recipe: Path, overrides: list[str]) -> None:
-    """Refuse an ``out`` holding anything the demo did not write; mark it the demo's."""
+def check_out(out: Path) -> None:
+    """Refuse an ``out`` holding anything the demo did not write (a user's folders or files)."""
     if out.exists() and not out.is_dir():
         raise PathError(f"demo --out {out} is a file: give a new or empty folder")
     if out.is_dir() and not (out / MARKER).exists():
@@ -53,6 +53,10 @@ def claim_out(out: Path, recipe: Path, overrides: list[str]) -> None:
                 f"demo --out {out} holds files the demo did not write ({shown}): give a new or empty folder "
                 "(the demo writes a folder per arm and report.png there)"
             )
+
+
+def claim_out(out: Path, recipe: Path, overrides: list[str]) -> None:
+    """Mark ``out`` (checked by :func:`check_out`) the demo's."""
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f"{MARKER}.tmp"
     tmp.write_text(json.dumps({"recipe": str(recipe), "overrides": overrides}))
@@ -98,10 +102,11 @@ def run_demo(
     jobs = max(1, min(jobs or len(DEMO_ARMS), len(DEMO_ARMS)))
     threads = max(1, (os.cpu_count() or 1) // jobs)
     check_arms(recipe, overrides)
-    claim_out(out, recipe, overrides)
+    check_out(out)  # before the start, which may train
     timer = StepTimer()
     with timer.record("sft"):
         start = _start(recipe, overrides)
+    claim_out(out, recipe, overrides)
     runs = {name: out / arm_dir(name) for name in DEMO_ARMS}
 
     def one(name: str) -> None:

@@ -69,7 +69,11 @@ def read_run_metrics(run_dir: str | Path) -> list[dict]:
 
 
 def load_arm(run_dir: str | Path) -> dict:
-    rows = read_run_metrics(run_dir)
+    """The newest run's RL and evaluation rows in ``run_dir`` (an earlier run in a folder reused with
+    ``--fresh`` is not mixed in)."""
+    from moe_rl.trainer.metrics import newest_run
+
+    rows = newest_run(read_run_metrics(run_dir))
     rl = [r for r in rows if r["stage"] == "rl"]
     ev = [r for r in rows if r["stage"] == "rl_eval" or "eval/accuracy" in r]
     return {"rl": rl, "eval": ev}

@@ -100,6 +100,7 @@ class Run:
         self.out = Path(recipe.train.out_dir)
         self.sink = MetricsSink(self.out, enabled=self.info.rank == 0)
         self.state = RunState(run_id=uuid.uuid4().hex[:12])
+        self.tag_rows()
         self.checkpointer = Checkpointer(
             checkpoint_root(recipe), self.policy.model, keep=recipe.checkpoint.keep
         )
@@ -261,11 +262,22 @@ class Run:
             self.state = self.checkpointer.load(self.optimizer)
         except NoCheckpoint as e:
             raise NoCheckpoint(f"nothing to resume: {e}") from None
+        self.state.attempt += 1
+        self.cut_rows()
+        return True
+
+    def tag_rows(self) -> None:
+        """Tag the rows the sink writes from now on with this run's id and attempt."""
+        self.sink.tags = {"run": self.state.run_id, "attempt": self.state.attempt}
+
+    def cut_rows(self) -> None:
+        """After a resume or a rollback: cut ``metrics.jsonl`` back to what was written when the
+        checkpoint now loaded was saved (those steps run again), and tag the rows to come."""
         if self.state.metrics_offset is not None:
             removed = self.sink.truncate(self.state.metrics_offset)
             if removed:
                 log.info("metrics.jsonl: removed %d rows written after the checkpoint (run again)", removed)
-        return True
+        self.tag_rows()
 
     def ensure_engine(self) -> None:
         """Build the rollout engine the recipe names (once)."""

@@ -95,6 +95,7 @@ def _stop_or_roll_back(run: Run, verdict: SentinelVerdict) -> bool:
     if verdict.action != "rollback":
         return False
     run.state = run.checkpointer.rollback(run.optimizer, run.state, run.recipe.sentinel.rollback_lr_factor)
+    run.cut_rows()  # the abandoned steps' rows go, as a resume's do
     # the engine serves what it was last given (a step's weights, or the last finite ones): the
     # checkpoint's weights (finite, checked at save) replace them
     run.push_weights()

@@ -60,6 +60,8 @@ class RunState:
     "This run's id: its checkpoints carry it, and retention removes only those."
     metrics_offset: int | None = None
     "Bytes of ``metrics.jsonl`` at the save: a resume cuts the rows written after it (None: unknown)."
+    attempt: int = 0
+    "Times this run continued from a checkpoint (resume or sentinel rollback): its rows' ``attempt``."
 
     def to_meta(self) -> dict:
         """JSON-able form, with the key names older checkpoints used (``ckpt_seq``, ``done``)."""
@@ -73,6 +75,7 @@ class RunState:
             "completed": dict(self.completed),
             "run_id": self.run_id,
             "metrics_offset": self.metrics_offset,
+            "attempt": self.attempt,
         }
 
     @classmethod
@@ -88,6 +91,7 @@ class RunState:
             completed={k: int(v) for k, v in (meta.get("completed") or {}).items()},
             run_id=meta.get("run_id"),
             metrics_offset=meta.get("metrics_offset"),
+            attempt=int(meta.get("attempt", 0)),
         )
 
     def step_of(self, stage: str) -> int:
@@ -188,7 +192,7 @@ class Checkpointer:
         stage, at the RL step to continue from.
         """
         state = self.load(optimizer)
-        state.sentinel, state.run_id = live.sentinel, live.run_id
+        state.sentinel, state.run_id, state.attempt = live.sentinel, live.run_id, live.attempt + 1
         state.checkpoint_seq = max(state.checkpoint_seq, live.checkpoint_seq)
         state.step, state.stage = state.step_of("rl"), "rl"
         state.lr_scale = live.lr_scale * lr_factor

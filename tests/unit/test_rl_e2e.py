@@ -97,7 +97,15 @@ def test_sentinel_stop_and_rollback(tmp_path, parallel_info):
     )
     with pytest.raises(TrainingStopped, match="rolled back 2 times"):
         run(roll)
-    rows = [json.loads(x) for x in (tmp_path / "roll" / "run" / "metrics.jsonl").read_text().splitlines()]
+    # a rollback moves the rows of the steps it abandons to metrics.abandoned.jsonl (attempts 0, 1)
+    folder = tmp_path / "roll" / "run"
+    rows = [
+        json.loads(x)
+        for f in ("metrics.abandoned.jsonl", "metrics.jsonl")
+        for x in (folder / f).read_text().splitlines()
+    ]
+    assert [r["attempt"] for r in rows if r["stage"] == "rl"] == [0, 1, 2]
+    assert [r["attempt"] for r in read_metrics(folder / "metrics.jsonl", "rl")] == [2]
     lrs = [r["lr"] for r in rows if r["stage"] == "rl"]
     assert lrs[-1] < lrs[0], "rollback lowers the learning rate"
     # each rollback multiplies the scale again (0.5, then 0.25), not reloads it from the checkpoint
@@ -166,3 +174,17 @@ def test_report_shows_the_mismatch(tmp_path, parallel_info):
     by_arm = {r["arm"]: r for r in rows}
     assert by_arm["bf16"]["mismatch_k3"] > by_arm["fp32"]["mismatch_k3"]
     assert by_arm["fp32"]["flip_rollout"] == 0
+
+
+def test_a_report_of_a_folder_reused_with_fresh_shows_the_newest_run(tmp_path, parallel_info):
+    """Rows carry the run's id: a folder reused with ``--fresh`` used to be reported as one run
+    (its steps counted twice, the start's reward taken from the earlier run)."""
+    from moe_rl.lab.report import load_arm
+
+    first = tiny(tmp_path, train={"stages": ["rl"], "rl_steps": 3})
+    run(first)
+    run(tiny(tmp_path, train={"stages": ["rl"], "rl_steps": 1}), fresh=True)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl", "rl")
+    assert len(rows) == 4 and len({r["run"] for r in rows}) == 2  # both runs' rows stay in the file
+    arm = load_arm(tmp_path / "run")
+    assert [r["step"] for r in arm["rl"]] == [0] and arm["rl"][0]["run"] == rows[-1]["run"]
