@@ -1,0 +1,122 @@
+"""The RL step's wiring, pinned by its effect (issue 34): which routes the training forward
+actually replays, and which correction weights the loss actually gets. Each test names the
+planted bug it kills."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moe_rl.config import recipe_from_dict
+from moe_rl.trainer.rl import rl_step
+from moe_rl.trainer.run import Run
+from moe_rl.trainer.timer import StepTimer
+from tests.unit.test_rl_e2e import TINY
+
+FORCED = (0, 1)
+"The experts the wrapped engine reports for layer 0 of every token (tiny model: 4 experts, top-2)."
+
+
+class ReportingEngine:
+    """The run's engine, whose rollouts are changed on purpose and kept: layer 0's routes forced to
+    :data:`FORCED` (``force_routes``), the log-probs moved (``shift_logp``)."""
+
+    def __init__(self, engine, *, force_routes: bool = False, shift_logp: float = 0.0):
+        self.engine, self.force_routes, self.shift_logp = engine, force_routes, shift_logp
+        self.name = "reporting"
+        self.rollouts = None
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, prompts, n, sampling):
+        ro = self.engine.generate(prompts, n, sampling)
+        changes = {}
+        if self.force_routes:
+            routes = ro.routes_BTLK.clone()
+            routes[:, :, 0, :] = torch.tensor(FORCED, dtype=routes.dtype)
+            changes["routes_BTLK"] = routes
+        if self.shift_logp:
+            g = torch.Generator().manual_seed(0)
+            noise = torch.rand(ro.logprobs_BT.shape, generator=g) * self.shift_logp
+            changes["logprobs_BT"] = ro.logprobs_BT - noise.to(ro.logprobs_BT)
+        self.rollouts = dataclasses.replace(ro, **changes) if changes else ro
+        return self.rollouts
+
+
+def _run(tmp_path, **algo) -> Run:
+    data = {k: dict(v) for k, v in TINY.items()}
+    data["algo"] = {**data.get("algo", {}), **algo}
+    data["train"] = {**data["train"], "stages": ["rl"], "out_dir": str(tmp_path / "run")}
+    run = Run(recipe_from_dict(data))
+    run.ensure_engine()
+    run.make_optimizer("rl")
+    return run
+
+
+@pytest.mark.parametrize("routing", ["none", "r2", "r3"])
+def test_the_training_forward_replays_what_the_mode_names(tmp_path, parallel_info, routing):
+    """The engine reports layer-0 routes that differ from the trainer's own (forced to experts 0
+    and 1). Under R3 the training forward's router selects exactly those on every token; under R2
+    (pi_old's recorded routes) and with no replay (the router's own top-k) it does not.
+    Planted bug killed: R3 replaying the trainer's own pi_old routes (the R2 ones) instead of the
+    engine's (``trainer/rl.py``, where the replay routes are chosen)."""
+    run = _run(tmp_path, routing=routing)
+    try:
+        derived = run.derive(engine=ReportingEngine(run.engine, force_routes=True), engine_gives_routes=True)
+        maps = []
+        hook = run.policy.routers[0].register_forward_hook(
+            lambda m, a, o: maps.append(o[1].detach().clone()) if torch.is_grad_enabled() else None
+        )
+        try:
+            rl_step(derived, 0, StepTimer())
+        finally:
+            hook.remove()
+        assert maps, "no training forward ran"
+        chosen = torch.cat(maps)  # [tokens, experts] routing map of every training forward
+        forced = torch.zeros(chosen.shape[1], dtype=torch.bool)
+        forced[list(FORCED)] = True
+        on_forced = (chosen == forced).all(dim=1)
+        if routing == "r3":
+            assert on_forced.all(), (
+                f"{int((~on_forced).sum())} of {len(on_forced)} tokens not on the engine's routes"
+            )
+        else:
+            assert not on_forced.all(), "the engine's routes were replayed without R3"
+    finally:
+        derived.close()
+        run.close()
+
+
+@pytest.mark.parametrize("method", ["tis", "icepop"])
+def test_the_correction_weights_are_the_hand_formula_of_the_batch(tmp_path, parallel_info, method):
+    """With the engine's log-probs moved off the trainer's, the step's weights equal the formula
+    on that batch: rho = pi_old / pi_roll per token, TIS ``min(rho, C)``, IcePop ``1[low <= rho <=
+    high]``. Planted bug killed: the weights built with pi_old and pi_roll swapped (rho inverted)."""
+    bounds = {"correction_low": 0.5, "correction_high": 1.5} if method == "icepop" else {}
+    run = _run(
+        tmp_path, name="grpo", rollout_correction=method, correction_c=1.5, old_logprobs="recompute", **bounds
+    )
+    try:
+        engine = ReportingEngine(run.engine, shift_logp=0.8)
+        derived = run.derive(engine=engine)
+        res = rl_step(derived, 0, StepTimer())
+        b, ro = res.batch, engine.rollouts
+        assert torch.equal(b.tokens_BT.cpu(), ro.tokens_BT.cpu())  # the batch is these rollouts, in order
+        mask = b.mask_BT.bool().cpu()
+        rho = torch.exp(b.old_logp_BT.detach().double().cpu() - ro.logprobs_BT.double().cpu())
+        algo = derived.recipe.algo
+        if method == "tis":
+            want = torch.clamp(rho, max=algo.correction_c)
+        else:
+            low, high = algo.correction_bounds
+            want = ((rho >= low) & (rho <= high)).double()
+        got = b.is_weights.double().cpu()
+        assert ((want[mask] != rho[mask]).any() and (want[mask] == rho[mask]).any()) or method == "icepop"
+        assert method == "tis" or (want[mask].min() == 0 and want[mask].max() == 1)  # both sides of a bound
+        torch.testing.assert_close(got[mask], want[mask], rtol=1e-5, atol=1e-6)
+    finally:
+        derived.close()
+        run.close()
