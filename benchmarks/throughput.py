@@ -57,6 +57,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `benchmarks` and `moe_rl` importable
     sys.path.insert(0, str(ROOT))
+from benchmarks.common import TINY_MODEL  # noqa: E402
 from benchmarks.throughput_report import (  # noqa: E402
     PHASES,
     headline,
@@ -78,10 +79,12 @@ if TYPE_CHECKING:
 ALGOS = ("grpo", "gspo", "gspo_token")
 ROUTINGS = ("none", "r2", "r3")
 # fmt: off
+ARCH_SIZES = ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "head_dim",
+              "moe_ffn_hidden_size", "num_experts", "moe_router_topk")
+"The size fields a preset model sets (the rest are ModelConfig's defaults)."
 MODELS = {
     # the tiny CPU policy of recipes/demo/base.yaml (1.8M parameters), and a 20M-parameter MoE
-    "tiny": dict(hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2, head_dim=32,
-                 moe_ffn_hidden_size=128, num_experts=8, moe_router_topk=2),
+    "tiny": {k: TINY_MODEL[k] for k in ARCH_SIZES},
     "small": dict(hidden_size=256, num_layers=6, num_attention_heads=8, num_query_groups=4, head_dim=32,
                   moe_ffn_hidden_size=256, num_experts=16, moe_router_topk=2),
 }

@@ -53,7 +53,7 @@ def test_the_tiny_policy_is_defined_once():
     assert {k: v for k, v in TINY_MODEL.items() if k != "max_seq_len"} == {
         k: default[k] for k in TINY_MODEL if k != "max_seq_len"
     }
-    from benchmarks.throughput import MODELS  # its copy until it derives from TINY_MODEL: they agree
+    from benchmarks.throughput import MODELS  # derived from TINY_MODEL: they agree
 
     assert MODELS["tiny"] == {k: TINY_MODEL[k] for k in MODELS["tiny"]}
 
