@@ -35,6 +35,7 @@ import argparse
 import json
 import logging
 import math
+import sys
 import time
 import warnings
 from dataclasses import asdict
@@ -54,6 +55,7 @@ from moe_rl.lab.runner import (
     read_arm,
     read_status,
     resumable_run,
+    stop_cleanly,
 )
 from moe_rl.lab.starts import CACHE, warm_start
 from moe_rl.lab.stats import mean
@@ -422,4 +424,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(stop_cleanly(main))

@@ -287,9 +287,31 @@ def read_arm(out_dir: str | Path) -> dict:
 
 # -- many runs -----------------------------------------------------------------------------------
 def in_pool(fn, items: list, jobs: int) -> list:
-    """``[fn(x) for x in items]`` with ``jobs`` at a time (threads: each waits on its own process)."""
+    """``[fn(x) for x in items]`` with ``jobs`` at a time (threads: each waits on its own process).
+
+    One at a time they run in the calling thread: an in-process run there gets the trainer's
+    SIGINT / SIGTERM handling (Python installs signal handlers in the main thread only), so Ctrl-C
+    stops the arm at its next step with a checkpoint and ends the sweep (:func:`stop_cleanly`)
+    instead of being ignored until the arm's last step."""
+    if jobs <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         return list(pool.map(fn, items))
+
+
+def stop_cleanly(main) -> int:
+    """``main()`` for a sweep's command line: a run stopped by a signal (after its checkpoint)
+    ends the sweep with one line and 128 + the signal's number; rerunning the command resumes."""
+    import sys
+
+    from moe_rl.trainer.signals import StopRequested
+
+    try:
+        main()
+    except StopRequested as e:
+        print(f"moe-rl: stopped: {e}; run the same command again to continue", file=sys.stderr)
+        return e.exit_code
+    return 0
 
 
 def run_when_ready(items: list, *, jobs: int, ready, build, run) -> list:

@@ -153,3 +153,41 @@ def test_a_finished_run_is_skipped_only_when_it_is_the_same_run(tmp_path, monkey
     (out / runner.STATUS_FILE).write_text("{trunc")
     runner.resumable_run("a", base, ["optim.lr=2e-4"], out, checkpoint_every=None)
     assert len(calls) == 3 and json.loads((out / runner.STATUS_FILE).read_text())["status"] == "done"
+
+
+def test_ctrl_c_in_a_one_at_a_time_sweep_stops_the_arm_at_its_next_step(tmp_path, parallel_info, capsys):
+    """An in-process sweep ran its arms in a worker thread, where Python installs no signal
+    handler: Ctrl-C was ignored until the arm's last step, then a KeyboardInterrupt traceback. One
+    at a time, the arm runs in the main thread: a real SIGINT (sent by a hook after RL step 1)
+    stops it at its next step with a checkpoint, the next arm never starts, and the sweep ends
+    with one line and exit code 130."""
+    import os
+    import signal
+
+    from moe_rl.config import recipe_from_dict
+    from moe_rl.megatron.checkpoint import latest_checkpoint
+    from moe_rl.trainer.run import run
+    from tests.unit.test_rl_e2e import TINY
+
+    def arm(i):
+        data = {k: dict(v) for k, v in TINY.items()}
+        data["train"] = {
+            **data["train"],
+            "stages": ["rl"],
+            "rl_steps": 50,
+            "out_dir": str(tmp_path / f"arm{i}"),
+        }
+
+        def interrupt(event):
+            if event.stage == "rl" and event.step == 1 and event.minibatch == 0:
+                os.kill(os.getpid(), signal.SIGINT)
+
+        return run(recipe_from_dict(data), hooks=[interrupt])
+
+    code = runner.stop_cleanly(lambda: runner.in_pool(arm, [0, 1], jobs=1))
+    assert code == 128 + signal.SIGINT
+    assert "moe-rl: stopped: " in capsys.readouterr().err
+    assert not (tmp_path / "arm1").exists()  # the sweep ended: the next arm never started
+    ckpt = latest_checkpoint(tmp_path / "arm0" / "checkpoints")
+    meta = json.loads((ckpt / "meta.json").read_text())["extra"]
+    assert meta["stage"] == "rl" and meta["step"] == 2  # stopped after step 1, not after step 49
