@@ -120,3 +120,19 @@ def test_the_correction_weights_are_the_hand_formula_of_the_batch(tmp_path, para
     finally:
         derived.close()
         run.close()
+
+
+def test_drift_is_measured_against_pi_olds_natural_routes_not_the_replayed_ones(tmp_path, parallel_info):
+    """Under R3 with the engine's layer-0 routes forced away from the trainer's, the engine and the
+    trainer disagree on most layer-0 decisions, yet ``flip/drift`` (pi_old's natural routes against
+    the current natural routes, a few small updates apart) stays small. Planted bug killed: drift
+    compared against the replayed routes (it then reads the forced disagreement)."""
+    run = _run(tmp_path, routing="r3")
+    try:
+        derived = run.derive(engine=ReportingEngine(run.engine, force_routes=True), engine_gives_routes=True)
+        m = rl_step(derived, 0, StepTimer()).metrics
+        assert m["flip/rollout_vs_trainer/rate"] > 0.15, m["flip/rollout_vs_trainer/rate"]  # forced apart
+        assert m["flip/drift/rate"] < 0.05, m["flip/drift/rate"]
+    finally:
+        derived.close()
+        run.close()
