@@ -41,7 +41,7 @@ import warnings
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks.common import SMOKE_BASE, commit, machine, result_path
+from benchmarks.common import SMOKE_BASE, commit, machine, positive_int, result_path
 from moe_rl.lab.arms import ARMS, DEMO, ROOT, arm_overrides, flatten
 from moe_rl.lab.collapse import CRITERION, collapse_verdict, criterion_doc, held_out_drop, smoothed
 from moe_rl.lab.report import CLIPPED_OWN, PANELS, series
@@ -311,9 +311,11 @@ def parse(argv):
         help="warm-start every arm from one cached SFT run (default: on for presets, off for --recipe)",
     )
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
-    ap.add_argument("--seeds", type=int, default=None, help="replicates per arm (default: the preset's)")
     ap.add_argument(
-        "--steps", type=int, default=None, help="RL steps per run (default: the preset's / recipe's)"
+        "--seeds", type=positive_int, default=None, help="replicates per arm (default: the preset's)"
+    )
+    ap.add_argument(
+        "--steps", type=positive_int, default=None, help="RL steps per run (default: the preset's / recipe's)"
     )
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for every arm")
     ap.add_argument(
@@ -321,7 +323,9 @@ def parse(argv):
         default=None,
         help="command prefix that runs 'RECIPE overrides' per arm (default: in this process)",
     )
-    ap.add_argument("--jobs", type=int, default=1, help="arms at once (> 1 launches each in its own process)")
+    ap.add_argument(
+        "--jobs", type=positive_int, default=1, help="arms at once (> 1 launches each in its own process)"
+    )
     ap.add_argument(
         "--runs-dir", default=str(ROOT / "runs" / "collapse"), help="arm output directories go under here"
     )

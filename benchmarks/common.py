@@ -117,3 +117,29 @@ def gemm_rate(device, dtype, shapes=((1024, 1024, 1024),), reps: int = 5) -> dic
         if rate > best["flops_per_s"]:
             best.update(flops_per_s=rate, shape=[n, k, m])
     return best
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a count of jobs, seeds, steps, threads, repeats)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (warm-up steps)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value

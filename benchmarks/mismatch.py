@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import SMOKE_BASE, commit, machine, result_path
+from benchmarks.common import SMOKE_BASE, commit, machine, positive_int, result_path
 from moe_rl.lab.arms import DEMO, flatten
 from moe_rl.lab.results import write_json
 from moe_rl.lab.starts import CACHE, warm_start
@@ -247,7 +247,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
     ap.add_argument(
-        "--threads", type=int, default=1, help="torch threads (1: tokens per CPU-second comparable)"
+        "--threads", type=positive_int, default=1, help="torch threads (1: tokens per CPU-second comparable)"
     )
     ap.add_argument("--out", default=None, help="result JSON path (default: benchmarks/results/...)")
     ap.add_argument("--cache", default=str(CACHE), help="SFT starts and finished cells (a rerun skips them)")

@@ -35,7 +35,7 @@ from pathlib import Path
 import yaml
 
 from benchmarks import collapse
-from benchmarks.common import RESULTS, SMOKE_BASE, commit, machine, result_path
+from benchmarks.common import RESULTS, SMOKE_BASE, commit, machine, positive_int, result_path
 from benchmarks.volatility import PAPER
 from moe_rl.config import load_recipe
 from moe_rl.lab import runner
@@ -774,7 +774,9 @@ def parse(argv):
     ap.add_argument("--stage", default="screen", choices=("screen", "confirm", "repro", "explore", "smoke"))
     ap.add_argument("--cells", default=None, help="comma-separated cells (default: the stage's)")
     ap.add_argument("--variant", default="cpu", choices=REPRO_VARIANTS, help="repro settings")
-    ap.add_argument("--jobs", type=int, default=1, help="runs at once (> 1: each in its own process)")
+    ap.add_argument(
+        "--jobs", type=positive_int, default=1, help="runs at once (> 1: each in its own process)"
+    )
     ap.add_argument("--runs-dir", default=str(RUNS), help="run directories go under here")
     ap.add_argument("--cache", default=str(CACHE), help="SFT start cache directory")
     ap.add_argument("--launch", default=None, help="command prefix that runs 'RECIPE overrides' per run")

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 
+from benchmarks.common import non_negative_int, positive_int
 from moe_rl.lab.results import write_json
 
 LAYOUTS = {"world1": [], "ep2": ["--ep", "2", "--dp", "2"], "tp2": ["--tp", "2"]}
@@ -39,11 +40,11 @@ LAYOUTS = {"world1": [], "ep2": ["--ep", "2", "--dp", "2"], "tp2": ["--tp", "2"]
 
 def worker(argv) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--dp", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--tp", type=positive_int, default=1)
+    ap.add_argument("--ep", type=positive_int, default=1)
+    ap.add_argument("--dp", type=positive_int, default=1)
+    ap.add_argument("--steps", type=positive_int, default=20)
+    ap.add_argument("--warmup", type=non_negative_int, default=3)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     import torch
@@ -152,12 +153,12 @@ def main(argv=None) -> dict:
     from benchmarks.common import result_path
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--steps", type=positive_int, default=20)
+    ap.add_argument("--threads", type=positive_int, default=1, help="torch threads per process")
     ap.add_argument(
         "--rl", choices=("micro", "tiny", "small"), help="whole RL steps of this model, per phase"
     )
-    ap.add_argument("--repeats", type=int, default=3, help="timed RL steps per combo (--rl)")
+    ap.add_argument("--repeats", type=positive_int, default=3, help="timed RL steps per combo (--rl)")
     ap.add_argument("--out", default=None, help="JSON path (--rl; default benchmarks/results/...)")
     a = ap.parse_args(argv)
     if a.rl:

@@ -57,7 +57,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `benchmarks` and `moe_rl` importable
     sys.path.insert(0, str(ROOT))
-from benchmarks.common import TINY_MODEL  # noqa: E402
+from benchmarks.common import TINY_MODEL, positive_int  # noqa: E402
 from benchmarks.throughput_report import (  # noqa: E402
     PHASES,
     headline,
@@ -565,7 +565,9 @@ def run_trl(
 def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of every process (default 1)")
+    ap.add_argument(
+        "--threads", type=positive_int, default=1, help="torch threads of every process (default 1)"
+    )
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/throughput-...json)")
     ap.add_argument("--models", nargs="*", default=None, help="model presets to run (default: all)")
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL peer")

@@ -199,3 +199,23 @@ def test_collapse_report_only_counts_only_finished_runs(tmp_path):
     )
     assert doc["runs"] == [] and doc["arms"] == {}
     assert len(doc["runs_unfinished"]) == doc["runs_planned"] > 0
+
+
+@pytest.mark.parametrize(
+    "module, argv, flag",
+    [
+        ("collapse", ["--jobs", "0"], "--jobs"),
+        ("collapse", ["--seeds", "-1"], "--seeds"),
+        ("phase", ["--jobs", "x"], "--jobs"),
+        ("step_time", ["--threads", "0"], "--threads"),
+    ],
+)
+def test_a_count_flag_below_one_is_a_usage_error(module, argv, flag, capsys):
+    """Every count a benchmark takes is checked (a zero or negative count used to run nothing or
+    fail later)."""
+    import importlib
+
+    mod = importlib.import_module(f"benchmarks.{module}")
+    with pytest.raises(SystemExit) as e:
+        mod.main(argv)
+    assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
