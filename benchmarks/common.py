@@ -119,27 +119,22 @@ def gemm_rate(device, dtype, shapes=((1024, 1024, 1024),), reps: int = 5) -> dic
     return best
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (a count of jobs, seeds, steps, threads, repeats)."""
+def int_at_least(minimum: int):
+    """argparse type: an integer >= ``minimum`` (a count of jobs, seeds, steps, threads: 1; warm-up
+    steps: 0)."""
     import argparse
 
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
+        return value
+
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0 (warm-up steps)."""
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)

@@ -4,13 +4,13 @@ file system, and an outside service that is down. ``moe-rl -v`` keeps the traceb
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.badinput.conftest import ROOT, assert_kept, snapshot
 from tests.badinput.test_outputs_checkpoints import recipe
+from tests.conftest import mount_tmpfs
 
 pytestmark = pytest.mark.bad_input("os")
 
@@ -18,13 +18,9 @@ pytestmark = pytest.mark.bad_input("os")
 @pytest.fixture
 def read_only(tmp_path) -> Path:
     """A real read-only file system (tmpfs, ``mount -o ro``); skipped where mounting is not allowed."""
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)], capture_output=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {res.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", str(mnt)], check=False)
+    unmount = mount_tmpfs(tmp_path / "ro", "ro,size=1m")
+    yield tmp_path / "ro"
+    unmount()
 
 
 def test_train_into_a_read_only_file_system(cli, tmp_path, read_only):

@@ -101,26 +101,24 @@ def test_sigterm_in_sft_checkpoints_the_stop_step_and_resume_continues(tmp_path)
     assert _rows(tmp_path, "sft") == list(range(stop + 2))
 
 
-@pytest.mark.bad_input("signal")
-def test_sigint_stops_the_same_way_with_exit_130(tmp_path):
+def _stops_like_sigterm(tmp_path, signum: int) -> None:
     path = recipe(tmp_path, sft_steps=400, checkpoint={"every": 0})
     log = tmp_path / "log"
-    code = _signal_after_first_row(_start(path, log), tmp_path, "sft", signal.SIGINT)
-    assert code == 128 + signal.SIGINT, log.read_text()[-3000:]
+    code = _signal_after_first_row(_start(path, log), tmp_path, "sft", signum)
+    assert code == 128 + signum, log.read_text()[-3000:]
     ckpt, meta = _newest(tmp_path)
     assert verify_checkpoint(ckpt) is None
-    assert f"sft step {meta['extra']['step']}" in _stop_line(log, "SIGINT")
+    assert f"sft step {meta['extra']['step']}" in _stop_line(log, signal.Signals(signum).name)
+
+
+@pytest.mark.bad_input("signal")
+def test_sigint_stops_the_same_way_with_exit_130(tmp_path):
+    _stops_like_sigterm(tmp_path, signal.SIGINT)
 
 
 @pytest.mark.bad_input("signal")
 def test_sighup_a_closed_terminal_stops_the_same_way_with_exit_129(tmp_path):
-    path = recipe(tmp_path, sft_steps=400, checkpoint={"every": 0})
-    log = tmp_path / "log"
-    code = _signal_after_first_row(_start(path, log), tmp_path, "sft", signal.SIGHUP)
-    assert code == 128 + signal.SIGHUP, log.read_text()[-3000:]
-    ckpt, meta = _newest(tmp_path)
-    assert verify_checkpoint(ckpt) is None
-    assert f"sft step {meta['extra']['step']}" in _stop_line(log, "SIGHUP")
+    _stops_like_sigterm(tmp_path, signal.SIGHUP)
 
 
 @pytest.mark.bad_input("signal")

@@ -3,12 +3,12 @@ whole when a write fails (a real full file system: a small tmpfs, where mounting
 
 import json
 import math
-import subprocess
 
 import pytest
 import torch
 
 from moe_rl.lab.results import json_safe, write_json
+from tests.conftest import mount_tmpfs
 
 
 def test_non_finite_numbers_are_null_and_the_file_is_strict_json(tmp_path):
@@ -22,13 +22,9 @@ def test_non_finite_numbers_are_null_and_the_file_is_strict_json(tmp_path):
 
 @pytest.fixture
 def tiny_fs(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", str(mnt)], check=False)
+    unmount = mount_tmpfs(tmp_path / "small", "size=64k")
+    yield tmp_path / "small"
+    unmount()
 
 
 def test_a_full_disk_keeps_the_previous_result_whole(tiny_fs):
