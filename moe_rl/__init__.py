@@ -5,3 +5,33 @@ sglang are imported inside the modules that use them.
 """
 
 __version__ = "0.1.0"
+
+# The Python API, for notebooks and scripts (each name is imported when first used, so that
+# ``import moe_rl`` stays cheap):
+#   recipe = moe_rl.load_recipe("recipes/tiny.yaml", ["optim.lr=3e-4"])
+#   results = moe_rl.train(recipe)                # every stage, as `moe-rl train` runs it
+#   run = moe_rl.Run(recipe); run.ensure_engine()  # or drive the stages yourself
+_API = {
+    "load_recipe": "moe_rl.config",
+    "recipe_from_dict": "moe_rl.config",
+    "Recipe": "moe_rl.config",
+    "ConfigError": "moe_rl.config",
+    "Run": "moe_rl.trainer.context",
+    "train": ("moe_rl.trainer.run", "run"),
+    "rl_step": "moe_rl.trainer.rl",
+    "LOSSES": "moe_rl.losses",
+    "TASKS": "moe_rl.tasks",
+}
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str):
+    if name not in _API:
+        raise AttributeError(f"module 'moe_rl' has no attribute {name!r}")
+    import importlib
+
+    where = _API[name]
+    module, attr = where if isinstance(where, tuple) else (where, name)
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value

@@ -260,7 +260,7 @@ class AlgoConfig:
     aggregation: LossAggregation = "seq_mean"
     "seq_mean (mean over tokens of a sequence, then over sequences) | token_mean (all tokens equal)."
     beta: float = 0.0
-    "Coefficient of the k3 KL(pi_theta || pi_ref) penalty (GSPO's authors use 0)."
+    "Coefficient of the k3 KL(pi_theta || pi_ref) penalty (GSPO's authors use 0). A recipe with an RL stage must keep 0 until the trainer builds a reference policy (refused at load)."
     adv_eps: float = 1e-6
     "Epsilon in A_i = (r_i - mean) / (std + eps)."
     adv_std_normalize: bool = True
@@ -597,6 +597,14 @@ class Recipe:
             "model.dtype=bfloat16 needs CUDA (nccl); set model.dtype=float32 on CPU",
         )
         # known before anything trains (they used to fail when the RL stage began, after SFT)
+        # the losses take a reference's log-probs (pure functions, tested with beta > 0), but no stage
+        # computes them: a run with beta > 0 passed check, crashed at its first RL step and left a
+        # checkpoint that blocked the rerun
+        require(
+            self.algo.beta == 0 or "rl" not in self.train.stages,
+            f"algo.beta={self.algo.beta}: a KL penalty needs a reference policy, which the trainer does not "
+            "build yet; set algo.beta=0 (verl's default, use_kl_loss=False; GSPO's authors use 0)",
+        )
         require(
             self.task.name != "jsonl"
             or "sft" not in self.train.stages

@@ -59,6 +59,10 @@ FIELD_CASES = {
         "parallel:\n  tensor_parallel: 2\n  data_parallel: 1\ntrain:\n  stages: [sft, rl]\n",
         r"parallel\.tensor_parallel=2 with rollout\.engine=embedded: the embedded engine decodes at TP 1 only",
     ),
+    "kl_without_a_reference": (
+        "algo:\n  beta: 0.1\ntrain:\n  stages: [sft, rl]\n",
+        r"algo\.beta=0\.1: a KL penalty needs a reference policy, which the trainer does not build yet",
+    ),
     "jsonl_sft_without_responses": (
         "task:\n  name: jsonl\n  jsonl: {path: data.jsonl, reward_fn: 'score.py:score'}\ntrain:\n  stages: [sft, rl]\n",
         r"train\.stages includes sft but the jsonl task has no demonstrations: set task\.jsonl\.response_field",

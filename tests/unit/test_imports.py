@@ -32,3 +32,23 @@ def test_megatron_is_imported_only_under_moe_rl_megatron():
         if "import megatron" in text or "from megatron" in text:
             offenders.append(str(p.relative_to(root)))
     assert offenders == []
+
+
+def test_the_python_api_is_reachable_from_the_package_and_stays_cheap():
+    """``import moe_rl`` gives the notebook API (each name loaded on first use), still without torch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, moe_rl\n"
+        "assert 'torch' not in sys.modules\n"
+        "r = moe_rl.load_recipe('recipes/tiny.yaml', ['optim.lr=3e-4'])\n"
+        "assert isinstance(r, moe_rl.Recipe) and r.optim.lr == 3e-4\n"
+        "assert callable(moe_rl.train) and moe_rl.Run.__name__ == 'Run' and 'gspo' in moe_rl.LOSSES\n"
+        "print('ok')\n"
+    )
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
