@@ -482,25 +482,11 @@ def shape_mismatch(e: BaseException) -> str | None:
     return f"{key} is {loaded} in the checkpoint and {expected} in the model"
 
 
-def load_checkpoint(path: str | Path, model, optimizer=None, *, load_rng: bool = True) -> dict:
-    """Load a checkpoint (a ``step-N`` dir, or a root with ``latest``) into this layout.
-
-    From a root, the newest intact checkpoint is loaded (:func:`find_checkpoint`; a warning names
-    what was skipped); :class:`CheckpointError` when there is none. Returns the meta dict
-    (``step``, ``extra``, ``path``, ...). RNG state is restored only when the world size matches
-    the one that saved it.
-    """
+def _read_checkpoint(ckpt: Path, model, optimizer):
+    """Read checkpoint ``ckpt`` for ``model`` (and ``optimizer``): its meta, whether the optimizer's
+    state is in it, the request and main-weight bookkeeping, and megatron-core's loaded state."""
     from megatron.core import dist_checkpointing
 
-    ckpt, skipped = find_checkpoint(path)
-    if skipped and ckpt is not None:
-        log.warning("loading %s; skipped: %s", ckpt, "; ".join(skipped))
-    if ckpt is None:
-        why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
-        raise NoCheckpoint(
-            f"no complete checkpoint at {path}{why}: give a step-N directory or a checkpoint root "
-            "with one (checkpoint.load, --checkpoint, --resume)"
-        )
     meta = json.loads((ckpt / META).read_text())
     if optimizer is not None and meta.get("optimizer_step") is None:
         raise ValueError(f"checkpoint {ckpt} has no optimizer state; load it without an optimizer")
@@ -520,6 +506,44 @@ def load_checkpoint(path: str | Path, model, optimizer=None, *, load_rng: bool =
             f"checkpoint {ckpt} does not fit this recipe's model: {differs}; load it with the model "
             "section it was saved with (the run's recipe.yaml) or start without it"
         ) from e
+    return meta, with_optimizer, request, missing, loaded
+
+
+def load_checkpoint(path: str | Path, model, optimizer=None, *, load_rng: bool = True) -> dict:
+    """Load a checkpoint (a ``step-N`` dir, or a root with ``latest``) into this layout.
+
+    From a root, the newest intact checkpoint is loaded (:func:`find_checkpoint`; a warning names
+    what was skipped); :class:`CheckpointError` when there is none. Returns the meta dict
+    (``step``, ``extra``, ``path``, ...). RNG state is restored only when the world size matches
+    the one that saved it.
+    """
+
+    for attempt in range(3):
+        ckpt, skipped = find_checkpoint(path)
+        if skipped and ckpt is not None:
+            log.warning("loading %s; skipped: %s", ckpt, "; ".join(skipped))
+        if ckpt is None:
+            why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
+            raise NoCheckpoint(
+                f"no complete checkpoint at {path}{why}: give a step-N directory or a checkpoint root "
+                "with one (checkpoint.load, --checkpoint, --resume)"
+            )
+        try:
+            meta, with_optimizer, request, missing, loaded = _read_checkpoint(ckpt, model, optimizer)
+            break
+        except BaseException as e:  # torch's CheckpointException is one; re-raised unless pruned meanwhile
+            if isinstance(e, (KeyboardInterrupt, SystemExit)) or not dist.all_ranks(
+                not (ckpt / META).exists()
+            ):
+                raise  # an interrupt, or the checkpoint is still there: a real failure
+            if Path(path).resolve() == ckpt.resolve() or attempt == 2:
+                raise CheckpointError(
+                    f"checkpoint {ckpt} was removed while it was read (a running run's retention pruned "
+                    "it): load again, or give its run's checkpoint root to take the newest"
+                ) from e
+            log.warning(
+                "%s was removed while it was read (pruned by its run): loading the newest again", ckpt
+            )
     model.load_state_dict(loaded["model"], strict=False)
     if with_optimizer:
         _put_back(loaded, missing)

@@ -517,3 +517,42 @@ def test_demo_arm_config_error_is_named_before_any_arm_starts(cli, tmp_path):
         r"configuration error: demo arm GSPO: "
     )
     assert not out.exists()
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_a_checkpoint_pruned_while_it_is_read_loads_the_newest_again(run_copy, monkeypatch, caplog):
+    """A load from a run's checkpoint root raced that run's retention: the newest was chosen, then
+    removed (really deleted here, right after the choice), and the load ended in a traceback. It
+    loads the newest intact one again; a step directory given by name is one line."""
+    import shutil
+
+    import moe_rl.megatron.checkpoint as ck
+
+    ckpts = run_copy / "run/checkpoints"
+    real = ck.find_checkpoint
+    pruned = []
+
+    def choose_then_prune(path):
+        found, skipped = real(path)
+        if not pruned:  # the running run prunes what this load just chose
+            shutil.rmtree(found)
+            pruned.append(found.name)
+        return found, skipped
+
+    monkeypatch.setattr(ck, "find_checkpoint", choose_then_prune)
+    meta = _load_meta(ck, ckpts)
+    assert pruned == ["step-00000002"] and Path(meta["path"]).name == "step-00000001"
+    assert "was removed while it was read" in caplog.text
+    pruned.clear()
+    with pytest.raises(ck.CheckpointError, match=r"step-00000001 was removed while it was read"):
+        _load_meta(ck, ckpts / "step-00000001")
+
+
+def _load_meta(ck, path) -> dict:
+    from moe_rl.config import load_recipe
+    from moe_rl.megatron.parallel import init_parallel
+    from moe_rl.megatron.policy import build_policy
+
+    r = load_recipe(path.parents[2 if path.name.startswith("step-") else 1] / "r.yaml")
+    policy = build_policy(r.model, r.parallel, init_parallel(r.parallel, seed=1))
+    return ck.load_checkpoint(path, policy.model, load_rng=False)
