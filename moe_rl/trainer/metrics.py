@@ -102,6 +102,14 @@ def read_metrics(path: str | Path, stage: str | None = None) -> list[dict]:
     return [row for row in rows if stage is None or row.get("stage") == stage]
 
 
+def read_every_attempt(out_dir: str | Path, stage: str | None = None) -> list[dict]:
+    """Every row a run folder's attempts wrote, in the order written: the rows resumes and rollbacks
+    abandoned (``metrics.abandoned.jsonl``), then ``metrics.jsonl``'s."""
+    out_dir = Path(out_dir)
+    abandoned = read_metrics(out_dir / ABANDONED, stage) if (out_dir / ABANDONED).exists() else []
+    return abandoned + read_metrics(out_dir / "metrics.jsonl", stage)
+
+
 def newest_run(rows: list[dict]) -> list[dict]:
     """The rows of the run that wrote last (its ``run`` tag; rows written before runs were tagged
     count as one earlier run)."""

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from moe_rl.megatron.checkpoint import checkpoint_dirs, verify_checkpoint
-from moe_rl.trainer.metrics import read_metrics
+from moe_rl.trainer.metrics import read_every_attempt, read_metrics
 from tests.badinput.conftest import RUN_MODEL, assert_kept, run_cli, snapshot
 
 TRAIN = {"stages": ["sft"], "sft_steps": 4, "sft_batch_size": 4, "log_every": 1}
@@ -445,7 +445,7 @@ def test_dead_policy_in_rl_rolls_back_and_is_never_saved(cli, tmp_path, monkeypa
     path = recipe(tmp_path, stages=["sft", "rl"], sft_steps=2, eval_prompts=2, **RL)
     res = cli("train", path, "checkpoint.every=0")
     assert res.code == 0, res.err[-3000:]
-    rows = read_metrics(tmp_path / "run/metrics.jsonl", "rl")
+    rows = read_every_attempt(tmp_path / "run", "rl")  # the rollback moved the abandoned rows aside
     fired = [r["step"] for r in rows if r["sentinel/fired"]]
     assert fired == [1], [(r["step"], r["entropy/mean"]) for r in rows]
     assert rows[-1]["lr"] == pytest.approx(rows[0]["lr"] * 0.5)

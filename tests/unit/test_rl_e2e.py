@@ -6,7 +6,7 @@ import pytest
 
 from moe_rl.config import recipe_from_dict
 from moe_rl.trainer.loop import TrainingStopped
-from moe_rl.trainer.metrics import read_metrics
+from moe_rl.trainer.metrics import read_every_attempt, read_metrics
 from moe_rl.trainer.run import run
 from tests.tiny import TINY_MODEL
 
@@ -99,11 +99,7 @@ def test_sentinel_stop_and_rollback(tmp_path, parallel_info):
         run(roll)
     # a rollback moves the rows of the steps it abandons to metrics.abandoned.jsonl (attempts 0, 1)
     folder = tmp_path / "roll" / "run"
-    rows = [
-        json.loads(x)
-        for f in ("metrics.abandoned.jsonl", "metrics.jsonl")
-        for x in (folder / f).read_text().splitlines()
-    ]
+    rows = read_every_attempt(folder)
     assert [r["attempt"] for r in rows if r["stage"] == "rl"] == [0, 1, 2]
     assert [r["attempt"] for r in read_metrics(folder / "metrics.jsonl", "rl")] == [2]
     lrs = [r["lr"] for r in rows if r["stage"] == "rl"]
