@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-unit test-dist test-gpu lint format clean
+.PHONY: venv demo test test-unit test-dist test-gpu mutate lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,11 @@ test-dist: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q tests/gpu
+
+# planted bugs against the tests (benchmarks/mutate.py): on demand, not in CI; MUTATE_REV=<commit> for an older one
+MUTATE_REV ?= HEAD
+mutate: $(STAMP)
+	$(BIN)/python -m benchmarks.mutate --rev $(MUTATE_REV)
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

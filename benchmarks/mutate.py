@@ -1,0 +1,219 @@
+"""Planted bugs against the tests that should catch them: the kill ratio and the survivors.
+
+Each mutant is one small change to the library, the kind of bug issue 34 found passing the whole
+unit tier (replay wiring, correction weights, the flip instruments, retention) plus bugs in the pure
+math (GSPO's length normalisation, the advantages' std, the SGLang route codec). For every mutant
+the tree of a commit (``--rev``, default HEAD; ``git archive``) is copied to a temp folder, the
+change applied there, and the mutant's tests run against that copy: it is *killed* when they fail,
+a *survivor* when they pass. A mutant whose line the commit does not have is *not applicable*
+(an older commit). The unmutated copy runs every test first: a baseline that fails stops the run.
+
+    make mutate                                     # HEAD
+    python -m benchmarks.mutate --rev 3821f12       # the same mutants against an older commit's tests
+
+On demand, not in CI (a few minutes). Writes ``benchmarks/results/mutate-<machine>-planted-<rev>.json`` and
+``.png`` with a ``headline`` (killed, survivors, kill ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import RESULTS, machine  # noqa: E402
+from moe_rl.lab.results import write_json  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTANTS = (
+    Mutant(
+        "R3 replays pi_old's recorded routes (R2's)",
+        "moe_rl/trainer/rl.py",
+        'replay_BSLK = recorded_BSLK if algo.routing == "r2" else rollout_routes_BSLK',
+        'replay_BSLK = recorded_BSLK if algo.routing in ("r2", "r3") else rollout_routes_BSLK',
+        ("tests/unit/test_wiring.py", "tests/unit/test_rl_e2e.py", "tests/unit/test_routing_replay.py"),
+    ),
+    Mutant(
+        "correction weights with pi_old and pi_roll swapped (rho inverted)",
+        "moe_rl/trainer/rl.py",
+        "correction_weights_for(algo, recomputed_BT, rollout_logp_BT, mask_BT)",
+        "correction_weights_for(algo, rollout_logp_BT, recomputed_BT, mask_BT)",
+        ("tests/unit/test_wiring.py", "tests/unit/test_rl_e2e.py", "tests/unit/test_corrections.py"),
+    ),
+    Mutant(
+        "flip/drift against the replayed routes",
+        "moe_rl/trainer/rl.py",
+        "drift = route_flips(natural_BSLK, batch.old_routes_BSLK[rows], batch.valid_BS[rows])",
+        "drift = route_flips(natural_BSLK, (batch.replay_BSLK if batch.replay_BSLK is not None "
+        "else batch.old_routes_BSLK)[rows], batch.valid_BS[rows])",
+        ("tests/unit/test_wiring.py", "tests/unit/test_rl_e2e.py"),
+    ),
+    Mutant(
+        "flip/step's reference never advanced (cumulative drift)",
+        "moe_rl/trainer/probe.py",
+        "        self.before_PSLK = after_PSLK\n",
+        "        pass\n",
+        ("tests/unit/test_trainer_seams.py", "tests/unit/test_rl_e2e.py"),
+    ),
+    Mutant(
+        "retention prunes the newest older checkpoints",
+        "moe_rl/megatron/checkpoint.py",
+        "for old in mine[: max(len(mine) - (keep - 1), 0)]:",
+        "for old in mine[::-1][: max(len(mine) - (keep - 1), 0)]:",
+        (
+            "tests/unit/test_checkpoint_writer.py",
+            "tests/unit/test_resume.py",
+            "tests/badinput/test_outputs_checkpoints.py",
+        ),
+    ),
+    Mutant(
+        "GSPO's ratio without length normalisation",
+        "moe_rl/losses/metrics.py",
+        "s_B = (log_sum_B / b.len_B.clamp(min=1)).exp()",
+        "s_B = log_sum_B.exp()",
+        ("tests/unit/test_losses.py", "tests/unit/test_loss_reference.py"),
+    ),
+    Mutant(
+        "advantages with the population std",
+        "moe_rl/losses/advantages.py",
+        "correction = 1 if unbiased else 0",
+        "correction = 0",
+        ("tests/unit/test_advantages.py", "tests/unit/test_losses.py"),
+    ),
+    Mutant(
+        "SGLang routes decoded layer-major",
+        "moe_rl/routing/codec.py",
+        ".reshape(-1, num_layers, topk)",
+        ".reshape(-1, topk, num_layers).swapaxes(1, 2)",
+        (
+            "tests/unit/test_sglang_contract.py",
+            "tests/unit/test_flip.py",
+            "tests/unit/test_route_validation.py",
+        ),
+    ),
+)
+
+
+def tree(rev: str, dest: Path) -> None:
+    """The files of commit ``rev`` under ``dest`` (``git archive``)."""
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+
+
+def run_tests(copy: Path, tests: tuple[str, ...], timeout_s: float) -> tuple[int, float]:
+    """pytest on ``tests`` of ``copy`` (its own ``moe_rl`` first on the path): (exit code, seconds)."""
+    present = [t for t in tests if (copy / t).exists()]
+    if not present:
+        return 5, 0.0  # no tests: nothing could kill it
+    t0 = time.perf_counter()
+    env = {"PYTHONPATH": str(copy), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": "/root"}
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *present],
+            cwd=copy,
+            env=env,
+            capture_output=True,
+            timeout=timeout_s,
+        )
+        code = res.returncode
+    except subprocess.TimeoutExpired:
+        code = -1
+    return code, time.perf_counter() - t0
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rev", default="HEAD", help="the commit whose code and tests are mutated")
+    ap.add_argument("--only", nargs="*", default=None, help="mutant numbers (1-based) to run")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per mutant's tests")
+    ap.add_argument("--out", default=None, help="result JSON (default benchmarks/results/...)")
+    args = ap.parse_args(argv)
+    rev = subprocess.run(["git", "rev-parse", "--short", args.rev], cwd=ROOT, capture_output=True, text=True)
+    rev = rev.stdout.strip() or args.rev
+    chosen = [m for i, m in enumerate(MUTANTS, 1) if args.only is None or str(i) in args.only]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mutate-") as tmp:
+        base = Path(tmp) / "base"
+        base.mkdir()
+        tree(args.rev, base)
+        every = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+        code, secs = run_tests(base, every, args.timeout * 2)
+        if code not in (0, 5):
+            raise SystemExit(f"baseline: the unmutated tests fail at {rev} (exit {code}): fix them first")
+        print(f"baseline at {rev}: tests pass ({secs:.0f} s)", flush=True)
+        for i, m in enumerate(chosen, 1):
+            copy = Path(tmp) / f"m{i}"
+            copy.mkdir()
+            tree(args.rev, copy)
+            src = copy / m.path
+            text = src.read_text() if src.exists() else ""
+            if m.old not in text:
+                row = {**asdict(m), "status": "not applicable", "seconds": 0.0}
+            else:
+                src.write_text(text.replace(m.old, m.new, 1))
+                code, secs = run_tests(copy, m.tests, args.timeout)
+                status = "killed" if code not in (0, 5) else "survived"
+                row = {**asdict(m), "status": status, "exit_code": code, "seconds": secs}
+            rows.append(row)
+            print(f"{row['status']:>14}  {m.name}  ({row['seconds']:.0f} s)", flush=True)
+    applicable = [r for r in rows if r["status"] != "not applicable"]
+    killed = [r for r in applicable if r["status"] == "killed"]
+    doc = {
+        "bench": "mutate",
+        "machine": machine(),
+        "rev": rev,
+        "headline": {
+            "mutants": len(applicable),
+            "killed": len(killed),
+            "kill_ratio": len(killed) / len(applicable) if applicable else None,
+            "survivors": [r["name"] for r in applicable if r["status"] == "survived"],
+            "not_applicable": [r["name"] for r in rows if r["status"] == "not applicable"],
+        },
+        "mutants": rows,
+    }
+    path = Path(args.out) if args.out else RESULTS / f"mutate-{machine()}-planted-{rev}.json"
+    write_json(path, doc)
+    plot(rows, path.with_suffix(".png"), rev)
+    print(
+        f"kill ratio {doc['headline']['kill_ratio']}; survivors {doc['headline']['survivors']}; wrote {path}"
+    )
+    return doc
+
+
+def plot(rows: list[dict], png: Path, rev: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colour = {"killed": "tab:green", "survived": "tab:red", "not applicable": "tab:gray"}
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.2))
+    ax.barh(range(len(rows)), [1] * len(rows), color=[colour[r["status"]] for r in rows])
+    ax.set_yticks(range(len(rows)), [f"{r['name']} ({r['status']})" for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xticks([])
+    ax.set_title(f"planted bugs against the tests at {rev}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
