@@ -129,3 +129,20 @@ def test_weights_finite_is_the_elementwise_definition(poison, finite):
             model[1].bias[1] = poison
     assert weights_finite(model) is finite
     assert finite is all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_retention_keeps_the_newest_checkpoints_and_never_another_runs(policy, tmp_path):
+    """keep=3 keeps the three newest of this run by step number (the oldest go) and every checkpoint
+    of another owner. Planted bug killed: pruning the newest older checkpoints instead of the oldest
+    (``make mutate`` found it surviving every other test)."""
+    from moe_rl.megatron.checkpoint import checkpoint_dirs, save_checkpoint
+
+    save_checkpoint(tmp_path, 1, policy.model, keep=3, owner="earlier-run")
+    for step in range(2, 8):
+        save_checkpoint(tmp_path, step, policy.model, keep=3, owner="this-run")
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == [
+        "step-00000001",  # another run's: never this run's to remove
+        "step-00000005",
+        "step-00000006",
+        "step-00000007",
+    ]
