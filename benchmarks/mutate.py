@@ -78,6 +78,7 @@ MUTANTS = (
         "for old in mine[: max(len(mine) - (keep - 1), 0)]:",
         "for old in mine[::-1][: max(len(mine) - (keep - 1), 0)]:",
         (
+            "tests/unit/test_policy.py",
             "tests/unit/test_checkpoint_writer.py",
             "tests/unit/test_resume.py",
             "tests/badinput/test_outputs_checkpoints.py",
