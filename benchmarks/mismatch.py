@@ -160,9 +160,7 @@ def run_cells(preset_name: str, cache: Path) -> dict:
         log.info("cell %s", key)
         res = measure(runs[model], dtype, router, length, preset["prompts"], preset["group"])
         res.update(model=model, dtype=dtype, router=router, length=length)
-        tmp = path.with_suffix(".tmp")
-        write_json(tmp, res)
-        tmp.replace(path)
+        write_json(path, res)  # atomic itself
         results[key] = res
     return results
 

@@ -340,9 +340,7 @@ def bench_pushes(a, tmp: Path, info) -> dict:
     if a.before:
         res["before"] = json.loads(Path(a.before).read_text())
     path = result_path("serve_throughput", "pushes", a.out)
-    tmp_path = path.with_suffix(".tmp")
-    write_json(tmp_path, res)
-    os.replace(tmp_path, path)
+    write_json(path, res)  # atomic itself
     _plot_pushes(res, path.with_suffix(".png"))
     print(json.dumps(res["headline"], indent=1))
     return res

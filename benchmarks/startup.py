@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import time
 from pathlib import Path
 
@@ -94,9 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
         **res,
     }
     path = result_path("startup", "30b-rank", a.out)
-    tmp = path.with_suffix(".tmp")
-    write_json(tmp, res)
-    os.replace(tmp, path)
+    write_json(path, res)  # atomic itself
     _plot(res, path.with_suffix(".png"))
     print(json.dumps(res["headline"], indent=1))
     return res
