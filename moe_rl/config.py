@@ -378,12 +378,20 @@ class RolloutConfig:
     "Retries of a failed request (connection errors and 5xx only)."
     verify_every: int = 10
     "Read pushed weights back by name after the first push and every N-th (0: never; SGLang engines)."
+    route_noise: float = 0.0
+    "Selection noise of the engine's routers: sigma of Gaussian noise on the router logits its top-k is taken from, gates from the clean logits (embedded engine; 0: off; docs/algorithms.md#routing-noise)."
 
     def __post_init__(self) -> None:
         check_choices(self, "rollout")
         require_positive(self, "rollout", "timeout_s")
         require(self.retries >= 0, f"rollout.retries={self.retries} must be >= 0")
         require(self.verify_every >= 0, f"rollout.verify_every={self.verify_every} must be >= 0 (0: never)")
+        require_positive(self, "rollout", "route_noise", strict=False)
+        require(
+            self.route_noise == 0 or self.engine == "embedded",
+            f"rollout.route_noise={self.route_noise} emulates routing noise in the embedded engine; an SGLang "
+            "server routes with its own numerics: set rollout.route_noise=0 or rollout.engine=embedded",
+        )
         require(self.weight_sync_dir != "", "rollout.weight_sync_dir is empty: give a directory or null")
         require(
             self.weight_sync != "tensor" or self.sglang.colocate,
@@ -450,6 +458,8 @@ class TrainConfig:
     "Measure the per-step flip rate every N optimizer steps."
     max_bad_steps: int = 3
     "Stop after this many consecutive steps with non-finite loss or gradients (each one is skipped)."
+    route_noise: float = 0.0
+    "Selection noise of the trainer's routers (pi_old, training and probe forwards): sigma of Gaussian noise on the router logits the top-k is taken from, gates from the clean logits; replayed routes stay exact (0: off; docs/algorithms.md#routing-noise)."
 
     def __post_init__(self) -> None:
         check_choices(self, "train")
@@ -476,6 +486,7 @@ class TrainConfig:
             "train.flip_probe_sequences must be >= 0 and train.flip_probe_every >= 1",
         )
         require(self.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {self.max_bad_steps}")
+        require_positive(self, "train", "route_noise", strict=False)
         require(
             self.packing or self.pack_tokens == 0,
             "train.pack_tokens is a packing budget: set train.packing=true or train.pack_tokens=0",
@@ -591,6 +602,11 @@ class Recipe:
             self.train.sft_batch_size % p.data_parallel == 0,
             f"train.sft_batch_size={self.train.sft_batch_size} must be divisible by "
             f"parallel.data_parallel={p.data_parallel}",
+        )
+        require(
+            self.train.route_noise == 0 or not m.recompute,
+            f"train.route_noise={self.train.route_noise} with model.recompute=true: the recomputed forward "
+            "would draw new noise and route differently from the forward it recomputes; set one of them off",
         )
         require(
             m.dtype == "float32" or p.backend != "gloo",

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from moe_rl.dist import all_gather_cat
 from moe_rl.megatron.local_layers import GroupedExperts, SDPAttention
+from moe_rl.routing.noise import selection_key
 
 
 def unsupported_reason(policy) -> str | None:
@@ -183,11 +184,20 @@ class Decoder:
         t = x.reshape(-1, shape[-1])
         router = self._routers[layer_idx]
         logits = F.linear(t.to(router.dtype), router)  # [N, E] in the router's dtype, as megatron's
+        noise = self.policy.route_noise  # selection noise, as install_route_choice applies it
         if self.pre_softmax:
             scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
-            probs, idx = torch.topk(scores, self.topk, dim=-1)
+            if noise.active:
+                idx = noise.topk(selection_key(scores, pre_softmax=True), self.topk)
+                probs = scores.gather(1, idx)
+            else:
+                probs, idx = torch.topk(scores, self.topk, dim=-1)
         else:
-            top, idx = torch.topk(logits, self.topk, dim=-1)
+            if noise.active:
+                idx = noise.topk(selection_key(logits, pre_softmax=False), self.topk)
+                top = logits.gather(1, idx)
+            else:
+                top, idx = torch.topk(logits, self.topk, dim=-1)
             probs = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # token-major slots sorted by expert

@@ -20,6 +20,8 @@ from moe_rl.kernels.logprob_reference import logprobs_entropy
 from moe_rl.megatron.model import build_gpt, moe_routers
 from moe_rl.megatron.packing import PackedRows, pack_rows
 from moe_rl.megatron.parallel import ParallelInfo
+from moe_rl.megatron.routing import install_route_choice
+from moe_rl.routing.noise import RouteNoise
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,9 @@ class Policy:
         self.info = info
         self.model = build_gpt(model_cfg, parallel_cfg)
         self.routers = moe_routers(self.model)
+        self.route_noise = RouteNoise()
+        "Selection noise of this policy's routers (moe_rl.routing.noise; off by default)."
+        install_route_choice(self)
         self.vocab_start = info.tp_rank * (model_cfg.vocab_size // info.tp_size)
 
     def replica(self, dtype: torch.dtype, *, router_fp32: bool) -> Policy:

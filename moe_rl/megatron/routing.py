@@ -14,10 +14,10 @@ recorded. Positions the pack does not reach come back as expert 0..K-1 (never lo
 megatron-core's ``RouterReplay`` (0.16.1, 0.19.x) gives each TopKRouter an instance
 whose action decides whether top-k is computed, recorded or replayed. A
 :class:`RoutingSession` drives the instances of *one* policy directly (never the
-class-level list, so two policies in a process do not interfere), wraps each router's
-``gating`` to capture the router's *natural* top-k from its logits (also while replay is
-on, when the router's choice is computed and not used), and always restores everything
-on exit, also when the step raises.
+class-level list, so two policies in a process do not interfere), listens to each router's
+*natural* top-k, its own choice (also while replay is on, when that choice is computed and not
+used: :func:`install_route_choice`), and always restores everything on exit, also when the
+step raises.
 
 Usage::
 
@@ -34,6 +34,68 @@ import torch
 from moe_rl.dist import all_gather_cat
 from moe_rl.megatron.packing import PackedRows
 from moe_rl.routing import RouterAction
+from moe_rl.routing.noise import RouteNoise, selection_key
+
+
+def install_route_choice(policy) -> None:
+    """Route every top-k choice of ``policy``'s routers through one function (once per policy).
+
+    megatron-core's routers take their top-k through ``RouterReplay.get_replay_topk`` (0.16.1,
+    0.19.x: ``topk_routing_with_score_function``), which records, replays or computes it. Each
+    router's instance method is replaced by one that
+
+    - applies the policy's selection noise (``policy.route_noise``, :class:`RouteNoise`) to a
+      choice the router makes itself (no action, or RECORD, which then records the noisy choice):
+      the top-k of the noisy key, with the gate weights gathered from the clean scores as megatron
+      gathers them for replayed experts. Replayed experts (REPLAY_FORWARD / REPLAY_BACKWARD) are
+      used exactly, whatever the noise;
+    - hands the router's own choice, noise included, to every listener in
+      ``policy.route_listeners`` as ``(layer, indices [R, K])``; under replay that choice is
+      computed for them and not used.
+    """
+    if getattr(policy, "route_listeners", None) is not None:
+        return
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replayed = (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD)
+    if getattr(policy, "route_noise", None) is None:
+        policy.route_noise = RouteNoise()
+    policy.route_listeners = []
+    for layer, router in enumerate(policy.routers):
+        rr, cfg = router.router_replay, router.config
+        pre_softmax, score_function = cfg.moe_router_pre_softmax, cfg.moe_router_score_function
+
+        def choose(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None, *,
+                   layer=layer, rr=rr, default=rr.get_replay_topk, pre_softmax=pre_softmax,
+                   score_function=score_function):  # fmt: skip
+            noise, action = policy.route_noise, rr.router_replay_action
+            if noise.active and (score_function != "softmax" or group_topk):
+                raise ValueError(
+                    "route noise supports softmax routers without group-limited top-k; this router "
+                    f"has moe_router_score_function={score_function}, group_topk={group_topk}: set "
+                    "train.route_noise=0 and rollout.route_noise=0"
+                )
+            own = None
+            if noise.active and action not in replayed:
+                own = noise.topk(selection_key(scores, pre_softmax=pre_softmax), topk)
+                if action is RouterReplayAction.RECORD:
+                    rr.record_indices(own)
+                out = scores.gather(1, own), own
+            else:
+                out = default(scores, topk, num_groups, group_topk, default_compute_topk)
+                own = None if action in replayed else out[1]
+            if policy.route_listeners:
+                if own is None:  # replayed: the router's own choice, computed for the listeners
+                    own = (
+                        noise.topk(selection_key(scores, pre_softmax=pre_softmax), topk)
+                        if noise.active
+                        else default_compute_topk(scores, topk, num_groups, group_topk)[1]
+                    )
+                for listen in list(policy.route_listeners):
+                    listen(layer, own)
+            return out
+
+        rr.get_replay_topk = choose
 
 
 def sanitize_routes(routes_NK: torch.Tensor, topk: int) -> torch.Tensor:
@@ -132,7 +194,9 @@ class RoutingSession:
     def __enter__(self) -> RoutingSession:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+        install_route_choice(self.policy)
         self._capturing = True
+        self.policy.route_listeners.append(self._listen)
         for i, router in enumerate(self.policy.routers):
             rr = router.router_replay
             rr.clear_indices()
@@ -145,26 +209,18 @@ class RoutingSession:
             self._wrap(i, router)
         return self
 
+    def _listen(self, layer: int, own_NK: torch.Tensor) -> None:
+        """The router's own top-k of ``layer`` in this forward (:func:`install_route_choice`)."""
+        if not self._capturing:
+            return
+        self._natural[layer].append(own_NK.detach())
+        if self.stop_after_routes and layer == len(self.policy.routers) - 1:
+            raise _RoutesCaptured
+
     def _wrap(self, i: int, router) -> None:
-        gating = router.gating
-        last = i == len(self.policy.routers) - 1
-        natural = []
-        self._natural.append(natural)
+        self._natural.append([])
         gates = []
         self._chosen_gates.append(gates)
-        topk = self.topk
-
-        def capturing_gating(inp):
-            logits = gating(inp)
-            if self._capturing:
-                # softmax is monotonic: top-k of the logits is the router's own choice
-                natural.append(logits.detach().view(-1, logits.shape[-1]).topk(topk, dim=-1).indices)
-                if last and self.stop_after_routes:
-                    raise _RoutesCaptured
-            return logits
-
-        router.gating = capturing_gating
-        self._hooks.append(("gating", router))
         if self.action is RouterAction.RECORD:
 
             def record_gates(module, args, output):
@@ -197,11 +253,10 @@ class RoutingSession:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._capturing = False
-        for kind, obj in self._hooks:
-            if kind == "gating":
-                del obj.gating  # drop the instance attribute: the class method is back
-            else:
-                obj.remove()
+        if self._listen in self.policy.route_listeners:
+            self.policy.route_listeners.remove(self._listen)
+        for _, hook in self._hooks:
+            hook.remove()
         self._hooks.clear()
         for router in self.policy.routers:
             router.router_replay.clear_router_replay_action()

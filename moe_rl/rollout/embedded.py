@@ -79,6 +79,13 @@ def sample_tokens(
     return (order.gather(1, pick) if order is not None else pick).squeeze(1)
 
 
+def noise_seed(sampling_seed: int | None, call: int) -> int:
+    """The engine's route-noise seed of one generate call: a function of the sampling seed (so a
+    resumed run draws what the uninterrupted run drew), else of the call count."""
+    base = call if sampling_seed is None else sampling_seed
+    return (base * 1_000_003 + 0x5EED) % 2**63
+
+
 def row_generators(num_rows: int, seed: int | None) -> list[torch.Generator]:
     """One CPU generator per row, seeded ``seed + j`` (a fresh base seed from torch when None)."""
     if seed is None:
@@ -360,7 +367,10 @@ class EmbeddedEngine:
         decoder: str = "auto",
         dtype: str = "fp32",
         router_dtype: str = "same",
+        route_noise: float = 0.0,
     ):
+        from moe_rl.routing.noise import RouteNoise
+
         if policy.info.tp_size > 1:
             raise NotImplementedError(
                 f"EmbeddedEngine: tensor_parallel={policy.info.tp_size} is not supported: megatron's "
@@ -376,6 +386,9 @@ class EmbeddedEngine:
         self.weight_version = weight_version
         self.device = policy.info.device
         self.decoder = pick_forward(self.policy, decoder)
+        self.route_noise = RouteNoise(route_noise)
+        "The engine's selection noise (``rollout.route_noise``), reseeded from each call's sampling seed."
+        self._calls = 0
         self._hf_sink = None
 
     @property
@@ -421,6 +434,9 @@ class EmbeddedEngine:
         model.eval()
         chunks, routes = [], []
         self.decoder.begin()  # collective under EP with the lean decoder: every rank calls generate
+        self._calls += 1
+        self.route_noise.reseed(noise_seed(sampling.seed, self._calls))
+        trainer_noise, self.policy.route_noise = self.policy.route_noise, self.route_noise
         try:
             with torch.no_grad():
                 for c in range(n_chunks):
@@ -432,6 +448,7 @@ class EmbeddedEngine:
                         routes.append(chunk_routes)
         finally:
             model.train(was_training)
+            self.policy.route_noise = trainer_noise  # the trainer's forwards keep their own noise
         return self._assemble(chunks, routes, prompts, n, sampling, time.perf_counter() - t_start)
 
     def _run_chunk(self, chunk: _Chunk | None, want_routes: bool) -> torch.Tensor | None:

@@ -22,6 +22,7 @@ import torch
 import yaml
 
 from moe_rl.config import Recipe, to_dict
+from moe_rl.routing.noise import RouteNoise
 from moe_rl.trainer.hooks import FunctionHook, OptimizerStep, StepHook
 from moe_rl.trainer.signals import StopRequested, StopSignals
 from moe_rl.trainer.state import Checkpointer, RunState, TrainingStopped
@@ -94,6 +95,7 @@ class Run:
             pin_nccl_for_engines(recipe, nccl=backend_for(recipe.parallel) == "nccl")
         self.info = init_parallel(recipe.parallel, seed=recipe.train.seed)
         self.policy = build_policy(recipe.model, recipe.parallel, self.info)
+        self.policy.route_noise = RouteNoise(recipe.train.route_noise, seed=recipe.train.seed)
         self.optimizer = None
         self.engine = None
         self.engine_gives_routes = False
@@ -294,6 +296,7 @@ class Run:
                 decoder=rollout_cfg.embedded_decoder,
                 dtype=self.recipe.rollout_dtype,
                 router_dtype=rollout_cfg.router_dtype,
+                route_noise=rollout_cfg.route_noise,
             )
             self.engine_gives_routes = True  # free: captured during generation
         else:

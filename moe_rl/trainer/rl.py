@@ -46,6 +46,7 @@ from moe_rl.rollout.types import Rollouts, SamplingParams
 from moe_rl.routing import RouterAction
 from moe_rl.routing.codec import decode_routes
 from moe_rl.routing.flip import flip_counts, flip_metrics
+from moe_rl.routing.noise import RouteNoise
 from moe_rl.routing.validate import validate_routes
 from moe_rl.tasks.base import Prompt, make_rng
 from moe_rl.trainer.hooks import OptimizerStep
@@ -94,6 +95,10 @@ class StepResult:
 
 def rl_step(run: Run, step: int, timer: StepTimer) -> StepResult:
     """RL step ``step``: generate, score, pi_old, M minibatch updates, weight sync."""
+    cfg = run.recipe.train  # the trainer's route noise, drawn per step (a resumed run draws the same)
+    run.policy.route_noise = RouteNoise(
+        cfg.route_noise, seed=make_rng("route_noise", cfg.seed, step).randrange(2**63)
+    )
     batch, metrics = collect(run, step, timer)
     with timer.record("train"):
         train_metrics = train_on(run, batch, timer, step=step)  # hooks are recorded as "probe"
