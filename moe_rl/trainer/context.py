@@ -81,7 +81,7 @@ class Run:
         from moe_rl.preflight import check_vocab
         from moe_rl.tasks import build_task, load_tokenizer
         from moe_rl.trainer.metrics import MetricsSink
-        from moe_rl.trainer.probe import FlipProbe
+        from moe_rl.trainer.probe import FlipProbe, RoutingShareProbe
 
         self.recipe = recipe
         self.tok = load_tokenizer(recipe.model.tokenizer)
@@ -107,7 +107,7 @@ class Run:
             checkpoint_root(recipe), self.policy.model, keep=recipe.checkpoint.keep
         )
         self.signals = StopSignals()
-        self.hooks = [FlipProbe()]
+        self.hooks = [FlipProbe(), RoutingShareProbe()]
         self._bar = None
         self._derived_from: Run | None = None
         if write_recipe:

@@ -1,4 +1,5 @@
-"""The trainer's expert flip probe (``flip/step``), a hook after each optimizer step.
+"""The trainer's probes, hooks after each optimizer step: the expert flip probe (``flip/step``)
+and the routing share of the ratios (``ratio/routing_share``).
 
 Shape legend: P = probe rows (the first ``train.flip_probe_sequences`` of the batch), S = input
 positions, L = MoE layers, K = top-k. See docs/algorithms.md#expert-flip-rate.
@@ -8,12 +9,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
+from moe_rl import dist
+from moe_rl.megatron.routing import RoutingSession
+from moe_rl.routing import RouterAction
 from moe_rl.trainer.hooks import OptimizerStep, StepHook
-from moe_rl.trainer.rl import flip_rates, natural_routes, probe_rows, route_flips
+from moe_rl.trainer.rl import flip_rates, natural_routes, packed, probe_rows, route_flips
 
 if TYPE_CHECKING:
-    import torch
-
     from moe_rl.trainer.context import Run
     from moe_rl.trainer.rl import RLBatch
 
@@ -49,3 +53,55 @@ class FlipProbe(StepHook):
     def metrics(self, run: Run) -> dict[str, float]:
         counts, self.counts, self.before_PSLK = self.counts, [], None
         return flip_rates(run, {"flip/step": counts}) if counts else {}
+
+
+class RoutingShareProbe(StepHook):
+    """How much of the ratios' movement routing carries, after the last update of each RL step.
+
+    On the probe rows, log rho = log pi_theta - log pi_old per response token, with pi_theta's
+    forward routed naturally and again with pi_old's natural routes replayed (the routes of the
+    pi_old pass; the engine's in bypass mode)::
+
+        ratio/routing_share = 1 - Var(log rho, pi_old's routes replayed) / Var(log rho, natural)
+
+    0: routing moves no ratio (replay changes nothing); 1: all the ratios' spread comes from the
+    experts changing. ``ratio/log_rho_var_natural`` and ``ratio/log_rho_var_replayed`` are the two
+    variances. Sums are reduced over data-parallel ranks before dividing.
+    """
+
+    def __init__(self) -> None:
+        self.sums: torch.Tensor | None = None
+
+    def begin(self, run: Run, step: int, batch: RLBatch) -> None:
+        self.sums = None
+
+    def __call__(self, event: OptimizerStep) -> None:
+        run, batch = event.run, event.batch
+        if batch is None or event.minibatch != event.minibatches - 1 or batch.old_routes_BSLK is None:
+            return
+        n = probe_rows(run, batch.tokens_BT.shape[0])
+        if n == 0:
+            return
+        tokens_BT, lens_B, mask_BT = batch.tokens_BT[:n], batch.lens_B[:n], batch.mask_BT[:n].bool()
+        pack = packed(run, tokens_BT, lens_B)
+        temperature = run.recipe.train.temperature
+        sums = []
+        for routes in (None, batch.old_routes_BSLK[:n]):
+            action = RouterAction.NATURAL if routes is None else RouterAction.REPLAY
+            with torch.no_grad(), RoutingSession(run.policy, action, routes_BSLK=routes, pack=pack):
+                logp_BT = run.policy.logprobs(tokens_BT, temperature=temperature, pack=pack).logp_BT
+            x = (logp_BT.double() - batch.old_logp_BT[:n].double())[mask_BT]
+            sums.append(torch.stack([x.new_tensor(float(x.numel())), x.sum(), (x * x).sum()]))
+        self.sums = dist.all_reduce(torch.stack(sums), run.info.dp_group)
+
+    def metrics(self, run: Run) -> dict[str, float]:
+        sums, self.sums = self.sums, None
+        if sums is None or float(sums[0, 0]) < 2:
+            return {}
+        count, total, squares = sums.unbind(1)
+        var = (squares - total * total / count) / (count - 1)
+        natural, replayed = float(var[0]), float(var[1])
+        out = {"ratio/log_rho_var_natural": natural, "ratio/log_rho_var_replayed": replayed}
+        if natural > 0:
+            out["ratio/routing_share"] = 1.0 - replayed / natural
+        return out

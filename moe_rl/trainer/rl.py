@@ -95,10 +95,6 @@ class StepResult:
 
 def rl_step(run: Run, step: int, timer: StepTimer) -> StepResult:
     """RL step ``step``: generate, score, pi_old, M minibatch updates, weight sync."""
-    cfg = run.recipe.train  # the trainer's route noise, drawn per step (a resumed run draws the same)
-    run.policy.route_noise = RouteNoise(
-        cfg.route_noise, seed=make_rng("route_noise", cfg.seed, step).randrange(2**63)
-    )
     batch, metrics = collect(run, step, timer)
     with timer.record("train"):
         train_metrics = train_on(run, batch, timer, step=step)  # hooks are recorded as "probe"
@@ -118,6 +114,9 @@ def rl_step(run: Run, step: int, timer: StepTimer) -> StepResult:
 def collect(run: Run, step: int, timer: StepTimer | None = None) -> tuple[RLBatch, dict[str, float]]:
     """Rollouts, rewards, advantages and pi_old log-probs (+ routes) of RL step ``step``."""
     timer = timer or StepTimer()
+    cfg = run.recipe.train  # the trainer's route noise, drawn per step (a resumed run draws the same)
+    seed = make_rng("route_noise", cfg.seed, step).randrange(2**63)
+    run.policy.route_noise = RouteNoise(cfg.route_noise, seed=seed)
     with timer.record("rollout"):
         prompts, rollouts = generate(run, step)
     with timer.record("old_logprob"):  # scoring is cheap: it is timed with the pi_old forward

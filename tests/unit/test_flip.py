@@ -21,6 +21,8 @@ def test_hand_built_flip_rates():
     assert abs(m["flip/layer_1"] - 0.5) < 1e-7
     assert abs(m["flip/rate"] - 0.25) < 1e-7
     assert abs(m["flip/token_any"] - 2 / 3) < 1e-7
+    # routers (token, layer) whose set changed: layer 1 of tokens 0 and 1, 2 of 6 (per slot: 1.5 / 6)
+    assert abs(m["flip/router_rate"] - 2 / 6) < 1e-7
 
 
 def test_mask_and_order_invariance_and_additivity():
