@@ -240,6 +240,6 @@ def sequence_weights(b: LossBatch, loss_name: str) -> torch.Tensor | None:
         raise ValueError(
             f"{loss_name} has one term per sequence and takes sequence-level is_weights [B] "
             f"(seq_tis, geo_mask), got token-level {tuple(w.shape)}; use gspo_token for token-level "
-            "corrections (tis, icepop)"
+            "corrections (tis, icepop, icepop_mask)"
         )
     return torch.where(b.valid_B, w, torch.zeros_like(w))

@@ -20,7 +20,7 @@ c > 1, so for A < 0 nothing else bounds a sequence whose geometric-mean ratio ra
 
 Correction weights (the batch's ``is_weights``, detached): gspo takes sequence-level [B] weights
 (seq_tis, geo_mask) multiplying each sequence's term; gspo_token also takes token-level [B, T]
-weights (tis, icepop) multiplying each token's term. Denominators do not change; the KL term is not weighted.
+weights (tis, icepop, icepop_mask) multiplying each token's term. Denominators do not change; the KL term is not weighted.
 """
 
 from __future__ import annotations
