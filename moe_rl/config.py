@@ -256,7 +256,7 @@ class AlgoConfig:
     eps_high: float | None = None
     "Upper clip: ratio <= 1 + eps_high (None: the paper value, moe_rl.names.PAPER_CLIP: grpo 0.27, gspo 4e-4)."
     clip_ratio_c: float | None = None
-    "Dual-clip constant c > 1: for A < 0 the objective is at least c * A (verl clip_ratio_c); None: off."
+    "Dual-clip constant c > 1: for A < 0 the objective is at least c * A (verl's clip_ratio_c in its vanilla loss, slime's eps_clip_c; TRL's delta only when delta >= 1 + eps_high; verl's GSPO has none); None: off."
     aggregation: LossAggregation = "seq_mean"
     "seq_mean (mean over tokens of a sequence, then over sequences) | token_mean (all tokens equal)."
     beta: float = 0.0

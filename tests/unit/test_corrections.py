@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe_rl.config import AlgoConfig
+from moe_rl.losses.core import clipped_surrogate
 from moe_rl.losses.corrections import (
     CORRECTION_METRIC_REDUCTIONS,
     correction_metrics,
@@ -542,7 +543,9 @@ def verl_dual_clip_objective(logp, old, adv_BT, lo, hi, c):
 
 
 def trl_delta_objective(logp, old, adv_BT, lo, hi, delta):
-    """TRL GRPOTrainer's per-token loss with two-sided clipping (args.delta)."""
+    """TRL GRPOTrainer's per-token loss with two-sided clipping (args.delta; huggingface/trl,
+    trl/trainer/grpo_trainer.py, read at commit f2cd5771: coef_1 clamped at delta after coef_2 is
+    taken, then -min(coef_1 A, coef_2 A))."""
     coef_1 = torch.exp(logp - old)
     coef_2 = torch.clamp(coef_1, 1 - lo, 1 + hi)
     coef_1 = torch.clamp(coef_1, max=delta)
@@ -553,7 +556,7 @@ def trl_delta_objective(logp, old, adv_BT, lo, hi, delta):
 @pytest.mark.parametrize("aggregation", ["seq_mean", "token_mean"])
 def test_dual_clip_matches_verl_and_trl(reference, aggregation):
     logp, old, adv, mask, _ = make_batch(4, B=8, T=12, spread=0.8, token_adv=True)
-    lo, hi, c = 0.2, 0.27, 1.8
+    lo, hi, c = 0.2, 0.27, 1.8  # c >= 1 + eps_high: TRL's delta is the dual clip only there
     cfg = AlgoConfig(name="grpo", eps_low=lo, eps_high=hi, clip_ratio_c=c, aggregation=aggregation)
     loss, m = run("grpo", logp, old, adv, mask, cfg)
     ns, nt = counts(mask)
@@ -564,6 +567,37 @@ def test_dual_clip_matches_verl_and_trl(reference, aggregation):
     torch.testing.assert_close(grad(loss, logp), grad(expected, logp).nan_to_num(0.0), rtol=1e-12, atol=1e-15)
     binds = mask & (adv < 0) & ((logp - old).exp() > c)
     assert 0 < int(binds.sum()) and float(m["clip/dual_clip_frac"]) == pytest.approx(float(binds.sum()) / nt)
+
+
+def test_trl_delta_is_the_dual_clip_only_from_one_plus_eps_high():
+    """TRL's delta clamps r at delta before PPO's min. From delta = 1 + eps_high up that is the dual
+    clip c = delta, token for token; below it is another objective (docs/algorithms.md#dual-clip)."""
+    lo, hi = 0.2, 0.27
+    r = torch.tensor([[1.2, 1.5, 2.5, 0.7, 1.1]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, -1.0, -1.0, -1.0, 1.0]], dtype=torch.float64)
+    old = torch.zeros_like(r)
+    logp = r.log().requires_grad_()
+
+    def ours(c):  # moe-rl's per-token loss: -clipped_surrogate with dual clip c
+        return -clipped_surrogate(logp - old, adv, lo, hi, c)
+
+    for delta in (1 + hi, 1.8, 3.0):
+        trl, mine = trl_delta_objective(logp, old, adv, lo, hi, delta), ours(delta)
+        torch.testing.assert_close(mine, trl, rtol=1e-12, atol=0)
+        torch.testing.assert_close(grad(mine.sum(), logp), grad(trl.sum(), logp), rtol=1e-12, atol=0)
+    # delta = 1.1 < 1.27. Per token (loss = -objective):
+    #   A = +1, r = 1.2: TRL's upper clip is delta: 1.2 -> -1.1, no gradient (here: -1.2, inside the band)
+    #   A = -1, r = 1.5: TRL holds it at (1 + eps_high) = 1.27, no gradient (dual clip c = 1.1: 1.1)
+    #   A = -1, r = 2.5: TRL 1.27 (dual clip: 1.1)
+    #   A = -1, r = 0.7: both PPO's clip, 0.8;  A = +1, r = 1.1: both -1.1 (TRL's bound, r itself here)
+    trl = trl_delta_objective(logp, old, adv, lo, hi, 1.1)
+    torch.testing.assert_close(
+        trl.detach(), torch.tensor([[-1.1, 1.27, 1.27, 0.8, -1.1]], dtype=torch.float64)
+    )
+    torch.testing.assert_close(
+        ours(1.1).detach(), torch.tensor([[-1.2, 1.1, 1.1, 0.8, -1.1]], dtype=torch.float64)
+    )
+    assert grad(trl.sum(), logp)[0, 0] == 0 and grad(ours(1.1).sum(), logp)[0, 0] != 0
 
 
 def test_dual_clip_constant_must_exceed_one():
