@@ -241,7 +241,7 @@ class CheckpointConfig:
 
 LossAggregation = Literal["seq_mean", "token_mean"]
 LOSS_AGGREGATIONS = typing.get_args(LossAggregation)
-RolloutCorrection = Literal["none", "tis", "seq_tis", "icepop", "geo_mask"]
+RolloutCorrection = Literal["none", "tis", "seq_tis", "icepop", "icepop_mask", "geo_mask"]
 "moe_rl.names.CORRECTIONS as a config choice (a test checks they agree)."
 
 
@@ -256,7 +256,7 @@ class AlgoConfig:
     eps_high: float | None = None
     "Upper clip: ratio <= 1 + eps_high (None: the paper value, moe_rl.names.PAPER_CLIP: grpo 0.27, gspo 4e-4)."
     clip_ratio_c: float | None = None
-    "Dual-clip constant c > 1: for A < 0 the objective is at least c * A (verl clip_ratio_c); None: off."
+    "Dual-clip constant c > 1: for A < 0 the objective is at least c * A (verl's clip_ratio_c in its vanilla loss, slime's eps_clip_c; TRL's delta only when delta >= 1 + eps_high; verl's GSPO has none); None: off."
     aggregation: LossAggregation = "seq_mean"
     "seq_mean (mean over tokens of a sequence, then over sequences) | token_mean (all tokens equal)."
     beta: float = 0.0
@@ -274,13 +274,13 @@ class AlgoConfig:
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     "Source of pi_old log-probs: recompute (trainer forward) | rollout (engine log-probs, bypass mode)."
     rollout_correction: RolloutCorrection = "none"
-    "Train-inference mismatch correction by pi_old / pi_rollout: none | tis | seq_tis | icepop | geo_mask."
+    "Train-inference mismatch correction by rho = pi_old / pi_rollout: none | tis | seq_tis | icepop (rho where kept) | icepop_mask (1 where kept) | geo_mask."
     correction_c: float = 2.0
     "Truncation C >= 1 of tis and seq_tis: weights min(rho, C)."
     correction_low: float | None = None
-    "Lower ratio bound of icepop and geo_mask (None: icepop 0.5, geo_mask 1/1.001)."
+    "Lower ratio bound of icepop, icepop_mask and geo_mask (None: icepop and icepop_mask 0.5, geo_mask 1/1.001)."
     correction_high: float | None = None
-    "Upper ratio bound of icepop and geo_mask (None: icepop 5.0, geo_mask 1.001)."
+    "Upper ratio bound of icepop, icepop_mask and geo_mask (None: icepop and icepop_mask 5.0, geo_mask 1.001)."
 
     def __post_init__(self) -> None:
         check_choices(self, "algo")
@@ -341,7 +341,7 @@ class AlgoConfig:
 
     @property
     def correction_bounds(self) -> tuple[float, float]:
-        """(low, high) ratio bounds of icepop / geo_mask, defaults filled in (icepop's for other modes)."""
+        """(low, high) ratio bounds of icepop / icepop_mask / geo_mask, defaults filled in (icepop's for other modes)."""
         dlow, dhigh = DEFAULT_BOUNDS.get(self.rollout_correction, DEFAULT_BOUNDS["icepop"])
         return (
             dlow if self.correction_low is None else self.correction_low,

@@ -23,12 +23,12 @@ TOKEN_RATIO_LOSSES = ("grpo", "gspo_token")
 TASK_NAMES = ("arithmetic", "countdown", "jsonl")
 "Valid task.name values: the keys of moe_rl.tasks.TASKS."
 
-CORRECTIONS = ("none", "tis", "seq_tis", "icepop", "geo_mask")
+CORRECTIONS = ("none", "tis", "seq_tis", "icepop", "icepop_mask", "geo_mask")
 "Valid values of algo.rollout_correction (moe_rl.losses.corrections implements them)."
-TOKEN_LEVEL = ("tis", "icepop")
+TOKEN_LEVEL = ("tis", "icepop", "icepop_mask")
 "Corrections with one weight per token ([B, T])."
 SEQUENCE_LEVEL = ("seq_tis", "geo_mask")
 "Corrections with one weight per sequence ([B])."
-DEFAULT_BOUNDS = {"icepop": (0.5, 5.0), "geo_mask": (1 / 1.001, 1.001)}
-"""Bounds (low, high) of icepop (IcePop's [0.5, 5] on rho) and geo_mask (verl's decoupled_geo_rs:
-the geometric mean of rho within 1.001 of 1) when the config leaves them None."""
+DEFAULT_BOUNDS = {"icepop": (0.5, 5.0), "icepop_mask": (0.5, 5.0), "geo_mask": (1 / 1.001, 1.001)}
+"""Bounds (low, high) of icepop and icepop_mask (IcePop's [0.5, 5] on rho) and geo_mask (verl's
+decoupled_geo_rs: the geometric mean of rho within 1.001 of 1) when the config leaves them None."""

@@ -166,9 +166,11 @@ def clipped_surrogate(
     """min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) with r = exp(logratio), elementwise; with a
     dual-clip constant c (``clip_c``, None = off), max(that, c A) where A < 0.
 
-    Dual clip is the semantics verl (``clip_ratio_c``), slime (``eps_clip_c``) and TRL (``delta``,
-    which clamps r at delta before the min) share: for A < 0 and r > c the term is the constant
-    c A, with no gradient; elsewhere nothing changes.
+    Dual clip is the semantics of verl's ``clip_ratio_c`` (vanilla loss; verl's GSPO loss ignores
+    it) and slime's ``eps_clip_c``: for A < 0 and r > c the term is the constant c A, with no
+    gradient; elsewhere nothing changes. TRL's ``delta`` (r clamped at delta before the min) is
+    the same only for delta >= 1 + eps_high; below, it lowers the upper clip to delta for A > 0
+    and holds A < 0 terms at (1 + eps_high) A (docs/algorithms.md#dual-clip).
 
     Written as "frozen ? bound * A : r A" (the same function, value and gradient), so that a
     clipped element has exactly zero gradient and the ratio is never exponentiated there: a huge
@@ -240,6 +242,6 @@ def sequence_weights(b: LossBatch, loss_name: str) -> torch.Tensor | None:
         raise ValueError(
             f"{loss_name} has one term per sequence and takes sequence-level is_weights [B] "
             f"(seq_tis, geo_mask), got token-level {tuple(w.shape)}; use gspo_token for token-level "
-            "corrections (tis, icepop)"
+            "corrections (tis, icepop, icepop_mask)"
         )
     return torch.where(b.valid_B, w, torch.zeros_like(w))

@@ -10,10 +10,20 @@ being updated. Per response token, log rho_t = log pi_old(y_t) - log pi_roll(y_t
 Corrections (detached weights; the losses multiply each token's, or each sequence's, term by them
 before aggregation and leave the denominators alone):
 
-- ``tis``:      w_t = min(rho_t, C)                                       [B, T], 0 on padding
-- ``seq_tis``:  w_i = exp(min(sum_t log rho_t, log C))                    [B], 0 for empty rows
-- ``icepop``:   w_t = 1 if low <= rho_t <= high else 0                    [B, T], 0 on padding
-- ``geo_mask``: w_i = 1 if low <= exp(mean_t log rho_t) <= high else 0    [B], 0 for empty rows
+- ``tis``:         w_t = min(rho_t, C)                                       [B, T], 0 on padding
+- ``seq_tis``:     w_i = exp(min(sum_t log rho_t, log C))                    [B], 0 for empty rows
+- ``icepop``:      w_t = rho_t if low <= rho_t <= high else 0                [B, T], 0 on padding
+- ``icepop_mask``: w_t = 1 if low <= rho_t <= high else 0                    [B, T], 0 on padding
+- ``geo_mask``:    w_i = 1 if low <= exp(mean_t log rho_t) <= high else 0    [B], 0 for empty rows
+
+``icepop`` is IcePop's masked importance weight M(rho_t) = rho_t * 1[low <= rho_t <= high] (the
+IcePop / Ring-1T write-up, bounds [0.5, 5]): a kept token is weighted by its ratio, as slime and
+TRL do. slime: ``slime/backends/megatron_utils/loss.py``, ``icepop_function`` (the ratio where
+tis_clip_low <= ratio <= tis_clip, else 0, times ``pg_loss``; read at commit 624b824a). TRL:
+``trl/trainer/grpo_trainer.py``, ``vllm_importance_sampling_mode="token_mask"`` (the ratio set to 0
+outside [clip_min, clip_max], then times ``per_token_loss``; read at commit f2cd5771).
+``icepop_mask`` keeps the same tokens with weight 1: a rejection mask alone, without the ratio
+(what ``icepop`` was here before).
 
 Bounds are compared in log space (log low <= log rho <= log high, inclusive) and the truncation
 as min(log rho, log C) before one exp, so nothing overflows. verl (rollout_corr_helper.py) also
@@ -94,9 +104,10 @@ def correction_weights(
     low: float | None = None,
     high: float | None = None,
 ) -> torch.Tensor | None:
-    """Detached correction weights of ``method`` (module docstring): [B, T] for tis / icepop,
-    [B] for seq_tis / geo_mask, None for none. ``c`` is the truncation C of tis / seq_tis;
-    ``low`` / ``high`` the bounds on rho of icepop / geo_mask (None: :data:`DEFAULT_BOUNDS`).
+    """Detached correction weights of ``method`` (module docstring): [B, T] for tis / icepop /
+    icepop_mask, [B] for seq_tis / geo_mask, None for none. ``c`` is the truncation C of tis /
+    seq_tis; ``low`` / ``high`` the bounds on rho of icepop / icepop_mask / geo_mask (None:
+    :data:`DEFAULT_BOUNDS`).
 
     old_logp_BT (pi_old recompute), rollout_logp_BT (pi_roll), mask_BT: [B, T].
     """
@@ -110,9 +121,12 @@ def correction_weights(
     zero = torch.zeros_like(lr_BT)
     if method == "tis":
         return torch.where(mask, lr_BT.clamp(max=math.log(c)).exp(), zero)
-    if method == "icepop":
+    if method in ("icepop", "icepop_mask"):
         keep = mask & (lr_BT >= math.log(low)) & (lr_BT <= math.log(high))
-        return keep.to(lr_BT.dtype)
+        if method == "icepop_mask":
+            return keep.to(lr_BT.dtype)
+        # rho where kept (log rho <= log high there: no overflow), 0 elsewhere; as slime's icepop_function
+        return torch.where(keep, lr_BT.exp(), zero)
     len_B = mask.sum(-1)
     valid_B = len_B > 0
     sum_B = lr_BT.sum(-1)

@@ -16,11 +16,12 @@ Dual clip (cfg.clip_ratio_c = c). GSPO has one term per sequence, s_i A_i, and t
 to that term as it does to a token's: for A_i < 0 and s_i > c it becomes the constant c A_i (no
 gradient for the sequence). GSPO-token applies it per token to s_{i,t}, whose value is s_i, so the
 two stay equal in value and gradient with A_{i,t} = A_i. GSPO's band (1 + 4e-4) is far below any
-c > 1, so for A < 0 nothing else bounds a sequence whose geometric-mean ratio ran away.
+c > 1, so for A < 0 nothing else bounds a sequence whose geometric-mean ratio ran away. slime's GSPO
+applies its eps_clip_c the same way; verl's GSPO loss ignores clip_ratio_c (docs/algorithms.md#dual-clip).
 
 Correction weights (the batch's ``is_weights``, detached): gspo takes sequence-level [B] weights
 (seq_tis, geo_mask) multiplying each sequence's term; gspo_token also takes token-level [B, T]
-weights (tis, icepop) multiplying each token's term. Denominators do not change; the KL term is not weighted.
+weights (tis, icepop, icepop_mask) multiplying each token's term. Denominators do not change; the KL term is not weighted.
 """
 
 from __future__ import annotations

@@ -180,11 +180,13 @@ def test_dual_clip_constant():
         ("grpo", "tis"),
         ("grpo", "seq_tis"),
         ("grpo", "icepop"),
+        ("grpo", "icepop_mask"),
         ("grpo", "geo_mask"),
         ("gspo", "seq_tis"),
         ("gspo", "geo_mask"),
         ("gspo_token", "tis"),
         ("gspo_token", "icepop"),
+        ("gspo_token", "icepop_mask"),
     ],
 )
 def test_rollout_correction_accepted(name, corr):
@@ -192,7 +194,7 @@ def test_rollout_correction_accepted(name, corr):
     assert (algo.name, algo.rollout_correction, algo.old_logprobs) == (name, corr, "recompute")
 
 
-@pytest.mark.parametrize("corr", ["tis", "seq_tis", "icepop", "geo_mask"])
+@pytest.mark.parametrize("corr", ["tis", "seq_tis", "icepop", "icepop_mask", "geo_mask"])
 def test_rollout_correction_refused_in_bypass_mode(corr):
     msg = "bypass mode: pi_old is the rollout policy, rho = 1; set algo.old_logprobs=recompute or algo.rollout_correction=none"
     with pytest.raises(ConfigError) as e:
@@ -203,13 +205,14 @@ def test_rollout_correction_refused_in_bypass_mode(corr):
     assert recipe_from_dict({}, ["algo.old_logprobs=rollout"]).algo.rollout_correction == "none"
 
 
-@pytest.mark.parametrize("corr", ["tis", "icepop"])
+@pytest.mark.parametrize("corr", ["tis", "icepop", "icepop_mask"])
 def test_token_level_correction_refused_for_gspo(corr):
     with pytest.raises(ConfigError) as e:
         recipe_from_dict({}, ["algo.name=gspo", f"algo.rollout_correction={corr}"])
     assert "use algo.name=gspo_token, or algo.rollout_correction=seq_tis or geo_mask" in str(e.value)
     with pytest.raises(
-        ConfigError, match="algo.rollout_correction='bogus': use none, tis, seq_tis, icepop or geo_mask"
+        ConfigError,
+        match="algo.rollout_correction='bogus': use none, tis, seq_tis, icepop, icepop_mask or geo_mask",
     ):
         recipe_from_dict({}, ["algo.rollout_correction=bogus"])
 
@@ -221,6 +224,7 @@ def test_correction_truncation_and_bounds():
         with pytest.raises(ConfigError, match=r"algo\.correction_c=.* must be >= 1"):
             AlgoConfig(correction_c=c)
     assert AlgoConfig(name="grpo", rollout_correction="icepop").correction_bounds == (0.5, 5.0)
+    assert AlgoConfig(name="grpo", rollout_correction="icepop_mask").correction_bounds == (0.5, 5.0)
     assert AlgoConfig(rollout_correction="geo_mask").correction_bounds == (1 / 1.001, 1.001)
     icepop = AlgoConfig(name="grpo", rollout_correction="icepop", correction_low=0.25, correction_high=8.0)
     assert icepop.correction_bounds == (0.25, 8.0)
@@ -237,10 +241,11 @@ def test_correction_truncation_and_bounds():
         {"correction_low": 6.0},  # above icepop's default high
     ]
     for kw in bad:
-        with pytest.raises(
-            ConfigError, match=r"algo\.correction_low=.* and algo\.correction_high=.* 0 < low < high"
-        ):
-            AlgoConfig(name="grpo", rollout_correction="icepop", **kw)
+        for corr in ("icepop", "icepop_mask"):
+            with pytest.raises(
+                ConfigError, match=r"algo\.correction_low=.* and algo\.correction_high=.* 0 < low < high"
+            ):
+                AlgoConfig(name="grpo", rollout_correction=corr, **kw)
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe_rl.config import AlgoConfig
+from moe_rl.losses.core import clipped_surrogate
 from moe_rl.losses.corrections import (
     CORRECTION_METRIC_REDUCTIONS,
     correction_metrics,
@@ -63,14 +64,41 @@ def test_seq_tis_hand_worked():
 
 
 def test_icepop_hand_worked_bounds_inclusive():
+    """IcePop weights a kept token by its ratio, M(rho) = rho * 1[0.5 <= rho <= 5] (slime's
+    icepop_function, TRL's token_mask): not by 1 (that is icepop_mask)."""
     old, roll, mask = hand_batch()
     w = correction_weights(old, roll, mask, method="icepop")  # defaults [0.5, 5]
-    # 0.4 < 0.5 out; 0.5 and 5 are on the bounds: in; 6, 9, 0.1, 0.2 out
+    # 0.4 < 0.5 out; 0.5 and 5 are on the bounds: in, weighted 0.5 and 5; 1, 3, 2 in; 6, 9, 0.1, 0.2 out
+    expected = [[0, 1, 3, 0], [0.5, 5, 0, 2], [0] * 4, [0, 0, 0, 0], [0] * 4]
+    torch.testing.assert_close(w, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0)
+    m = correction_metrics(w, mask, num_sequences=4, num_tokens=13)
+    # (1 + 3) + (0.5 + 5 + 2) = 11.5 over 13 tokens (mask-only: 5 / 13); 8 of 13 dropped
+    assert float(m["correction/weight_mean"]) == pytest.approx(11.5 / 13, rel=1e-12)
+    assert float(m["correction/masked_frac"]) == pytest.approx(8 / 13, rel=1e-12)
+
+
+def test_icepop_mask_hand_worked_bounds_inclusive():
+    old, roll, mask = hand_batch()
+    w = correction_weights(old, roll, mask, method="icepop_mask")  # defaults [0.5, 5], as icepop's
     expected = [[0, 1, 1, 0], [1, 1, 0, 1], [0] * 4, [0, 0, 0, 0], [0] * 4]
     torch.testing.assert_close(w, torch.tensor(expected, dtype=torch.float64))
     m = correction_metrics(w, mask, num_sequences=4, num_tokens=13)
     assert float(m["correction/weight_mean"]) == pytest.approx(5 / 13, rel=1e-12)
     assert float(m["correction/masked_frac"]) == pytest.approx(8 / 13, rel=1e-12)
+
+
+def test_icepop_is_rho_times_icepop_mask():
+    """On a random batch with bounds that cut both tails: icepop = rho * icepop_mask exactly where
+    kept, the same zeros, and a weight mean that differs from the mask's."""
+    logp, old, adv, mask, _ = make_batch(2, B=7, spread=0.6)
+    roll = old + 0.5 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3), dtype=old.dtype)
+    rho = torch.where(mask, (old - roll).exp(), 0.0)
+    w = correction_weights(old, roll, mask, method="icepop", low=0.7, high=1.4)
+    keep = correction_weights(old, roll, mask, method="icepop_mask", low=0.7, high=1.4)
+    torch.testing.assert_close(w, rho * keep, rtol=1e-12, atol=0)
+    assert torch.equal(w == 0, keep == 0)
+    assert 0 < int((mask & (keep == 0)).sum()) < int((mask & (keep == 1)).sum())  # both sides of a bound
+    assert float((w[keep == 1] - 1).abs().max()) > 0.1  # the kept weights are not 1
 
 
 def test_geo_mask_hand_worked():
@@ -95,7 +123,14 @@ def test_none_and_config_defaults():
     assert correction_weights_for(cfg, old, roll, mask) is None
     cfg = AlgoConfig(name="gspo_token", rollout_correction="icepop", correction_low=0.05, correction_high=7.0)
     w = correction_weights_for(cfg, old, roll, mask)
-    assert w.shape == mask.shape and float(w[4].sum()) == 0.0 and float(w[1].sum()) == 4.0
+    # row 1: rho = 0.5, 5, 6, 2 all kept, weighted by rho; row 4 (rho = 9) dropped
+    assert w.shape == mask.shape and float(w[4].sum()) == 0.0
+    assert float(w[1].sum()) == pytest.approx(13.5, rel=1e-12)
+    cfg = AlgoConfig(name="grpo", rollout_correction="icepop_mask", correction_low=0.05, correction_high=7.0)
+    assert cfg.correction_bounds == (0.05, 7.0)
+    w = correction_weights_for(cfg, old, roll, mask)
+    assert float(w[4].sum()) == 0.0 and float(w[1].sum()) == 4.0
+    assert AlgoConfig(name="grpo", rollout_correction="icepop_mask").correction_bounds == (0.5, 5.0)
 
 
 def test_bad_arguments_are_refused():
@@ -152,7 +187,7 @@ def _combine(parts: list[dict]) -> dict:
     return {k: ops[CORRECTION_METRIC_REDUCTIONS[k]](torch.stack([p[k] for p in parts])) for k in parts[0]}
 
 
-@pytest.mark.parametrize("method", ["tis", "seq_tis", "icepop", "geo_mask"])
+@pytest.mark.parametrize("method", ["tis", "seq_tis", "icepop", "icepop_mask", "geo_mask"])
 def test_metrics_invariant_to_padding_and_split(method):
     logp, old, adv, mask, _ = make_batch(3, B=7, spread=0.6)
     roll = old + 0.5 * torch.randn(old.shape, generator=torch.Generator().manual_seed(0), dtype=old.dtype)
@@ -210,7 +245,7 @@ def test_verl_token_is_and_token_k1_on_verls_own_mask_mode_inputs():
     w = correction_weights(old, roll, mask, method="tis", c=2.0)
     torch.testing.assert_close(w[0], torch.full((5,), math.exp(-1.0)))  # verl: ~0.368, kept
     torch.testing.assert_close(w[1], torch.full((5,), math.exp(0.5)))  # verl: ~1.649 < 2, kept
-    keep = correction_weights(old, roll, mask, method="icepop", low=0.5, high=2.0)
+    keep = correction_weights(old, roll, mask, method="icepop_mask", low=0.5, high=2.0)
     assert keep[0].tolist() == [0.0] * 5 and keep[1].tolist() == [1.0] * 5  # verl: row 0 rejected
     m = correction_metrics(keep, mask, num_sequences=2, num_tokens=10)
     assert float(m["correction/masked_frac"]) == 0.5  # verl: rollout_rs_masked_fraction 0.5
@@ -230,19 +265,25 @@ def test_verl_sequence_is_truncation():
 
 def test_verl_k1_bounds_apply_to_the_inverse_ratio():
     """verl's *_k1 rejection bounds -log rho = log(pi_roll / pi_old): its "lower_upper" bounds the
-    inverse ratio. With reciprocal bounds (0.5_2.0) that is the same set as icepop's on rho; with
-    IcePop's asymmetric [0.5, 5] it is not: verl's "0.5_5.0" keeps 0.2 <= rho <= 2, which is
-    icepop here with low = 1/5, high = 1/0.5."""
+    inverse ratio. With reciprocal bounds (0.5_2.0) that is the same set as icepop_mask's on rho;
+    with IcePop's asymmetric [0.5, 5] it is not: verl's "0.5_5.0" keeps 0.2 <= rho <= 2, which is
+    icepop_mask here with low = 1/5, high = 1/0.5. icepop keeps the same sets, weighted by rho."""
     rho = [0.1, 0.3, 1.0, 3.0, 4.9]
     old = torch.tensor([[ln(r) for r in rho]], dtype=torch.float64)
     roll, mask = torch.zeros_like(old), torch.ones_like(old)
     verl_token_k1_0_5_5 = [0.0, 1.0, 1.0, 0.0, 0.0]  # 1/rho = 10, 3.3, 1, 0.33, 0.2 in [0.5, 5]?
-    assert correction_weights(old, roll, mask, method="icepop", low=0.2, high=2.0)[0].tolist() == (
+    assert correction_weights(old, roll, mask, method="icepop_mask", low=0.2, high=2.0)[0].tolist() == (
         verl_token_k1_0_5_5
     )
-    assert correction_weights(old, roll, mask, method="icepop")[0].tolist() == [0.0, 0.0, 1.0, 1.0, 1.0]
+    assert correction_weights(old, roll, mask, method="icepop_mask")[0].tolist() == [0.0, 0.0, 1.0, 1.0, 1.0]
+    torch.testing.assert_close(
+        correction_weights(old, roll, mask, method="icepop")[0],
+        torch.tensor([0.0, 0.0, 1.0, 3.0, 4.9], dtype=torch.float64),
+        rtol=1e-12,
+        atol=0,
+    )
     # reciprocal bounds: the same keep set both ways (verl "0.5_2.0")
-    assert correction_weights(old, roll, mask, method="icepop", low=0.5, high=2.0)[0].tolist() == (
+    assert correction_weights(old, roll, mask, method="icepop_mask", low=0.5, high=2.0)[0].tolist() == (
         [0.0, 0.0, 1.0, 0.0, 0.0]
     )
 
@@ -253,6 +294,41 @@ def test_verl_seq_mean_k1_geometric_rejection():
     old = torch.tensor([[ln(2.0), 0.0], [ln(3.0), ln(3.0)], [ln(0.4), ln(0.4)], [ln(4.0), -ln(4.0)]])
     roll, mask = torch.zeros_like(old), torch.ones_like(old)
     assert correction_weights(old, roll, mask, method="geo_mask", low=0.5, high=2.0).tolist() == [1, 0, 0, 1]
+
+
+# ---------------------------------------------------------------------------------------
+# IcePop as slime and TRL compute it. slime (THUDM/slime, slime/backends/megatron_utils/loss.py,
+# icepop_function, read at commit 624b824a): ratio = exp(old - rollout), weight = ratio where
+# tis_clip_low <= ratio <= tis_clip else 0, multiplying pg_loss. TRL (huggingface/trl,
+# trl/trainer/grpo_trainer.py, read at commit f2cd5771): vllm_importance_sampling_mode="token_mask"
+# takes exp((old - sampling) * mask), sets it to 0 where below clip_min or above clip_max, and
+# multiplies per_token_loss by it (padding is removed by the loss's completion mask).
+
+
+def slime_icepop_weights(old, roll, low, high):
+    ratio = torch.exp(old - roll)
+    return torch.where((ratio >= low) & (ratio <= high), ratio, torch.zeros_like(ratio))
+
+
+def trl_token_mask_weights(old, roll, mask, low, high):
+    ratio = torch.exp((old - roll) * mask)
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+@pytest.mark.parametrize("reference", ["slime", "trl"])
+def test_icepop_matches_slime_and_trl(reference):
+    _, old, _, mask, _ = make_batch(7, B=8, T=12, spread=0.6)
+    roll = old + 0.6 * torch.randn(old.shape, generator=torch.Generator().manual_seed(5), dtype=old.dtype)
+    low, high = 0.6, 1.5
+    w = correction_weights(old, roll, mask, method="icepop", low=low, high=high)
+    if reference == "slime":
+        want = slime_icepop_weights(old, roll, low, high)
+    else:
+        want = trl_token_mask_weights(old, roll, mask.to(old.dtype), low, high)
+    want = torch.where(mask, want, 0.0)
+    torch.testing.assert_close(w, want, rtol=1e-12, atol=0)
+    kept = mask & (want > 0)
+    assert 0 < int(kept.sum()) < int(mask.sum()) and float((want[kept] - 1).abs().max()) > 0.1
 
 
 # ---------------------------------------------------------------------------------------
@@ -467,7 +543,9 @@ def verl_dual_clip_objective(logp, old, adv_BT, lo, hi, c):
 
 
 def trl_delta_objective(logp, old, adv_BT, lo, hi, delta):
-    """TRL GRPOTrainer's per-token loss with two-sided clipping (args.delta)."""
+    """TRL GRPOTrainer's per-token loss with two-sided clipping (args.delta; huggingface/trl,
+    trl/trainer/grpo_trainer.py, read at commit f2cd5771: coef_1 clamped at delta after coef_2 is
+    taken, then -min(coef_1 A, coef_2 A))."""
     coef_1 = torch.exp(logp - old)
     coef_2 = torch.clamp(coef_1, 1 - lo, 1 + hi)
     coef_1 = torch.clamp(coef_1, max=delta)
@@ -478,7 +556,7 @@ def trl_delta_objective(logp, old, adv_BT, lo, hi, delta):
 @pytest.mark.parametrize("aggregation", ["seq_mean", "token_mean"])
 def test_dual_clip_matches_verl_and_trl(reference, aggregation):
     logp, old, adv, mask, _ = make_batch(4, B=8, T=12, spread=0.8, token_adv=True)
-    lo, hi, c = 0.2, 0.27, 1.8
+    lo, hi, c = 0.2, 0.27, 1.8  # c >= 1 + eps_high: TRL's delta is the dual clip only there
     cfg = AlgoConfig(name="grpo", eps_low=lo, eps_high=hi, clip_ratio_c=c, aggregation=aggregation)
     loss, m = run("grpo", logp, old, adv, mask, cfg)
     ns, nt = counts(mask)
@@ -489,6 +567,37 @@ def test_dual_clip_matches_verl_and_trl(reference, aggregation):
     torch.testing.assert_close(grad(loss, logp), grad(expected, logp).nan_to_num(0.0), rtol=1e-12, atol=1e-15)
     binds = mask & (adv < 0) & ((logp - old).exp() > c)
     assert 0 < int(binds.sum()) and float(m["clip/dual_clip_frac"]) == pytest.approx(float(binds.sum()) / nt)
+
+
+def test_trl_delta_is_the_dual_clip_only_from_one_plus_eps_high():
+    """TRL's delta clamps r at delta before PPO's min. From delta = 1 + eps_high up that is the dual
+    clip c = delta, token for token; below it is another objective (docs/algorithms.md#dual-clip)."""
+    lo, hi = 0.2, 0.27
+    r = torch.tensor([[1.2, 1.5, 2.5, 0.7, 1.1]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, -1.0, -1.0, -1.0, 1.0]], dtype=torch.float64)
+    old = torch.zeros_like(r)
+    logp = r.log().requires_grad_()
+
+    def ours(c):  # moe-rl's per-token loss: -clipped_surrogate with dual clip c
+        return -clipped_surrogate(logp - old, adv, lo, hi, c)
+
+    for delta in (1 + hi, 1.8, 3.0):
+        trl, mine = trl_delta_objective(logp, old, adv, lo, hi, delta), ours(delta)
+        torch.testing.assert_close(mine, trl, rtol=1e-12, atol=0)
+        torch.testing.assert_close(grad(mine.sum(), logp), grad(trl.sum(), logp), rtol=1e-12, atol=0)
+    # delta = 1.1 < 1.27. Per token (loss = -objective):
+    #   A = +1, r = 1.2: TRL's upper clip is delta: 1.2 -> -1.1, no gradient (here: -1.2, inside the band)
+    #   A = -1, r = 1.5: TRL holds it at (1 + eps_high) = 1.27, no gradient (dual clip c = 1.1: 1.1)
+    #   A = -1, r = 2.5: TRL 1.27 (dual clip: 1.1)
+    #   A = -1, r = 0.7: both PPO's clip, 0.8;  A = +1, r = 1.1: both -1.1 (TRL's bound, r itself here)
+    trl = trl_delta_objective(logp, old, adv, lo, hi, 1.1)
+    torch.testing.assert_close(
+        trl.detach(), torch.tensor([[-1.1, 1.27, 1.27, 0.8, -1.1]], dtype=torch.float64)
+    )
+    torch.testing.assert_close(
+        ours(1.1).detach(), torch.tensor([[-1.2, 1.1, 1.1, 0.8, -1.1]], dtype=torch.float64)
+    )
+    assert grad(trl.sum(), logp)[0, 0] == 0 and grad(ours(1.1).sum(), logp)[0, 0] != 0
 
 
 def test_dual_clip_constant_must_exceed_one():

@@ -3,6 +3,11 @@ on fixed inputs, against ``loss_reference.json``, recorded from the implementati
 one-value API (commit 3821f12: ``loss(logp, old_logp, adv, mask, *, cfg, num_sequences,
 num_tokens, ref_logp_BT, is_weights)``, each loss preparing its own inputs).
 
+One deliberate change of the math since: ``icepop`` weights a kept token by rho instead of 1 (the
+IcePop weight, as slime and TRL compute it). Its cases were re-recorded then; the mask-only
+variant, ``icepop_mask``, runs on the inputs (seed) of the ``icepop`` case of the same loss and
+aggregation and keeps the numbers recorded for ``icepop`` at 3821f12.
+
 Bit for bit on the recording's platform (torch version and CPU capability: the order of small
 vectorised sums follows the SIMD width); elsewhere within float64 / bfloat16 rounding.
 ``python -m tests.unit.test_loss_reference`` rewrites the file from the current code: only for a
@@ -49,8 +54,12 @@ def cases() -> dict[str, dict]:
         out[f"{name}/seq_mean/{correction}/full/bfloat16"] = dict(
             name=name, aggregation="seq_mean", correction=correction, full=True, dtype="bfloat16"
         )
-    for seed, case in enumerate(out.values()):
+    for seed, case in enumerate(c for c in out.values() if c["correction"] != "icepop_mask"):
         case["seed"] = seed
+    for case in out.values():  # icepop_mask on icepop's inputs: the seeds of the other cases stay
+        if case["correction"] == "icepop_mask":
+            twin = f"{case['name']}/{case['aggregation']}/icepop/full"
+            case["seed"] = out[twin]["seed"]
     return out
 
 

@@ -90,12 +90,14 @@ def test_the_training_forward_replays_what_the_mode_names(tmp_path, parallel_inf
         run.close()
 
 
-@pytest.mark.parametrize("method", ["tis", "icepop"])
+@pytest.mark.parametrize("method", ["tis", "icepop", "icepop_mask"])
 def test_the_correction_weights_are_the_hand_formula_of_the_batch(tmp_path, parallel_info, method):
     """With the engine's log-probs moved off the trainer's, the step's weights equal the formula
-    on that batch: rho = pi_old / pi_roll per token, TIS ``min(rho, C)``, IcePop ``1[low <= rho <=
-    high]``. Planted bug killed: the weights built with pi_old and pi_roll swapped (rho inverted)."""
-    bounds = {"correction_low": 0.5, "correction_high": 1.5} if method == "icepop" else {}
+    on that batch: rho = pi_old / pi_roll per token, TIS ``min(rho, C)``, IcePop
+    ``rho * 1[low <= rho <= high]``, icepop_mask ``1[low <= rho <= high]``. Planted bugs killed: the
+    weights built with pi_old and pi_roll swapped (rho inverted); IcePop weighting a kept token by 1
+    (the mask alone) instead of by rho."""
+    bounds = {"correction_low": 0.5, "correction_high": 1.5} if method.startswith("icepop") else {}
     run = _run(
         tmp_path, name="grpo", rollout_correction=method, correction_c=1.5, old_logprobs="recompute", **bounds
     )
@@ -112,11 +114,20 @@ def test_the_correction_weights_are_the_hand_formula_of_the_batch(tmp_path, para
             want = torch.clamp(rho, max=algo.correction_c)
         else:
             low, high = algo.correction_bounds
-            want = ((rho >= low) & (rho <= high)).double()
+            keep = ((rho >= low) & (rho <= high)).double()
+            want = rho * keep if method == "icepop" else keep
         got = b.is_weights.double().cpu()
-        assert ((want[mask] != rho[mask]).any() and (want[mask] == rho[mask]).any()) or method == "icepop"
-        assert method == "tis" or (want[mask].min() == 0 and want[mask].max() == 1)  # both sides of a bound
+        if method != "icepop_mask":  # rho itself on some tokens, something else on others
+            assert (want[mask] != rho[mask]).any() and (want[mask] == rho[mask]).any()
+        if method != "tis":  # both sides of a bound; kept ratios far enough from 1 to tell rho from 1
+            kept = mask & (keep == 1)
+            assert kept.any() and (mask & (keep == 0)).any()
+            assert (rho[kept] - 1).abs().max() > 0.2
         torch.testing.assert_close(got[mask], want[mask], rtol=1e-5, atol=1e-6)
+        m = res.metrics
+        n = int(mask.sum())
+        assert m["correction/masked_frac"] == pytest.approx(float((want[mask] == 0).sum()) / n, rel=1e-5)
+        assert m["correction/weight_mean"] == pytest.approx(float(want[mask].sum()) / n, rel=1e-4)
     finally:
         derived.close()
         run.close()
