@@ -458,6 +458,8 @@ class TrainConfig:
     "Measure the per-step flip rate every N optimizer steps."
     max_bad_steps: int = 3
     "Stop after this many consecutive steps with non-finite loss or gradients (each one is skipped)."
+    start_jitter: float = 0.0
+    "Std of Gaussian noise added once to every weight when a run starts (not on resume), seeded by train.seed: the chaos null's no-op perturbation (e.g. 1e-7), whose effect measures how far numerics alone move a run (0: off)."
     route_noise: float = 0.0
     "Selection noise of the trainer's routers (pi_old, training and probe forwards): sigma of Gaussian noise on the router logits the top-k is taken from, gates from the clean logits; replayed routes stay exact (0: off; docs/algorithms.md#routing-noise)."
 
@@ -486,7 +488,7 @@ class TrainConfig:
             "train.flip_probe_sequences must be >= 0 and train.flip_probe_every >= 1",
         )
         require(self.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {self.max_bad_steps}")
-        require_positive(self, "train", "route_noise", strict=False)
+        require_positive(self, "train", "route_noise", "start_jitter", strict=False)
         require(
             self.packing or self.pack_tokens == 0,
             "train.pack_tokens is a packing budget: set train.packing=true or train.pack_tokens=0",

@@ -9,7 +9,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
+import torch
+
 from moe_rl.config import Recipe
+from moe_rl.tasks.base import make_rng
 from moe_rl.trainer.context import Run, checkpoint_root
 from moe_rl.trainer.hooks import OptimizerStep, StepHook
 from moe_rl.trainer.loop import run_rl
@@ -76,6 +79,8 @@ def run(
             the_run.write_recipe()
             if not resumed and recipe.checkpoint.load:
                 the_run.checkpointer.load_weights(recipe.checkpoint.load)
+            if not resumed and recipe.train.start_jitter:
+                jitter_weights(the_run.policy, recipe.train.start_jitter, recipe.train.seed)
             with the_run.signals:
                 return _run_stages(the_run, resumed)
         finally:
@@ -110,3 +115,12 @@ def _run_stages(run: Run, resumed: bool) -> dict[str, dict[str, float]]:
             "%s: the run already finished (%s); nothing to do: raise train.*_steps to continue", run.out, done
         )
     return results
+
+
+@torch.no_grad()
+def jitter_weights(policy, std: float, seed: int) -> None:
+    """Add N(0, std^2) noise to every weight of ``policy`` (``train.start_jitter``), drawn on the
+    host from ``seed`` in parameter order, so the perturbation is the same on every machine."""
+    g = torch.Generator().manual_seed(make_rng("start_jitter", seed).randrange(2**63))
+    for p in policy.model.parameters():
+        p.add_((torch.randn(p.shape, generator=g) * std).to(p))
