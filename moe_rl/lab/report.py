@@ -75,8 +75,22 @@ def load_arm(run_dir: str | Path) -> dict:
 
     rows = newest_run(read_run_metrics(run_dir))
     rl = [r for r in rows if r["stage"] == "rl"]
-    ev = [r for r in rows if r["stage"] == "rl_eval" or "eval/accuracy" in r]
-    return {"rl": rl, "eval": ev}
+    return {"rl": rl, "eval": eval_rows(rows)}
+
+
+def eval_rows(rows: list[dict]) -> list[dict]:
+    """The held-out evaluations of a run's rows, one per weights evaluated, at the number of updates
+    (RL steps) behind them: ``rl_eval`` rows (step 0: the start; the final one) as logged, and the
+    periodic evaluation an ``rl`` row of step s carries (taken after that step: s + 1 steps). The
+    final evaluation of a run whose last step was evaluated measures those same weights: it is kept
+    once, not counted twice."""
+    by_updates: dict[int, dict] = {}
+    for r in rows:
+        if r["stage"] == "rl_eval":
+            by_updates[int(r["step"])] = r
+        elif r["stage"] == "rl" and r.get("eval/accuracy") is not None:
+            by_updates[int(r["step"]) + 1] = {**r, "step": int(r["step"]) + 1}
+    return [by_updates[k] for k in sorted(by_updates)]
 
 
 def _mean(v: list[float]) -> float:

@@ -29,7 +29,11 @@ def run_rl(run: Run) -> dict[str, float]:
     """RL steps with weight sync, metrics, checkpoints, guards and evaluation; the last metrics."""
     stage = RLStage(run)
     metrics = run_stage(run, stage)
-    final = evaluate(run, stage.steps)
+    every = run.recipe.train.eval_every
+    if every and stage.steps % every == 0 and "eval/accuracy" in metrics:  # the last step's weights,
+        final = {"eval/accuracy": metrics["eval/accuracy"]}  # evaluated already: not again
+    else:
+        final = evaluate(run, stage.steps)
     run.sink.log(stage.steps, "rl_eval", final)
     return {**metrics, **final}
 
