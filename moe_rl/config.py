@@ -434,6 +434,8 @@ class TrainConfig:
     "Responses sampled per prompt (G)."
     minibatches: int = 4
     "Optimizer steps per rollout batch (the off-policy knob; must divide the batch)."
+    shuffle_minibatches: bool = False
+    "Shuffle the rollout batch's rows (seeded per step) before splitting it into minibatches, so each update sees rows of many prompts (verl's actor.shuffle); false: contiguous slices, whole prompt groups per update."
     micro_batch_size: int = 0
     "Sequences per forward/backward on one rank (gradient accumulation within a minibatch); 0: the whole share."
     packing: bool = True

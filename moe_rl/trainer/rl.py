@@ -25,6 +25,7 @@ the flip probe among them, excluded from it: :mod:`moe_rl.trainer.hooks`), sync
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -122,7 +123,22 @@ def collect(run: Run, step: int, timer: StepTimer | None = None) -> tuple[RLBatc
     with timer.record("old_logprob"):  # scoring is cheap: it is timed with the pi_old forward
         adv_B, metrics = score(run, prompts, rollouts)
         batch, pi_old_metrics = old_policy(run, rollouts, adv_B)
+    if cfg.shuffle_minibatches:
+        order = torch.randperm(batch.tokens_BT.shape[0], generator=torch.Generator().manual_seed(seed))
+        batch = shuffled(batch, order.to(batch.tokens_BT.device))
     return batch, {**metrics, **pi_old_metrics}
+
+
+def shuffled(batch: RLBatch, order_B: torch.Tensor) -> RLBatch:
+    """The batch's rows in ``order_B`` (``train.shuffle_minibatches``): every per-row tensor moves
+    together (the probe rows are then the first rows of the new order; their "before" routes are
+    recomputed by the probe)."""
+    fields = {"probe_before_BSLK": None}  # of the old first rows
+    for f in dataclasses.fields(batch):
+        v = getattr(batch, f.name)
+        if f.name not in fields:
+            fields[f.name] = v.index_select(0, order_B) if isinstance(v, torch.Tensor) else v
+    return RLBatch(**fields)
 
 
 def generate(run: Run, step: int) -> tuple[list[Prompt], Rollouts]:
