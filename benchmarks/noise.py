@@ -1,0 +1,255 @@
+"""Issue 31, design (a): routing noise on vs off, every arm, plus the dense-equivalent.
+
+The plan is data (recipes/demo/noise.plan.yaml), pre-registered by ``--write-plan`` into
+benchmarks/results/noise-preregistration.json and committed before any run; the runs, the
+analysis and the success rule are in :mod:`moe_rl.lab.noise`.
+
+    python -m benchmarks.noise --write-plan
+    python -m benchmarks.noise [--jobs 2] [--cells moe-noise] [--dry-run]   # resumable
+    python -m benchmarks.noise --report                                     # finished runs only
+    python -m benchmarks.noise --smoke                                      # tiny end-to-end check
+
+Runs: runs/noise/<cell>/<arm>-s<seed>/ (a finished run writes status.json; a rerun skips it).
+Report: benchmarks/results/noise-<machine>-a-<commit>.json + .png (``headline``: every arm's paired
+AUC difference to GRPO with its 95% interval and p, the chaos spread, routing_share, per cell).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import time
+from pathlib import Path
+
+from benchmarks.common import RESULTS, SMOKE_BASE, commit, machine, positive_int, result_path
+from moe_rl.lab import noise, runner
+from moe_rl.lab.arms import DEMO, flatten
+from moe_rl.lab.report import load_arm
+from moe_rl.lab.results import write_json
+from moe_rl.lab.runner import STATUS_FILE, local_launch, read_status, run_when_ready
+from moe_rl.lab.starts import CACHE, cached_start, warm_start
+
+log = logging.getLogger("benchmarks.noise")
+PLAN_FILE = RESULTS / "noise-preregistration.json"
+SMOKE = {
+    "cell_base": {
+        **SMOKE_BASE,
+        "train": {**SMOKE_BASE["train"], "rl_steps": 3, "eval_every": 1, "eval_prompts": 4, "sft_steps": 20},
+    },
+    "seeds": [0, 1],
+    "order": [{"cell": "moe-noise", "arms": ["GRPO", "GRPO+R3", "CHAOS"]}],
+}
+"The smoke plan: the plan's cells and arms on the tiny policy, 1 cell x 3 arms x 2 seeds x 3 steps."
+
+
+def plan_doc(plan: dict) -> dict:
+    """The pre-registration: the plan, the number of runs, the analysis code's rules."""
+    specs = noise.run_specs(plan)
+    return {
+        "bench": "noise",
+        "design": "a",
+        "commit": commit(),
+        "headline": {"runs_planned": len(specs), "seeds": plan["seeds"], "cells": list(plan["cells"])},
+        "plan": plan,
+        "analysis": {
+            "auc": noise.auc.__doc__,
+            "paired": "moe_rl.lab.stats.paired: mean, 95% t interval, exact two-sided sign-flip p",
+            "success": noise.separates.__doc__,
+        },
+    }
+
+
+def execute(plan: dict, specs: list[noise.RunSpec], *, jobs: int, cache: Path = CACHE) -> None:
+    """Every run of ``specs`` not finished yet, ``jobs`` at a time, each in its own process (one
+    thread each when several run at once); starts trained once per SFT signature, in this process."""
+    starts: dict[str, Path] = {}
+    launch = local_launch(runner.child_launch(), jobs)
+
+    def ready(spec) -> bool:
+        if (spec.out / STATUS_FILE).exists():
+            return True
+        if spec.cell not in starts:
+            hit = cached_start(DEMO, noise.start_overrides_of(plan, spec.cell), cache=cache)
+            if hit is not None:
+                starts[spec.cell] = hit[0]
+        return spec.cell in starts
+
+    def build(spec) -> None:
+        starts[spec.cell], _ = warm_start(DEMO, noise.start_overrides_of(plan, spec.cell), cache=cache)
+
+    def one(spec):
+        start = None if (spec.out / STATUS_FILE).exists() else starts[spec.cell]
+        ov = noise.run_overrides(plan, spec.cell, spec.arm, spec.seed)
+        threads = 1 if jobs > 1 else None
+        return runner.resumable_run(
+            spec.label, DEMO, ov, spec.out, start=start, launch=launch, threads=threads
+        )
+
+    run_when_ready(specs, jobs=jobs, ready=ready, build=build, run=one)
+
+
+def collect(plan: dict, specs: list[noise.RunSpec]) -> tuple[dict, list[dict]]:
+    """Summaries of the finished runs, by (cell, arm, seed), and their cost rows."""
+    results, cost = {}, []
+    for spec in specs:
+        st = read_status(spec.out / STATUS_FILE) if (spec.out / STATUS_FILE).exists() else None
+        if st is None or st.get("status") != "done":
+            continue
+        summary = noise.summarize_run(load_arm(spec.out), plan["cell_base"]["train"]["rl_steps"])
+        results[(spec.cell, spec.arm, spec.seed)] = summary
+        cost.append({"cell": spec.cell, "arm": spec.arm, "seed": spec.seed, "wall_s": st.get("wall_s")})
+    return results, cost
+
+
+def headline(analysis: dict) -> dict:
+    out = {"success": analysis["success"], "cells": {}}
+    for cell, c in analysis["cells"].items():
+        out["cells"][cell] = {
+            "chaos_spread": c["chaos_spread"],
+            "arms": {
+                arm: {
+                    "auc_diff": row.get("auc_diff"),
+                    "auc_mean": row["auc_mean"],
+                    "n_runs": row["n_runs"],
+                    "routing_share": row["gauges"]["ratio/routing_share"],
+                    "rollout_vs_trainer_router_rate": row["gauges"]["flip/rollout_vs_trainer/router_rate"],
+                    "collapsed": row["collapsed"],
+                }
+                for arm, row in c["arms"].items()
+            },
+        }
+    return out
+
+
+def plot(plan: dict, analysis: dict, results: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = list(analysis["cells"])
+    fig, axes = plt.subplots(2, max(1, len(cells)), figsize=(5.5 * max(1, len(cells)), 8), squeeze=False)
+    for j, cell in enumerate(cells):
+        c = analysis["cells"][cell]
+        ax = axes[0][j]
+        arms = [a for a in c["arms"] if a != noise.REFERENCE]
+        for i, arm in enumerate(arms):
+            ref = {s: r for (cc, a, s), r in results.items() if cc == cell and a == noise.REFERENCE}
+            pts = [
+                r["auc"] - ref[s]["auc"]
+                for (cc, a, s), r in results.items()
+                if cc == cell and a == arm and s in ref
+            ]
+            ax.scatter([i] * len(pts), pts, s=14, alpha=0.6)
+            d = c["arms"][arm].get("auc_diff") or {}
+            if d.get("n"):
+                lo, hi = d["ci95"]
+                ax.errorbar([i + 0.15], [d["mean"]], yerr=[[d["mean"] - lo], [hi - d["mean"]]] if math.isfinite(lo) else None,
+                            fmt="o", color="k", capsize=3)  # fmt: skip
+        spread = c["chaos_spread"]
+        if math.isfinite(spread):
+            ax.axhspan(-spread, spread, color="grey", alpha=0.2, label="chaos spread (sd)")
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_xticks(range(len(arms)), arms, rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"{cell}: AUC - GRPO's, per seed (mean, 95% CI)", fontsize=9)
+        ax = axes[1][j]
+        for arm in c["arms"]:
+            curves = [r["evals"] for (cc, a, _), r in results.items() if cc == cell and a == arm]
+            if not curves:
+                continue
+            xs = [x for x, _ in curves[0]]
+            med = [sorted(cv[k][1] for cv in curves if len(cv) > k)[len(curves) // 2] for k in range(len(xs))]
+            ax.plot(xs, med, marker=".", label=f"{arm} (median of {len(curves)})")
+        ax.set_xlabel("RL steps")
+        ax.set_ylabel("held-out accuracy")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def report(plan: dict, specs: list[noise.RunSpec], preset: str, t0: float) -> Path:
+    results, cost = collect(plan, specs)
+    analysis = noise.analyse(plan, results)
+    stage = preset if len(results) == len(specs) else f"{preset}-partial"
+    out = result_path("noise", stage)
+    png = out.with_suffix(".png")
+    plot(plan, analysis, results, png)
+    walls = [c["wall_s"] for c in cost if c["wall_s"]]
+    doc = {
+        "bench": "noise",
+        "design": "a",
+        "machine": machine(),
+        "commit": commit(),
+        "runs_finished": len(results),
+        "runs_planned": len(specs),
+        "wall_s": time.perf_counter() - t0,
+        "headline": {
+            **headline(analysis),
+            "runs_finished": len(results),
+            "runs_planned": len(specs),
+            "cost_per_run_s": sum(walls) / len(walls) if walls else None,
+        },
+        "analysis": analysis,
+        "runs": [
+            {"cell": c, "arm": a, "seed": s, **{k: v for k, v in r.items()}}
+            for (c, a, s), r in results.items()
+        ],
+        "cost": cost,
+        "plot": png.name,
+    }
+    write_json(out, doc)
+    print(f"{len(results)}/{len(specs)} runs finished; success: {analysis['success']}")
+    for cell, c in analysis["cells"].items():
+        print(f"{cell}: chaos spread {c['chaos_spread']:.4f}")
+        for arm, row in c["arms"].items():
+            d = row.get("auc_diff")
+            diff = (
+                f"{d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}] p={d['p']:.3f} n={d['n']}"
+                if d
+                else ""
+            )
+            print(
+                f"  {arm:<15} auc {row['auc_mean']:.4f} {diff}  share {row['gauges']['ratio/routing_share']:.3f}"
+            )
+    print(f"wrote {out}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.noise", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--write-plan", action="store_true", help="write the pre-registration and stop")
+    ap.add_argument("--jobs", type=positive_int, default=2, help="runs at a time (one thread each)")
+    ap.add_argument("--cells", default=None, help="comma-separated cells to run (default: the plan's order)")
+    ap.add_argument("--dry-run", action="store_true", help="list the runs and stop")
+    ap.add_argument("--report", action="store_true", help="analyse the finished runs only")
+    ap.add_argument("--smoke", action="store_true", help="the tiny end-to-end check (runs/noise-smoke)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    plan = noise.load_plan()
+    root, preset = noise.RUNS, "a"
+    if args.smoke:
+        plan = {**plan, **SMOKE}
+        root, preset = noise.RUNS.parent / "noise-smoke", "smoke"
+    if args.write_plan:
+        write_json(PLAN_FILE, plan_doc(plan))
+        print(f"wrote {PLAN_FILE}")
+        return 0
+    cells = args.cells.split(",") if args.cells else None
+    specs = noise.run_specs(plan, root, cells)
+    if args.dry_run:
+        for s in specs:
+            print(s.label, " ".join(flatten({}) + noise.run_overrides(plan, s.cell, s.arm, s.seed)))
+        return 0
+    t0 = time.perf_counter()
+    if not args.report:
+        runner.stop_cleanly(
+            lambda: execute(plan, specs, jobs=args.jobs, cache=root / "cache" if args.smoke else CACHE)
+        )
+    report(plan, noise.run_specs(plan, root), preset, t0)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

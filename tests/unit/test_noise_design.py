@@ -1,0 +1,100 @@
+"""Issue 31 design (a): the plan's runs are what it says, the analysis is hand-checked, and the
+committed pre-registration is the plan in recipes/demo/noise.plan.yaml."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from moe_rl.lab import noise
+from moe_rl.lab.stats import kaplan_meier, log_rank_p, paired, sign_flip_p
+
+PLAN = noise.load_plan()
+
+
+def test_the_committed_preregistration_is_the_plan():
+    from benchmarks.noise import PLAN_FILE
+
+    assert json.loads(PLAN_FILE.read_text())["plan"] == PLAN
+
+
+def test_every_run_carries_its_cell_arm_and_seed():
+    ov = noise.run_overrides(PLAN, "moe-noise", "CHAOS", 100)
+    assert "rollout.route_noise=0.07" in ov and "train.route_noise=0.005" in ov
+    assert "train.start_jitter=1e-07" in ov and "algo.routing=none" in ov
+    assert "train.seed=1334" in ov and "task.seed=100" in ov
+    assert "algo.routing=r3" in noise.run_overrides(PLAN, "moe-quiet", "GRPO+R3", 100)
+    assert not any("route_noise" in o for o in noise.run_overrides(PLAN, "moe-quiet", "GRPO", 100))
+    dense = noise.run_overrides(PLAN, "dense-noise", "GRPO", 100)
+    assert "model.num_experts=2" in dense and "rollout.route_noise=0.07" in dense
+    # one SFT start per model: the noise is RL-only, the dense model is not
+    assert noise.start_overrides_of(PLAN, "moe-noise") == noise.start_overrides_of(PLAN, "moe-quiet")
+    assert "model.num_experts=2" in noise.start_overrides_of(PLAN, "dense-noise")
+    specs = noise.run_specs(PLAN)
+    assert len({s.out for s in specs}) == len(specs)
+    assert [(s.cell, s.arm) for s in specs[:6]] == [("moe-noise", "GRPO")] * 6  # deciding runs first
+    with pytest.raises(KeyError, match="unknown arm"):
+        noise.arm_sections(PLAN, "GRPO+R9")
+
+
+def test_every_run_of_the_plan_is_a_valid_recipe():
+    from moe_rl.config import load_recipe
+    from moe_rl.lab.arms import DEMO
+
+    for spec in noise.run_specs(PLAN)[:: len(PLAN["seeds"])]:
+        load_recipe(DEMO, noise.run_overrides(PLAN, spec.cell, spec.arm, spec.seed))
+
+
+def test_auc_is_the_trapezoid_mean_accuracy():
+    assert noise.auc([(0, 0.5), (10, 0.7), (20, 0.7)]) == pytest.approx((0.6 * 10 + 0.7 * 10) / 20)
+    assert math.isnan(noise.auc([(0, 0.5)]))
+
+
+def test_paired_statistics_by_hand():
+    d = paired([0.01, 0.02, 0.03, 0.04, 0.05, 0.06])
+    assert d["mean"] == pytest.approx(0.035)
+    sd = math.sqrt(sum((x - 0.035) ** 2 for x in [0.01, 0.02, 0.03, 0.04, 0.05, 0.06]) / 5)
+    assert d["ci95"][0] == pytest.approx(0.035 - 2.571 * sd / math.sqrt(6))
+    assert d["p"] == pytest.approx(2 / 64)  # all six positive: the two extreme sign patterns
+    assert sign_flip_p([1.0, -1.0]) == 1.0
+
+
+def test_kaplan_meier_and_log_rank_by_hand():
+    assert kaplan_meier([3, 5, 5, 10], [True, True, False, False]) == [(0.0, 1.0), (3.0, 0.75), (5.0, 0.5)]
+    assert log_rank_p([10] * 6, [False] * 6, [10] * 6, [False] * 6) == 1.0
+    early = log_rank_p([2, 3, 3, 4, 5, 5], [True] * 6, [100] * 6, [False] * 6)
+    assert early < 0.01
+
+
+def _result(auc):
+    return {
+        "auc": auc,
+        "final_acc": auc,
+        "collapsed": False,
+        "time": 100.0,
+        "evals": [],
+        "gauges": dict.fromkeys(noise.GAUGES, 0.1),
+    }
+
+
+def test_the_success_rule_reads_the_contrast_against_the_chaos_spread():
+    results = {}
+    for s in range(6):
+        for cell, r3_gain in (("moe-noise", 0.05), ("moe-quiet", 0.0), ("dense-noise", 0.0)):
+            results[(cell, "GRPO", s)] = _result(0.5)
+            results[(cell, "CHAOS", s)] = _result(0.5 + (0.01 if s % 2 else -0.01))
+            results[(cell, "GRPO+R3", s)] = _result(0.5 + r3_gain + 0.001 * s)
+    out = noise.analyse(PLAN, results)
+    assert out["cells"]["moe-noise"]["chaos_spread"] == pytest.approx(math.sqrt(6 * 0.01**2 / 5))
+    assert out["success"] == {
+        "moe_noise_separates": True,
+        "moe_quiet_separates": False,
+        "dense_noise_separates": False,
+        "met": True,
+    }
+    # the same effect inside the chaos spread does not count
+    for s in range(6):
+        results[("moe-noise", "CHAOS", s)] = _result(0.5 + (0.2 if s % 2 else -0.2))
+    assert noise.analyse(PLAN, results)["success"]["moe_noise_separates"] is False
