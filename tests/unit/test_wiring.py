@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moe_rl.config import recipe_from_dict
+from moe_rl.trainer.hooks import StepHook
 from moe_rl.trainer.rl import rl_step
 from moe_rl.trainer.run import Run
 from moe_rl.trainer.timer import StepTimer
@@ -46,10 +47,11 @@ class ReportingEngine:
         return self.rollouts
 
 
-def _run(tmp_path, **algo) -> Run:
+def _run(tmp_path, *, train: dict | None = None, optim: dict | None = None, **algo) -> Run:
     data = {k: dict(v) for k, v in TINY.items()}
     data["algo"] = {**data.get("algo", {}), **algo}
-    data["train"] = {**data["train"], "stages": ["rl"], "out_dir": str(tmp_path / "run")}
+    data["optim"] = {**data["optim"], **(optim or {})}
+    data["train"] = {**data["train"], **(train or {}), "stages": ["rl"], "out_dir": str(tmp_path / "run")}
     run = Run(recipe_from_dict(data))
     run.ensure_engine()
     run.make_optimizer("rl")
@@ -144,6 +146,121 @@ def test_drift_is_measured_against_pi_olds_natural_routes_not_the_replayed_ones(
         m = rl_step(derived, 0, StepTimer()).metrics
         assert m["flip/rollout_vs_trainer/rate"] > 0.15, m["flip/rollout_vs_trainer/rate"]  # forced apart
         assert m["flip/drift/rate"] < 0.05, m["flip/drift/rate"]
+    finally:
+        derived.close()
+        run.close()
+
+
+class NaturalMaps(StepHook):
+    """Every row's natural routing maps, by a plain padded forward of the batch (no routing session,
+    no replay) at pi_old's weights (``begin``) and after every optimizer step: ``versions[j]``
+    holds, per row, the ``[positions, layers, experts]`` boolean map of the experts each router
+    chose for the row's input positions (``t < total_len - 1``; causal: padding after them does
+    not reach them)."""
+
+    def __init__(self) -> None:
+        self.versions: list[list[torch.Tensor]] = []
+
+    def begin(self, run, step, batch) -> None:
+        self.versions.append(self.maps(run, batch))
+
+    def __call__(self, event) -> None:
+        self.versions.append(self.maps(event.run, event.batch))
+
+    @staticmethod
+    def maps(run, batch) -> list[torch.Tensor]:
+        per_layer: list[torch.Tensor] = []
+        hooks = [
+            r.register_forward_hook(lambda m, a, o: per_layer.append(o[1].detach().cpu().clone()))
+            for r in run.policy.routers
+        ]
+        inputs_BS = batch.tokens_BT[:, :-1]
+        b, s = inputs_BS.shape
+        try:
+            with torch.no_grad():
+                run.policy.logits(inputs_BS)
+        finally:
+            for h in hooks:
+                h.remove()
+        maps_BSLE = torch.stack([x.view(s, b, -1).transpose(0, 1) for x in per_layer], dim=2).bool()
+        return [maps_BSLE[i, : int(n)] for i, n in enumerate(batch.valid_BS.sum(1))]
+
+
+def _flips(a: list[torch.Tensor], b: list[torch.Tensor], k: int) -> tuple[torch.Tensor, int, int]:
+    """docs/algorithms.md#expert-flip-rate by hand: per layer, the sum over tokens of
+    ``1 - |R_a & R_b| / K``; the tokens whose expert set changed in some layer; the tokens."""
+    flip_L = sum(((k - (x & y).sum(-1)).double() / k).sum(0) for x, y in zip(a, b))
+    any_flip = sum(int(((x != y).any(-1)).any(-1).sum()) for x, y in zip(a, b))
+    return flip_L, any_flip, sum(x.shape[0] for x in a)
+
+
+def _rates(prefix: str, pieces: list[tuple[torch.Tensor, int, int]]) -> dict[str, float]:
+    flip_L = sum(p[0] for p in pieces)
+    tokens = sum(p[2] for p in pieces)
+    out = {
+        f"{prefix}/rate": float(flip_L.mean()) / tokens,
+        f"{prefix}/token_any": sum(p[1] for p in pieces) / tokens,
+    }
+    out.update({f"{prefix}/layer_{i}": float(v) / tokens for i, v in enumerate(flip_L)})
+    return out
+
+
+@pytest.fixture
+def varied_rewards(monkeypatch):
+    """Rewards that differ within a group (the response's length, odd or even): updates with a
+    gradient, from the untrained policy too."""
+    from moe_rl.tasks.arithmetic import ArithmeticTask
+
+    monkeypatch.setattr(ArithmeticTask, "reward", lambda self, prompt, text: float(len(text) % 2))
+
+
+def test_flip_step_and_drift_are_the_flips_of_natural_routes_recomputed_by_hand(
+    tmp_path, parallel_info, varied_rewards
+):
+    """``flip/step`` and ``flip/drift`` of one RL step of 4 optimizer steps (4 minibatches of 2
+    rows, a probe after each update) against the same rates computed here, by hand, from a plain
+    forward of the batch at each weight version W_0 (pi_old) .. W_4
+    (docs/algorithms.md#expert-flip-rate):
+
+    - ``flip/step``: the probe rows' (the first ``flip_probe_sequences``) routes at W_(j-1)
+      against W_j, over the 4 updates;
+    - ``flip/drift``: minibatch j's rows at W_0 (pi_old) against W_j, the weights its training
+      forward ran at (0 for the first minibatch).
+
+    The engine reports layer-0 routes forced away from the trainer's (not replayed: routing
+    ``none``, whose training forwards route naturally), so a drift measured against the engine's
+    routes reads that disagreement. The learning rate is large enough that routes flip.
+    Planted bugs killed: the probe's reference never advanced (``flip/step`` reads W_0 -> W_j,
+    cumulative drift), and ``flip/drift`` compared against the replayed (here the engine's)
+    routes instead of pi_old's natural ones."""
+    minibatches, probe = 4, 3
+    run = _run(
+        tmp_path,
+        routing="none",
+        train={"minibatches": minibatches, "flip_probe_sequences": probe, "flip_probe_every": 1},
+        optim={"lr": 3e-3},
+    )
+    try:
+        derived = run.derive(engine=ReportingEngine(run.engine, force_routes=True), engine_gives_routes=True)
+        maps = derived.add_hook(NaturalMaps())
+        m = rl_step(derived, 0, StepTimer()).metrics
+        w = maps.versions
+        assert len(w) == minibatches + 1, len(w)
+        k, rows = derived.recipe.model.moe_router_topk, len(w[0])
+        per = rows // minibatches
+        want = _rates("flip/step", [_flips(w[j - 1][:probe], w[j][:probe], k) for j in range(1, len(w))])
+        want |= _rates(
+            "flip/drift",
+            [
+                _flips(w[0][j * per : (j + 1) * per], w[j][j * per : (j + 1) * per], k)
+                for j in range(minibatches)
+            ],
+        )
+        assert want["flip/step/rate"] > 0.01 and want["flip/drift/rate"] > 0.01, want  # routes did flip
+        forced = m["flip/rollout_vs_trainer/rate"]
+        assert forced > 0.15, forced  # the engine's routes are far from pi_old's natural ones
+        for key, v in want.items():
+            assert m[key] == pytest.approx(v, abs=1e-6), (key, m[key], v)
     finally:
         derived.close()
         run.close()
