@@ -70,7 +70,7 @@ MUTANTS = (
         "moe_rl/trainer/probe.py",
         "        self.before_PSLK = after_PSLK\n",
         "        pass\n",
-        ("tests/unit/test_trainer_seams.py", "tests/unit/test_rl_e2e.py"),
+        ("tests/unit/test_wiring.py", "tests/unit/test_trainer_seams.py", "tests/unit/test_rl_e2e.py"),
     ),
     Mutant(
         "retention prunes the newest older checkpoints",
