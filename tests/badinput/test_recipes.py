@@ -33,6 +33,10 @@ FIELD_CASES = {
     "beta2_one": ("optim:\n  beta2: 1.0\n", r"optim\.beta2=1\.0 must be in \[0, 1\)"),
     "negative_adv_eps": ("algo:\n  adv_eps: -1.0e-6\n", r"algo\.adv_eps=-1e-06 must be > 0.*flips"),
     "top_p_above_one": ("train:\n  top_p: 1.5\n", r"train\.top_p=1\.5 must be in \(0, 1\]"),
+    "zero_temperature": ("train:\n  temperature: 0\n", r"train\.temperature must be > 0, got 0"),
+    "zero_lr": ("optim:\n  lr: 0\n", r"optim\.lr must be positive, got 0"),
+    "negative_eps_low": ("algo:\n  eps_low: -0.1\n", r"algo\.eps_low=-0\.1 must be in \[0, 1\)"),
+    "negative_eps_high": ("algo:\n  eps_high: -0.1\n", r"algo\.eps_high=-0\.1 must be >= 0"),
     "negative_timeout": ("rollout:\n  timeout_s: -5\n", r"rollout\.timeout_s=-5\.0 must be > 0"),
     "zero_parallel_timeout": ("parallel:\n  timeout_s: 0\n", r"parallel\.timeout_s=0\.0 must be > 0"),
     "inf_sentinel": ("sentinel:\n  max_grad_norm: .inf\n", r"sentinel\.max_grad_norm=inf is not a finite"),
@@ -53,6 +57,11 @@ FIELD_CASES = {
     "empty_checkpoint_dir": (
         "checkpoint:\n  dir: ''\n",
         r"checkpoint\.dir is empty: give a directory or null",
+    ),
+    # against the tokenizer (moe_rl/preflight.py): the char tokenizer has 104 ids
+    "vocab_smaller_than_the_tokenizer": (
+        "model:\n  vocab_size: 64\n",
+        r"model\.vocab_size=64 is smaller than the tokenizer's 104 ids: set model\.vocab_size=104",
     ),
     # known before SFT (they used to fail when the RL stage began)
     "tp2_embedded_rl": (
