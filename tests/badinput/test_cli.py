@@ -233,3 +233,28 @@ def test_other_os_errors_are_not_disk_full(cli, monkeypatch):
     monkeypatch.setattr(moe_rl.cli, "cmd_check", denied)
     line = cli("check", RECIPE).one_line(r"file system: EACCES on /root/x: permission denied: pick a folder")
     assert "disk full" not in line
+
+
+@cli_case
+@pytest.mark.parametrize(
+    "code, said",
+    [
+        (errno.EEXIST, r"file system: EEXIST on /srv/x: it already exists: remove it or pick another path"),
+        (errno.EBUSY, r"file system: EBUSY on /srv/x: the device or file is busy .*retry once it is free"),
+        (errno.EIO, r"file system: EIO on /srv/x: input/output error: the disk or the network file system"),
+    ],
+    ids=["file-exists", "device-busy", "io-error"],
+)
+def test_file_exists_device_busy_and_io_errors_are_one_line(cli, monkeypatch, code, said):
+    """The other ``OSError`` classes docs/safety.md names (read-only, name too long: test_os_errors.py;
+    permission: above), as Python raises them (``OSError(EEXIST, ...)`` is a ``FileExistsError``):
+    one line naming the errno, the path and the fix."""
+    import os
+
+    import moe_rl.cli
+
+    def fails(args):
+        raise OSError(code, os.strerror(code), "/srv/x")
+
+    monkeypatch.setattr(moe_rl.cli, "cmd_check", fails)
+    cli("check", RECIPE).one_line(said)
