@@ -316,13 +316,19 @@ def test_meta_records_checksums_and_finiteness(finished):
 @pytest.mark.bad_input("checkpoint")
 def test_resume_cuts_metrics_rows_after_the_checkpoint(cli, run_copy):
     """As after a kill between checkpoints: rows of steps 2 and 3 exist, the newest checkpoint is
-    at step 2; the resumed run writes them once."""
+    at step 2; the resumed run writes them once. The cut rows are moved to
+    ``metrics.abandoned.jsonl``, not deleted, and the resumed run's rows carry the next attempt."""
     root = run_copy / "run/checkpoints"
     shutil.rmtree(root / "step-00000002")
     (root / "latest").write_text("step-00000001")
     res = cli("train", run_copy / "r.yaml", "--resume")
     assert res.code == 0, res.err[-2000:]
     assert sft_steps(run_copy) == [0, 1, 2, 3]
+    rows = read_metrics(run_copy / "run/metrics.jsonl", "sft")
+    abandoned = read_metrics(run_copy / "run/metrics.abandoned.jsonl", "sft")
+    assert [(r["step"], r["attempt"]) for r in abandoned] == [(2, 0), (3, 0)]
+    assert [(r["step"], r["attempt"]) for r in rows] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    assert len({r["run"] for r in rows + abandoned}) == 1  # one run, two attempts
 
 
 @pytest.mark.bad_input("checkpoint")
