@@ -1,6 +1,6 @@
 """The RL step's wiring, pinned by its effect (issue 34): which routes the training forward
-actually replays, and which correction weights the loss actually gets. Each test names the
-planted bug it kills."""
+actually replays, which correction weights the loss actually gets, what the flip instruments
+compare, and which weights reach the engine. Each test names the planted bug it kills."""
 
 from __future__ import annotations
 
@@ -47,10 +47,13 @@ class ReportingEngine:
         return self.rollouts
 
 
-def _run(tmp_path, *, train: dict | None = None, optim: dict | None = None, **algo) -> Run:
+def _run(
+    tmp_path, *, train: dict | None = None, optim: dict | None = None, rollout: dict | None = None, **algo
+) -> Run:
     data = {k: dict(v) for k, v in TINY.items()}
     data["algo"] = {**data.get("algo", {}), **algo}
     data["optim"] = {**data["optim"], **(optim or {})}
+    data["rollout"] = {**data.get("rollout", {}), **(rollout or {})}
     data["train"] = {**data["train"], **(train or {}), "stages": ["rl"], "out_dir": str(tmp_path / "run")}
     run = Run(recipe_from_dict(data))
     run.ensure_engine()
@@ -261,6 +264,47 @@ def test_flip_step_and_drift_are_the_flips_of_natural_routes_recomputed_by_hand(
         assert forced > 0.15, forced  # the engine's routes are far from pi_old's natural ones
         for key, v in want.items():
             assert m[key] == pytest.approx(v, abs=1e-6), (key, m[key], v)
+    finally:
+        derived.close()
+        run.close()
+
+
+class PushCounter:
+    """The run's engine, counting the weight pushes it receives."""
+
+    def __init__(self, engine):
+        self.engine, self.pushes = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def update_weights(self, source, version):
+        self.pushes.append(version)
+        return self.engine.update_weights(source, version)
+
+
+def test_non_finite_weights_are_never_pushed_to_the_engine(tmp_path, parallel_info, varied_rewards):
+    """docs/safety.md, "Only good weights are saved": an RL step whose updates leave a weight NaN
+    pushes nothing to the rollout engine (``weights/finite`` 0), whose own bf16 copy stays finite
+    and keeps serving the last good version; a healthy step pushes. Planted bug killed: the push
+    made whatever the weights are."""
+
+    def poison(event):
+        if event.step == 1 and event.minibatch == event.minibatches - 1:  # after the last update
+            with torch.no_grad():
+                next(event.run.policy.model.parameters()).view(-1)[0] = float("nan")
+
+    run = _run(tmp_path, rollout={"dtype": "bf16"})
+    try:
+        engine = PushCounter(run.engine)
+        derived = run.derive(engine=engine)
+        derived.add_hook(poison)
+        m0 = rl_step(derived, 0, StepTimer()).metrics
+        assert m0["weights/finite"] == 1.0 and engine.pushes == ["2"], engine.pushes  # a healthy step pushes
+        m1 = rl_step(derived, 1, StepTimer()).metrics
+        assert m1["weights/finite"] == 0.0
+        assert engine.pushes == ["2"], engine.pushes  # no push of the NaN weights
+        assert all(bool(torch.isfinite(p).all()) for p in engine.engine.policy.model.parameters())
     finally:
         derived.close()
         run.close()
