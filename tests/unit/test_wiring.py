@@ -5,6 +5,7 @@ compare, and which weights reach the engine. Each test names the planted bug it 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -99,9 +100,10 @@ def test_the_training_forward_replays_what_the_mode_names(tmp_path, parallel_inf
 def test_the_correction_weights_are_the_hand_formula_of_the_batch(tmp_path, parallel_info, method):
     """With the engine's log-probs moved off the trainer's, the step's weights equal the formula
     on that batch: rho = pi_old / pi_roll per token, TIS ``min(rho, C)``, IcePop
-    ``rho * 1[low <= rho <= high]``, icepop_mask ``1[low <= rho <= high]``. Planted bugs killed: the
-    weights built with pi_old and pi_roll swapped (rho inverted); IcePop weighting a kept token by 1
-    (the mask alone) instead of by rho."""
+    ``rho * 1[low <= rho <= high]``, icepop_mask ``1[low <= rho <= high]``; so do its ``mismatch/*``
+    and ``correction/*`` metrics. Planted bugs killed: the weights built with pi_old and pi_roll
+    swapped (rho inverted); IcePop weighting a kept token by 1 (the mask alone) instead of by rho;
+    the mismatch metrics with pi_old and pi_roll swapped."""
     bounds = {"correction_low": 0.5, "correction_high": 1.5} if method.startswith("icepop") else {}
     run = _run(
         tmp_path, name="grpo", rollout_correction=method, correction_c=1.5, old_logprobs="recompute", **bounds
@@ -133,6 +135,19 @@ def test_the_correction_weights_are_the_hand_formula_of_the_batch(tmp_path, para
         n = int(mask.sum())
         assert m["correction/masked_frac"] == pytest.approx(float((want[mask] == 0).sum()) / n, rel=1e-5)
         assert m["correction/weight_mean"] == pytest.approx(float(want[mask].sum()) / n, rel=1e-4)
+        # the step's mismatch metrics, by hand from the same batch
+        # (docs/algorithms.md#mismatch-metrics): rho = pi_old / pi_roll over response tokens
+        log_rho = torch.log(rho)
+        per_seq = torch.where(mask, log_rho, 0.0).sum(1)[mask.any(1)]
+        by_hand = {
+            "mismatch/abs_log_ratio": float(log_rho[mask].abs().mean()),
+            "mismatch/k3": float((rho - 1 - log_rho)[mask].mean()),
+            "mismatch/extreme_frac": float((log_rho[mask].abs() > math.log(2)).double().mean()),
+            "mismatch/seq_log_ratio_abs_max": float(per_seq.abs().max()),
+        }
+        assert by_hand["mismatch/k3"] > 0.01, by_hand  # the engine's log-probs were moved
+        for key, v in by_hand.items():
+            assert m[key] == pytest.approx(v, rel=1e-4, abs=1e-6), (key, m[key], v)
     finally:
         derived.close()
         run.close()
