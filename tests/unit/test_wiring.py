@@ -243,7 +243,8 @@ def test_flip_step_and_drift_are_the_flips_of_natural_routes_recomputed_by_hand(
     - ``flip/step``: the probe rows' (the first ``flip_probe_sequences``) routes at W_(j-1)
       against W_j, over the 4 updates;
     - ``flip/drift``: minibatch j's rows at W_0 (pi_old) against W_j, the weights its training
-      forward ran at (0 for the first minibatch).
+      forward ran at (0 for the first minibatch);
+    - ``flip/rollout_vs_trainer``: the engine's routes against W_0's.
 
     The engine reports layer-0 routes forced away from the trainer's (not replayed: routing
     ``none``, whose training forwards route naturally), so a drift measured against the engine's
@@ -259,7 +260,8 @@ def test_flip_step_and_drift_are_the_flips_of_natural_routes_recomputed_by_hand(
         optim={"lr": 3e-3},
     )
     try:
-        derived = run.derive(engine=ReportingEngine(run.engine, force_routes=True), engine_gives_routes=True)
+        engine = ReportingEngine(run.engine, force_routes=True)
+        derived = run.derive(engine=engine, engine_gives_routes=True)
         maps = derived.add_hook(NaturalMaps())
         m = rl_step(derived, 0, StepTimer()).metrics
         w = maps.versions
@@ -274,9 +276,15 @@ def test_flip_step_and_drift_are_the_flips_of_natural_routes_recomputed_by_hand(
                 for j in range(minibatches)
             ],
         )
+        # the engine's routes (row t: input token t) as maps, against pi_old's natural ones
+        e = w[0][0].shape[-1]
+        routes = engine.rollouts.routes_BTLK.long().cpu()
+        engine_maps = [
+            torch.nn.functional.one_hot(routes[i, : len(x)], e).sum(-2).bool() for i, x in enumerate(w[0])
+        ]
+        want |= _rates("flip/rollout_vs_trainer", [_flips(engine_maps, w[0], k)])
         assert want["flip/step/rate"] > 0.01 and want["flip/drift/rate"] > 0.01, want  # routes did flip
-        forced = m["flip/rollout_vs_trainer/rate"]
-        assert forced > 0.15, forced  # the engine's routes are far from pi_old's natural ones
+        assert want["flip/rollout_vs_trainer/rate"] > 0.15, want  # the engine's layer 0 forced apart
         for key, v in want.items():
             assert m[key] == pytest.approx(v, abs=1e-6), (key, m[key], v)
     finally:
