@@ -47,14 +47,17 @@ def test_matches_per_group_loop(seed, std_normalize):
     G, N, eps = 5, 8, 1e-4
     rewards = torch.randint(0, 3, (G * N,), generator=g).double() / 2
     adv, stats = group_advantages(rewards, N, eps=eps, std_normalize=std_normalize)
-    expected = []
+    expected, stds = [], []
     for j in range(G):
         r = rewards[j * N : (j + 1) * N].tolist()
         mean = sum(r) / N
         std = math.sqrt(sum((x - mean) ** 2 for x in r) / (N - 1))
+        stds.append(std)
         expected += [(x - mean) / (std + eps) if std_normalize else x - mean for x in r]
     torch.testing.assert_close(adv, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    assert float(stats["reward/mean"]) == pytest.approx(float(rewards.mean()), rel=1e-12)
     assert float(stats["reward/std"]) == pytest.approx(float(torch.std(rewards)))
+    assert float(stats["reward/group_std_mean"]) == pytest.approx(sum(stds) / G, rel=1e-12)
 
 
 def test_errors():

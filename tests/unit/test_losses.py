@@ -152,6 +152,8 @@ def test_matches_per_sequence_reference(name, aggregation, band, seed):
     torch.testing.assert_close(grad(loss, logp), grad(expected, logp).nan_to_num(0.0), rtol=1e-9, atol=1e-12)
     for k, v in reference_metrics(logp, old, adv, mask, cfg).items():
         assert float(metrics[k]) == pytest.approx(v, rel=1e-9, abs=1e-12), k
+    pg = reference_loss(name, logp, old, adv, mask, cfg_for(name, band, aggregation))  # -J, no KL term
+    assert float(metrics["loss/pg"]) == pytest.approx(float(pg), rel=1e-10, abs=1e-12)
 
 
 def test_reference_batches_exercise_both_sides_of_the_band():
