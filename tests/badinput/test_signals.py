@@ -261,3 +261,40 @@ def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path):
     assert res.code == 0, res.err[-3000:]
     assert "taking over the lock of a run that ended without releasing it" in res.err
     assert not (tmp_path / "run/.moe-rl.lock").exists()  # released at the end
+
+
+@pytest.mark.bad_input("signal")
+def test_a_stop_whose_weights_fail_the_checks_writes_no_checkpoint_and_still_stops(tmp_path, parallel_info):
+    """The stop's checkpoint is written only if the weights pass the checks (docs/safety.md,
+    Signals): a real SIGTERM after a step with good weights writes one; after a step that left a
+    weight NaN it writes none, its one line says so and names the last good one, and the run still
+    stops with 128 + the signal (not a TrainingStopped traceback). In process, on the run object."""
+    import torch
+
+    from moe_rl.config import load_recipe
+    from moe_rl.trainer.context import Run
+    from moe_rl.trainer.signals import StopRequested
+
+    run = Run(load_recipe(recipe(tmp_path)))
+    root = tmp_path / "run/checkpoints"
+    try:
+        run.make_optimizer("sft")
+        with run.signals:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+            with pytest.raises(
+                StopRequested, match=r"SIGTERM: stopped after sft step 0, checkpoint .* written"
+            ):
+                run.stop_if_signalled("sft step 0")
+            assert len(checkpoint_dirs(root)) == 1
+            good = checkpoint_dirs(root)[0]
+            with torch.no_grad():
+                next(run.policy.model.parameters()).view(-1)[0] = float("nan")
+            with pytest.raises(StopRequested) as stop:
+                run.stop_if_signalled("sft step 1")
+        assert stop.value.exit_code == 128 + signal.SIGTERM
+        assert "stopped after sft step 1 without a checkpoint" in str(stop.value)
+        assert f"the last good checkpoint is {good}" in str(stop.value)
+        assert checkpoint_dirs(root) == [good] and verify_checkpoint(good) is None
+    finally:
+        run.close()
