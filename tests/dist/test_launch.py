@@ -83,7 +83,7 @@ def test_torchrun_sh_usage():
 FAKE_SRUN = textwrap.dedent('''\
     #!{python}
     """Record argv; a server step serves 200 on 127.0.0.1:<port> until SIGTERM (node-rank 0 only)."""
-    import http.server, json, os, signal, sys
+    import http.server, json, os, signal, sys, time
     argv = sys.argv[1:]
     with open(os.environ["FAKE_SRUN_LOG"], "a") as f:
         f.write(json.dumps(argv) + "\\n")
@@ -100,8 +100,10 @@ FAKE_SRUN = textwrap.dedent('''\
             def log_message(self, *a):
                 pass
 
-        def stop(*_):
-            open(os.environ["FAKE_SRUN_LOG"] + ".stopped", "w").close()
+        def stop(*_):  # says whether the trainers had ended when the server was stopped
+            ended = os.path.exists(os.environ["FAKE_SRUN_LOG"] + ".trainer_term")
+            with open(os.environ["FAKE_SRUN_LOG"] + ".stopped", "w") as f:
+                f.write("after the trainers" if ended else "while the trainers ran")
             sys.exit(0)
 
         signal.signal(signal.SIGTERM, stop)
@@ -110,7 +112,8 @@ FAKE_SRUN = textwrap.dedent('''\
         http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
     elif os.environ.get("FAKE_TRAINER_WAITS"):  # a trainer that stops on SIGTERM like moe-rl train
 
-        def term(*_):
+        def term(*_):  # the stop's checkpoint takes FAKE_TRAINER_SAVE_S seconds
+            time.sleep(float(os.environ.get("FAKE_TRAINER_SAVE_S", "0")))
             open(os.environ["FAKE_SRUN_LOG"] + ".trainer_term", "w").close()
             sys.exit(143)
 
@@ -144,7 +147,7 @@ def fake_slurm(tmp_path):
     for k in ("NPROC", "GPUS_PER_NODE", "SGLANG_NODES", "MASTER_PORT", "SGLANG_PORT"):
         env.pop(k, None)
 
-    def run(args, send_term=False, **extra):
+    def run(args, send_term=False, term_after_steps=1, **extra):
         proc = subprocess.Popen(
             ["bash", str(ROOT / "launch/slurm.sbatch"), *args],
             cwd=ROOT,
@@ -153,9 +156,11 @@ def fake_slurm(tmp_path):
             stderr=subprocess.PIPE,
             text=True,
         )
-        if send_term:  # once the trainer step started, as Slurm does before the time limit
+        if send_term:  # once the trainer step started (the last srun), as Slurm does before the time limit
             deadline = time.time() + 120
-            while not (log.exists() and log.read_text().strip()) and time.time() < deadline:
+            while time.time() < deadline and not (
+                log.exists() and len(log.read_text().splitlines()) >= term_after_steps
+            ):
                 time.sleep(0.1)
             time.sleep(0.5)
             proc.send_signal(signal.SIGTERM)
@@ -282,3 +287,22 @@ def test_sbatch_forwards_sigterm_to_the_trainers(fake_slurm, tmp_path):
     assert result.returncode == 143, result.stderr[-3000:]
     assert len(calls) == 1 and (tmp_path / "srun.jsonl.trainer_term").exists()
     assert "the trainers checkpoint after their current step" in result.stderr
+
+
+def test_sbatch_sigterm_leaves_the_sglang_server_serving_until_the_trainers_end(fake_slurm, tmp_path):
+    """docs/safety.md, Signals: the batch script forwards Slurm's SIGTERM to the trainers alone; the
+    SGLang server step keeps serving while they write their stop checkpoint (here 1 s) and is
+    stopped only after they have exited. Planted bug killed: the TERM trap signalling the servers
+    too (the trainers' last step then loses its engine)."""
+    res, calls, stopped = fake_slurm(
+        ["recipes/cluster/qwen3_30b_a3b_gspo.yaml", f"train.out_dir={tmp_path / 'run'}"],
+        send_term=True,
+        term_after_steps=2,  # the server step, then the trainer step
+        SGLANG_NODES="1",
+        SGLANG_PORT=str(free_port()),
+        FAKE_TRAINER_WAITS="1",
+        FAKE_TRAINER_SAVE_S="1",
+    )
+    assert res.returncode == 143, res.stderr[-3000:]
+    assert len(calls) == 2 and (tmp_path / "srun.jsonl.trainer_term").exists()
+    assert stopped and (tmp_path / "srun.jsonl.stopped").read_text() == "after the trainers"
