@@ -144,6 +144,60 @@ def test_torchrun_sh_waits_for_its_workers_stop_checkpoint(tmp_path, group):
     assert "SIGTERM: stopped after sft step" in log.read_text()
 
 
+FAKE_TORCHRUN = """#!{python}
+# PYTHON for launch/torchrun.sh: the real interpreter, except that -m torch.distributed.run is a
+# stand-in trainer that takes 1 s to write its stop checkpoint after a signal and records which
+# signal it got.
+import os, signal, sys, time
+if sys.argv[1:3] != ["-m", "torch.distributed.run"]:
+    os.execv({python!r}, [{python!r}, *sys.argv[1:]])
+got = os.environ["FAKE_TRAINER_GOT"]
+def stop(signum, frame):
+    time.sleep(1.0)
+    with open(got, "w") as f:
+        f.write(signal.Signals(signum).name)
+    sys.exit(128 + signum)
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, stop)
+open(got + ".started", "w").close()
+while True:
+    signal.pause()
+"""
+
+
+@pytest.mark.bad_input("signal")
+def test_torchrun_sh_forwards_sighup_as_sigterm_and_waits_for_the_save(tmp_path):
+    """A closed terminal (SIGHUP to launch/torchrun.sh alone) reaches torchrun as SIGTERM, the
+    trainers' stop signal, and the script ends only once torchrun has (after its stop
+    checkpoint), with 143. torchrun is a stand-in here (``PYTHON``): a second, not a training run.
+    Planted bug killed: SIGHUP forwarded as itself (or not trapped: the script ends at once)."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_TORCHRUN.format(python=sys.executable))
+    fake.chmod(0o755)
+    got = tmp_path / "got"
+    env = {**os.environ, "PYTHON": str(fake), "PYTHONPATH": str(ROOT), "FAKE_TRAINER_GOT": str(got)}
+    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    env.pop("NPROC", None)
+    log = tmp_path / "log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            [str(ROOT / "launch/torchrun.sh"), str(recipe(tmp_path))],
+            env=env,
+            stdout=f,
+            stderr=f,
+            start_new_session=True,
+        )
+    deadline = time.time() + 120
+    while not Path(f"{got}.started").exists():
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGHUP)
+    code = proc.wait(timeout=60)
+    assert got.exists(), "the script ended before torchrun's stop checkpoint"
+    assert got.read_text() == "SIGTERM"
+    assert code == 128 + signal.SIGTERM, log.read_text()[-3000:]
+
+
 @pytest.mark.bad_input("signal")
 def test_sigterm_in_rl_checkpoints_the_rl_step_and_resume_continues(tmp_path):
     rl = {"rl_steps": 200, "prompts_per_step": 2, "group_size": 2, "minibatches": 1, "max_new_tokens": 6}
