@@ -429,3 +429,37 @@ def test_weights_with_a_nan_are_refused_at_start_naming_the_tensor(tmp_path):
         ConfigError, match=rf"--model-path {start}: weights with NaN or infinite values \(.*experts"
     ):
         _serve_embedded("--model-path", str(start))
+
+
+def test_weights_with_a_nan_from_the_recipes_checkpoint_load_are_refused_at_start(tmp_path, monkeypatch):
+    """The other start docs/safety.md names: ``--model-path`` a recipe whose ``checkpoint.load`` holds
+    a NaN (one is put into the loaded weights here: a saved checkpoint is finite by construction).
+    Refused naming the checkpoint and the tensor, after the load (a check before it saw the
+    random init and passed). Planted bug killed: the recipe's checkpoint.load not loaded."""
+    import yaml
+
+    import moe_rl.megatron.checkpoint as ck
+    from moe_rl.config import ParallelConfig, recipe_from_dict
+    from moe_rl.megatron.parallel import init_parallel
+    from moe_rl.megatron.policy import build_policy
+    from tests.badinput.conftest import RUN_MODEL
+
+    model = recipe_from_dict({"model": RUN_MODEL}).model
+    policy = build_policy(model, ParallelConfig(), init_parallel(ParallelConfig(), seed=0))
+    saved = ck.save_checkpoint(tmp_path / "ckpt", 1, policy.model, keep=1, owner="t")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"model": RUN_MODEL, "checkpoint": {"load": str(saved)}}))
+    real = ck.load_checkpoint
+
+    def load_then_poison(where, model, **kw):
+        out = real(where, model, **kw)
+        with torch.no_grad():
+            next(p for n, p in model.named_parameters() if "experts" in n).view(-1)[3] = float("nan")
+        return out
+
+    monkeypatch.setattr(ck, "load_checkpoint", load_then_poison)
+    with pytest.raises(
+        ConfigError,
+        match=rf"--model-path {path} \(checkpoint\.load {saved}\): weights with NaN or infinite values \(.*experts",
+    ):
+        _serve_embedded("--model-path", str(path))
