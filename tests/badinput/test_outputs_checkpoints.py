@@ -306,9 +306,12 @@ def test_export_of_a_corrupt_checkpoint_is_one_line(cli, run_copy):
 
 @pytest.mark.bad_input("checkpoint")
 def test_meta_records_checksums_and_finiteness(finished):
+    """... and the run's id, the one its metrics rows carry (retention spares other owners')."""
+    (run_id,) = {r["run"] for r in read_metrics(finished / "run/metrics.jsonl")}
     for ckpt in checkpoint_dirs(finished / "run/checkpoints"):
         meta = json.loads((ckpt / "meta.json").read_text())
         assert meta["finite"] is True and "rng-0.pt" in meta["sha256"]
+        assert meta["owner"] == run_id
         assert verify_checkpoint(ckpt) is None
 
 
