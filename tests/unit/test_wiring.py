@@ -232,16 +232,17 @@ def varied_rewards(monkeypatch):
     monkeypatch.setattr(ArithmeticTask, "reward", lambda self, prompt, text: float(len(text) % 2))
 
 
+@pytest.mark.parametrize("every", [1, 2])
 def test_flip_step_and_drift_are_the_flips_of_natural_routes_recomputed_by_hand(
-    tmp_path, parallel_info, varied_rewards
+    tmp_path, parallel_info, varied_rewards, every
 ):
     """``flip/step`` and ``flip/drift`` of one RL step of 4 optimizer steps (4 minibatches of 2
-    rows, a probe after each update) against the same rates computed here, by hand, from a plain
-    forward of the batch at each weight version W_0 (pi_old) .. W_4
+    rows, a probe after every ``every``-th update) against the same rates computed here, by hand,
+    from a plain forward of the batch at each weight version W_0 (pi_old) .. W_4
     (docs/algorithms.md#expert-flip-rate):
 
-    - ``flip/step``: the probe rows' (the first ``flip_probe_sequences``) routes at W_(j-1)
-      against W_j, over the 4 updates;
+    - ``flip/step``: the probe rows' (the first ``flip_probe_sequences``) routes at
+      W_(j-every) against W_j, for j = every, 2 every, .. 4;
     - ``flip/drift``: minibatch j's rows at W_0 (pi_old) against W_j, the weights its training
       forward ran at (0 for the first minibatch);
     - ``flip/rollout_vs_trainer``: the engine's routes against W_0's.
@@ -250,13 +251,13 @@ def test_flip_step_and_drift_are_the_flips_of_natural_routes_recomputed_by_hand(
     ``none``, whose training forwards route naturally), so a drift measured against the engine's
     routes reads that disagreement. The learning rate is large enough that routes flip.
     Planted bugs killed: the probe's reference never advanced (``flip/step`` reads W_0 -> W_j,
-    cumulative drift), and ``flip/drift`` compared against the replayed (here the engine's)
-    routes instead of pi_old's natural ones."""
+    cumulative drift), ``train.flip_probe_every`` ignored, and ``flip/drift`` compared against
+    the replayed (here the engine's) routes instead of pi_old's natural ones."""
     minibatches, probe = 4, 3
     run = _run(
         tmp_path,
         routing="none",
-        train={"minibatches": minibatches, "flip_probe_sequences": probe, "flip_probe_every": 1},
+        train={"minibatches": minibatches, "flip_probe_sequences": probe, "flip_probe_every": every},
         optim={"lr": 3e-3},
     )
     try:
@@ -268,7 +269,8 @@ def test_flip_step_and_drift_are_the_flips_of_natural_routes_recomputed_by_hand(
         assert len(w) == minibatches + 1, len(w)
         k, rows = derived.recipe.model.moe_router_topk, len(w[0])
         per = rows // minibatches
-        want = _rates("flip/step", [_flips(w[j - 1][:probe], w[j][:probe], k) for j in range(1, len(w))])
+        probed = range(every, minibatches + 1, every)  # the optimizer steps the probe follows
+        want = _rates("flip/step", [_flips(w[j - every][:probe], w[j][:probe], k) for j in probed])
         want |= _rates(
             "flip/drift",
             [
