@@ -204,20 +204,23 @@ class NaturalMaps(StepHook):
         return [maps_BSLE[i, : int(n)] for i, n in enumerate(batch.valid_BS.sum(1))]
 
 
-def _flips(a: list[torch.Tensor], b: list[torch.Tensor], k: int) -> tuple[torch.Tensor, int, int]:
+def _flips(a: list[torch.Tensor], b: list[torch.Tensor], k: int) -> tuple[torch.Tensor, int, int, int]:
     """docs/algorithms.md#expert-flip-rate by hand: per layer, the sum over tokens of
-    ``1 - |R_a & R_b| / K``; the tokens whose expert set changed in some layer; the tokens."""
+    ``1 - |R_a & R_b| / K``; the (token, layer) routers whose expert set changed; the tokens whose
+    set changed in some layer; the tokens."""
     flip_L = sum(((k - (x & y).sum(-1)).double() / k).sum(0) for x, y in zip(a, b))
+    routers = sum(int((x != y).any(-1).sum()) for x, y in zip(a, b))
     any_flip = sum(int(((x != y).any(-1)).any(-1).sum()) for x, y in zip(a, b))
-    return flip_L, any_flip, sum(x.shape[0] for x in a)
+    return flip_L, routers, any_flip, sum(x.shape[0] for x in a)
 
 
-def _rates(prefix: str, pieces: list[tuple[torch.Tensor, int, int]]) -> dict[str, float]:
+def _rates(prefix: str, pieces: list[tuple[torch.Tensor, int, int, int]]) -> dict[str, float]:
     flip_L = sum(p[0] for p in pieces)
-    tokens = sum(p[2] for p in pieces)
+    tokens = sum(p[3] for p in pieces)
     out = {
         f"{prefix}/rate": float(flip_L.mean()) / tokens,
-        f"{prefix}/token_any": sum(p[1] for p in pieces) / tokens,
+        f"{prefix}/router_rate": sum(p[1] for p in pieces) / (tokens * len(flip_L)),
+        f"{prefix}/token_any": sum(p[2] for p in pieces) / tokens,
     }
     out.update({f"{prefix}/layer_{i}": float(v) / tokens for i, v in enumerate(flip_L)})
     return out
