@@ -160,6 +160,7 @@ def warm_start(
 
     recipe = _sft_recipe(base, overrides)
     root = Path(root) if root is not None else cache / sft_key(recipe)
+    wait_while_trained_elsewhere(root)  # another sweep sharing the cache may be training it now
     hit = _finished_start(recipe, root)
     if hit is not None:
         log.info("reusing the SFT start %s", hit[0])
@@ -185,3 +186,17 @@ def warm_start(
     }
     write_json(root / INFO_FILE, info)
     return ckpt, {**info, "reused": False}
+
+
+def wait_while_trained_elsewhere(root: Path, poll_s: float = 10.0) -> None:
+    """Wait while another live process holds ``root``'s run lock (it is training this start): the
+    caller then reuses the finished start, or resumes the interrupted one, instead of clearing a
+    folder another process is writing into."""
+    from moe_rl.trainer.run_lock import held_by
+
+    logged = False
+    while (holder := held_by(root)) is not None:
+        if not logged:
+            log.info("the SFT start %s is being trained by pid %s: waiting for it", root, holder.get("pid"))
+            logged = True
+        time.sleep(poll_s)

@@ -111,3 +111,20 @@ def _lock(path: Path, out: Path) -> int:
             pass
         os.close(fd)
     raise PathError(f"train.out_dir {out}: could not take {LOCK}: another process keeps replacing it")
+
+
+def held_by(out_dir: str | Path) -> dict | None:
+    """The holder of ``out_dir``'s lock (pid, host, since, command) while a live process holds it,
+    else None. Takes nothing: a free lock is released at once."""
+    path = Path(out_dir) / LOCK
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder(path) or {"pid": "?"}
+    finally:
+        os.close(fd)  # releases a shared lock we took
+    return None
