@@ -464,6 +464,8 @@ class TrainConfig:
     "Std of Gaussian noise added once to every weight when a run starts (not on resume), seeded by train.seed: the chaos null's no-op perturbation (e.g. 1e-7), whose effect measures how far numerics alone move a run (0: off)."
     route_noise: float = 0.0
     "Selection noise of the trainer's routers (pi_old, training and probe forwards): sigma of Gaussian noise on the router logits the top-k is taken from, gates from the clean logits; replayed routes stay exact (0: off; docs/algorithms.md#routing-noise)."
+    freeze_router: bool = False
+    "RL stage only: no update changes any MoE router weight (SFT still trains them), as verl's actor_rollout_ref.model.override_config.moe_config.freeze_moe_router and NeMo-RL's policy.megatron_cfg.freeze_moe_router; gradients still flow through the gates to the layers below (docs/algorithms.md#router-frozen)."
 
     def __post_init__(self) -> None:
         check_choices(self, "train")
