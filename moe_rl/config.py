@@ -270,7 +270,7 @@ class AlgoConfig:
     routing: Literal["none", "r2", "r3"] = "none"
     "Routing replay: none | r2 (replay trainer-recorded routes) | r3 (replay rollout-engine routes)."
     replay_gate_weights: bool = False
-    "Under replay, also replay the recorded gate weights (refused until the RL step passes them)."
+    "R3 only: also replay the gate weights the engine mixed the experts with (Rollouts.gates_BTLK; the embedded engine returns them, SGLang does not), in the pi_old recompute and in training, instead of recomputing them from the live router; the router then gets no policy gradient, only its aux and z losses reach it (docs/algorithms.md#replayed-gate-weights)."
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     "Source of pi_old log-probs: recompute (trainer forward) | rollout (engine log-probs, bypass mode)."
     rollout_correction: RolloutCorrection = "none"
@@ -292,9 +292,9 @@ class AlgoConfig:
             "(a negative one flips the advantage signs, 0 divides by 0 in a group of equal rewards)",
         )
         require(
-            not self.replay_gate_weights,
-            "algo.replay_gate_weights=true is not wired into the RL step yet (the step replays expert "
-            "indices and recomputes gate weights from the live router, as verl and slime do): set it false",
+            not self.replay_gate_weights or self.routing == "r3",
+            f"algo.replay_gate_weights=true replays the rollout engine's gate weights with its routes, which "
+            f"only R3 replays (algo.routing={self.routing}): set algo.routing=r3 or algo.replay_gate_weights=false",
         )
         if self.eps_low is not None:
             require(0 <= self.eps_low < 1, f"algo.eps_low={self.eps_low} must be in [0, 1)")
@@ -464,6 +464,8 @@ class TrainConfig:
     "Std of Gaussian noise added once to every weight when a run starts (not on resume), seeded by train.seed: the chaos null's no-op perturbation (e.g. 1e-7), whose effect measures how far numerics alone move a run (0: off)."
     route_noise: float = 0.0
     "Selection noise of the trainer's routers (pi_old, training and probe forwards): sigma of Gaussian noise on the router logits the top-k is taken from, gates from the clean logits; replayed routes stay exact (0: off; docs/algorithms.md#routing-noise)."
+    freeze_router: bool = False
+    "RL stage only: no update changes any MoE router weight (SFT still trains them), as verl's actor_rollout_ref.model.override_config.moe_config.freeze_moe_router and NeMo-RL's policy.megatron_cfg.freeze_moe_router; gradients still flow through the gates to the layers below (docs/algorithms.md#router-frozen)."
 
     def __post_init__(self) -> None:
         check_choices(self, "train")
@@ -606,6 +608,12 @@ class Recipe:
             self.train.sft_batch_size % p.data_parallel == 0,
             f"train.sft_batch_size={self.train.sft_batch_size} must be divisible by "
             f"parallel.data_parallel={p.data_parallel}",
+        )
+        require(
+            not self.algo.replay_gate_weights or self.rollout.engine == "embedded",
+            "algo.replay_gate_weights=true needs the engine's gate weights (Rollouts.gates_BTLK), which an "
+            "SGLang engine does not return (return_routed_experts gives expert ids only): use "
+            "rollout.engine=embedded or set algo.replay_gate_weights=false",
         )
         require(
             self.train.route_noise == 0 or not m.recompute,

@@ -17,8 +17,9 @@ trainer's weights), with:
   :class:`~moe_rl.megatron.local_layers.GroupedExperts`);
 - the output layer applied to the last position only.
 
-It returns each layer's top-k expert indices of every fed token, so routing capture (R3)
-needs no hooks. Under expert parallelism :meth:`Decoder.begin` all-gathers every layer's
+It returns each layer's top-k expert indices of every fed token, and on request their gate
+weights, so routing capture (R3, and the gates ``algo.replay_gate_weights`` replays) needs no
+hooks. Under expert parallelism :meth:`Decoder.begin` all-gathers every layer's
 expert weights over the EP group once per ``generate`` call (collective; the stacked copy
 lives until the next call), so decoding itself needs no all-to-all and ranks decode their
 own prompts independently: the memory of all experts on every rank, in exchange for no
@@ -124,13 +125,19 @@ class Decoder:
     # -- forward ----------------------------------------------------------------------------
     @torch.no_grad()
     def forward(
-        self, cache: KVCache, tokens_bn: torch.Tensor, start: int, want_routes: bool = False
+        self,
+        cache: KVCache,
+        tokens_bn: torch.Tensor,
+        start: int,
+        want_routes: bool = False,
+        gates_out: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """Feed ``tokens_bn`` at positions ``start ..``; logits of the last position ``[b, V]``.
 
         ``start`` must equal ``cache.length``; several tokens only at ``start == 0`` (the
         prefill). Routes: per layer ``[n * b, K]`` top-k indices, sequence-major (row
-        ``s * b + r``, megatron's token order).
+        ``s * b + r``, megatron's token order). ``gates_out``: a list to which each layer's gate
+        weights of those experts are appended, ``[n * b, K]`` float32 in the same order.
         """
         b, n = tokens_bn.shape
         if start != cache.length:
@@ -143,10 +150,12 @@ class Decoder:
         routes = [] if want_routes else None
         for layer_idx, layer in enumerate(model.decoder.layers):
             x = x + self._attention(layer, layer.input_layernorm(x), cache, layer_idx, start, cos, sin)
-            y, idx = self._moe(layer, layer_idx, layer.pre_mlp_layernorm(x))
+            y, idx, probs = self._moe(layer, layer_idx, layer.pre_mlp_layernorm(x))
             x = x + y
             if routes is not None:
                 routes.append(idx.view(b, n, -1).transpose(0, 1).reshape(n * b, -1))
+            if gates_out is not None:
+                gates_out.append(probs.float().view(b, n, -1).transpose(0, 1).reshape(n * b, -1))
         cache.length = start + n
         h = model.decoder.final_layernorm(x[:, -1])
         return F.linear(h, self.policy.output_weight()), routes
@@ -178,10 +187,26 @@ class Decoder:
         return F.linear(out, att.linear_proj.weight)
 
     def _moe(self, layer, layer_idx: int, x):
-        """Routed experts of ``x [b, n, H]`` -> (output [b, n, H], top-k indices [b*n, K])."""
+        """Routed experts of ``x [b, n, H]`` -> (output [b, n, H], top-k indices [b*n, K], their
+        gate weights [b*n, K])."""
         mlp = layer.mlp
         shape = x.shape
         t = x.reshape(-1, shape[-1])
+        idx, probs = self._route(layer_idx, t)
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # token-major slots sorted by expert
+        token = order // self.topk
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        ys = mlp.experts.grouped(
+            t.index_select(0, token), counts, probs.reshape(-1)[order], *self._experts[layer_idx]
+        )
+        out = torch.zeros_like(t).index_add_(0, token, ys)
+        return out.view(shape), idx, probs
+
+    def _route(self, layer_idx: int, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router of layer ``layer_idx`` on tokens ``t [N, H]``: top-k indices ``[N, K]`` and
+        their gate weights ``[N, K]`` (in the router's dtype), as megatron-core's router computes
+        them; under selection noise the gates are the clean scores of the chosen experts."""
         router = self._routers[layer_idx]
         logits = F.linear(t.to(router.dtype), router)  # [N, E] in the router's dtype, as megatron's
         noise = self.policy.route_noise  # selection noise, as install_route_choice applies it
@@ -199,15 +224,7 @@ class Decoder:
             else:
                 top, idx = torch.topk(logits, self.topk, dim=-1)
             probs = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # token-major slots sorted by expert
-        token = order // self.topk
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        ys = mlp.experts.grouped(
-            t.index_select(0, token), counts, probs.reshape(-1)[order], *self._experts[layer_idx]
-        )
-        out = torch.zeros_like(t).index_add_(0, token, ys)
-        return out.view(shape), idx
+        return idx, probs
 
 
 def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

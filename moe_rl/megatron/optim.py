@@ -14,6 +14,18 @@ is megatron-core's own rule, with one tag fixed by the builder (``moe_rl.megatro
 Gradients are summed, not averaged: the losses carry global denominators (moe_rl.losses), so
 DDP runs with ``calculate_per_token_loss`` (scaling factor 1). On CPU every call into
 megatron-core's optimizer runs inside :func:`moe_rl.megatron.shims.cuda_as_cpu`.
+
+Frozen parameters (``Optimizer(frozen=...)``; ``train.freeze_router`` freezes the routers for the
+RL stage) stay in DDP and in the optimizer, in a param group of their own that megatron-core's
+builder makes from a ``config_overrides`` entry with ``lr_mult = wd_mult = 0``; their reduced
+gradient is zeroed before the step. An update then leaves them bit for bit as they were, and they
+add nothing to the global gradient norm (so clipping of the other parameters is what it would be
+without them), as with ``requires_grad_(False)``. ``requires_grad_(False)`` itself is not used:
+megatron-core's DDP skips such parameters only when they are frozen before it wraps the model (no
+buffer, no hook), and one DDP wraps the model for every stage (:func:`wrap_ddp`), so a router that
+trained in SFT is already in its buffers; frozen later, the distributed optimizer fails to place it
+(a parameter of the buffer in no param group) and the overlapped reduction waits for a gradient
+that never comes.
 """
 
 from __future__ import annotations
@@ -95,6 +107,19 @@ def wrap_ddp(model: torch.nn.Module, cfg: OptimConfig, info: ParallelInfo):
     return ddp
 
 
+def _frozen_overrides(mcfg, frozen: tuple[torch.nn.Parameter, ...]) -> dict | None:
+    """megatron-core's ``config_overrides``: its standard ones (no weight decay on biases and
+    1-d parameters, what it applies when given none) plus ``lr_mult = wd_mult = 0`` for ``frozen``
+    (None when nothing is frozen: megatron-core's default)."""
+    if not frozen:
+        return None
+    from megatron.core.optimizer import ParamKey, ParamPredicate, get_standard_config_overrides
+
+    ids = frozenset(id(p) for p in frozen)
+    key = ParamKey(predicate=ParamPredicate(name="moe_rl_frozen", fn=lambda p: id(p) in ids))
+    return {**get_standard_config_overrides(mcfg), key: {"lr_mult": 0.0, "wd_mult": 0.0}}
+
+
 def _megatron_config(cfg: OptimConfig, model: torch.nn.Module, distributed: bool):
     from megatron.core.optimizer import OptimizerConfig
 
@@ -160,9 +185,18 @@ class Optimizer:
     Gradient accumulation: call ``backward`` once per micro-batch and :meth:`step` once per
     minibatch; iterate the micro-batches through :meth:`micro_batches` so that DDP starts its
     reduction only after the last one (with ``overlap_grad_reduce``).
+
+    ``frozen``: parameters of ``model`` this optimizer never changes (the module docstring says how).
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, info: ParallelInfo):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: OptimConfig,
+        info: ParallelInfo,
+        *,
+        frozen: tuple[torch.nn.Parameter, ...] | list[torch.nn.Parameter] = (),
+    ):
         from megatron.core.optimizer import get_megatron_optimizer
 
         self.cfg = cfg
@@ -170,8 +204,16 @@ class Optimizer:
         self.distributed = use_distributed_optimizer(cfg, info)
         "Whether megatron-core's distributed optimizer (sharded state) is in use."
         self.ddp = wrap_ddp(model, cfg, info)
+        own = {id(p) for p in model.parameters() if p.requires_grad}
+        self.frozen = tuple(frozen)
+        "Parameters no step changes (gradient zeroed, lr and weight decay multiplied by 0)."
+        if any(id(p) not in own for p in self.frozen):
+            raise ValueError("Optimizer(frozen=...) takes trainable parameters of the model it steps")
+        mcfg = _megatron_config(cfg, model, self.distributed)
         with cuda_as_cpu():
-            self.opt = get_megatron_optimizer(_megatron_config(cfg, model, self.distributed), [self.ddp])
+            self.opt = get_megatron_optimizer(
+                mcfg, [self.ddp], config_overrides=_frozen_overrides(mcfg, self.frozen)
+            )
         _fuse_cpu_adam(self.inner)
         self.step_count = 0
         self.lr_scale = 1.0  # lowered by the collapse sentinel's rollback
@@ -227,6 +269,8 @@ class Optimizer:
         """Reduce, clip and apply the gradients; skip (and report) a non-finite step."""
         lr = lr_at(self.cfg, self.step_count) * self.lr_scale
         self.finish_grad_sync()
+        for p in self.frozen:  # out of the norm and of Adam's moments; lr_mult 0 leaves them as they are
+            p.main_grad.zero_()
         with cuda_as_cpu():
             self._set_schedule(lr)
             found_inf = self.opt.prepare_grads()  # copies grads to the main weights (fp32)

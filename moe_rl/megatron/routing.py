@@ -123,6 +123,13 @@ class RoutingSession:
     router has chosen: the routes are exactly those of a full forward (everything up to the last
     router is computed the same way), and the last layer's experts and the output layer are
     skipped. The session swallows the exception that ends it; the forward returns nothing.
+
+    Gates: RECORD keeps the gate weights of the recorded experts (:meth:`recorded_gates_BSLK`);
+    NATURAL with ``capture_gates`` keeps those of the router's own choice in every forward
+    (:meth:`natural_gate_steps`; under selection noise, the clean scores of the noisy choice, which
+    is what the router outputs); REPLAY with ``gates_BSLK`` replaces the router's gate weights of
+    the replayed experts by those (the router then gets no gradient through its gates; its aux and
+    z losses still reach it).
     """
 
     def __init__(
@@ -134,17 +141,23 @@ class RoutingSession:
         gates_BSLK: torch.Tensor | None = None,
         pack: PackedRows | None = None,
         stop_after_routes: bool = False,
+        capture_gates: bool = False,
     ):
         if action is RouterAction.REPLAY and routes_BSLK is None:
             raise ValueError("RouterAction.REPLAY needs routes_BSLK (the experts to replay)")
+        if gates_BSLK is not None and action is not RouterAction.REPLAY:
+            raise ValueError("gates_BSLK are replayed with the routes: they need RouterAction.REPLAY")
         if stop_after_routes and action is not RouterAction.NATURAL:
             raise ValueError("stop_after_routes is for natural-routing captures (RouterAction.NATURAL)")
+        if capture_gates and (action is not RouterAction.NATURAL or stop_after_routes):
+            raise ValueError("capture_gates is for full natural-routing forwards (RouterAction.NATURAL)")
         self.policy = policy
         self.action = action
         self.routes_BSLK = routes_BSLK
         self.gates_BSLK = gates_BSLK
         self.pack = pack
         self.stop_after_routes = stop_after_routes
+        self.capture_gates = capture_gates
         self.topk = policy.cfg.moe_router_topk
         self._natural: list[list[torch.Tensor]] = []
         self._chosen_gates: list[list[torch.Tensor]] = []
@@ -230,14 +243,24 @@ class RoutingSession:
                     gates.append(probs.detach().gather(1, idx))
 
             self._hooks.append(("hook", router.register_forward_hook(record_gates)))
+        elif self.action is RouterAction.NATURAL and self.capture_gates:
+            own = self._natural[i]
+
+            def natural_gates(module, args, output):
+                if self._capturing:  # the router's output at its own choice (listened to just before)
+                    gates.append(output[0].detach().gather(1, own[-1]).float())
+
+            self._hooks.append(("hook", router.register_forward_hook(natural_gates)))
         elif self.action is RouterAction.REPLAY and self.gates_BSLK is not None:
             rows_g = self._local_rows(self.gates_BSLK, i)
 
             def replay_gates(module, args, output):
                 probs, routing_map = output
-                idx = module.router_replay.target_topk_idx
+                idx = module.router_replay.target_topk_idx.to(probs.device)
                 fixed = torch.zeros_like(probs).scatter(1, idx, rows_g.to(probs))
-                return fixed, routing_map
+                # probs * 0 keeps the router's graph: megatron attaches its aux loss to probs
+                # (MoEAuxLossAutoScaler), whose gradient still reaches the router; the gates give none
+                return fixed + probs * 0, routing_map
 
             self._hooks.append(("hook", router.register_forward_hook(replay_gates)))
 
@@ -290,3 +313,10 @@ class RoutingSession:
     def recorded_gates_BSLK(self, b: int, s: int) -> torch.Tensor:
         """Gate weights of the recorded experts, [B, S, L, K] (RouterAction.RECORD)."""
         return self._to_BSLK([g[0] for g in self._chosen_gates], b, s)
+
+    def natural_gate_steps(self) -> list[list[torch.Tensor]]:
+        """Every captured forward's gate weights of the router's own top-k per layer, [R, K] float32
+        each, aligned with :meth:`natural_steps` (NATURAL with ``capture_gates``)."""
+        if not self.capture_gates:
+            raise RuntimeError("natural_gate_steps needs RoutingSession(capture_gates=True)")
+        return [list(x) for x in zip(*self._chosen_gates)]

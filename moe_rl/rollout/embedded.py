@@ -24,7 +24,11 @@ Sampling follows SGLang: temperature, then top-k, then top-p over the renormalis
 mass, from one uniform draw per sampled token out of the row's own ``torch.Generator``
 (row j of a call uses ``seed + j``), so a row's tokens do not depend on its neighbours.
 Log-probs are log_softmax(logits / temperature) in fp32 before any top-k/top-p filtering
-(temperature 1 for greedy), computed by the trainer's own function.
+(temperature 1 for greedy), computed by the trainer's own function. Routes (``return_routes``)
+are each MoE layer's chosen experts of every fed token; with ``return_gates`` also their gate
+weights, the router outputs the forward mixed the experts with (``Rollouts.gates_BTLK``, for
+``algo.replay_gate_weights``): the lean forward returns both, megatron's are captured by a
+natural-routing :class:`~moe_rl.megatron.routing.RoutingSession`.
 
 Multi-rank: the lean forward runs no collectives while decoding (its expert all-gather, once
 per call, needs every rank to call generate). Under expert parallelism the megatron forward
@@ -113,8 +117,9 @@ class _Chunk:
         sampling: SamplingParams,
     ):
         self.engine, self.sampling, self.gens = engine, sampling, gens
-        # routes from the forward itself (lean); megatron's are captured by a RoutingSession
+        # routes (and gates) from the forward itself (lean); megatron's are captured by a RoutingSession
         self.want_routes = sampling.return_routes and not engine.decoder.routes_from_session
+        self.want_gates = sampling.return_gates and not engine.decoder.routes_from_session
         b = len(prompts)
         self.prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         width = int(self.prompt_len.max()) + sampling.max_new_tokens
@@ -130,6 +135,7 @@ class _Chunk:
         self.cache = engine.decoder.new_cache(b, width)
         self.log: list[tuple[torch.Tensor, int, int] | None] = []  # (rows, start, n) per forward
         self.route_steps: list[list[torch.Tensor] | None] = []  # per forward: [n * rows, K] per layer
+        self.gate_steps: list[list[torch.Tensor] | None] = []  # their gate weights, float32
         self.prefill_s = self.decode_s = 0.0
         self.forwards = self.compactions = 0
 
@@ -144,9 +150,12 @@ class _Chunk:
         n = int(self.prompt_len.min()) if start == 0 else 1
         dev = self.engine.device
         inp = self.tokens_bT[self.live, start : start + n].to(dev)
-        logits, routes = self.engine.decoder.forward(self.cache, inp, start, self.want_routes)
+        logits, routes, gates = self.engine.decoder.forward(
+            self.cache, inp, start, self.want_routes, self.want_gates
+        )
         self.log.append((self.live.clone(), start, n))
         self.route_steps.append(routes)
+        self.gate_steps.append(gates)
         self.cur = start + n
         self.forwards += 1
         self._sample(logits)
@@ -192,10 +201,13 @@ class _Chunk:
         self.live = self.live[keep]
         self.compactions += 1
 
-    def routes_bTLK(self, steps: list[list[torch.Tensor]], num_layers: int, topk: int) -> torch.Tensor:
-        """Scatter the captured per-forward router rows (row = s * rows + r) into [b, T, L, K]."""
+    def routes_bTLK(
+        self, steps: list[list[torch.Tensor]], num_layers: int, topk: int, dtype: torch.dtype = torch.long
+    ) -> torch.Tensor:
+        """Scatter the captured per-forward router rows (row = s * rows + r) into [b, T, L, K]
+        (routes, or with ``dtype=torch.float32`` their gates); 0 past each row's last input."""
         b, width = self.tokens_bT.shape
-        out = torch.zeros(b, width, num_layers, topk, dtype=torch.long)
+        out = torch.zeros(b, width, num_layers, topk, dtype=dtype)
         for entry, per_layer in zip(self.log, steps):
             if entry is None:
                 continue
@@ -228,7 +240,7 @@ class MegatronForward:
             ctx.set_active()
         return ctx
 
-    def forward(self, ctx, inp: torch.Tensor, start: int, want_routes: bool):
+    def forward(self, ctx, inp: torch.Tensor, start: int, want_routes: bool, want_gates: bool = False):
         pos = torch.arange(start, start + inp.shape[1], device=inp.device).expand_as(inp)
         ctx.sequence_len_offset = start
         if start > 0:
@@ -240,7 +252,7 @@ class MegatronForward:
             inference_context=ctx,
             runtime_gather_output=True,
         )
-        return logits[:, -1], None
+        return logits[:, -1], None, None
 
     def idle(self) -> None:
         """A one-token forward without the cache: keeps expert all-to-alls in lock-step."""
@@ -280,8 +292,10 @@ class LeanForward:
     def new_cache(self, batch: int, width: int):
         return self.lean.new_cache(batch, width)
 
-    def forward(self, cache, inp: torch.Tensor, start: int, want_routes: bool):
-        return self.lean.forward(cache, inp, start, want_routes)
+    def forward(self, cache, inp: torch.Tensor, start: int, want_routes: bool, want_gates: bool = False):
+        gates = [] if want_gates else None
+        logits, routes = self.lean.forward(cache, inp, start, want_routes, gates_out=gates)
+        return logits, routes, gates
 
     def idle(self) -> None:
         """Nothing to keep in step with."""
@@ -432,7 +446,7 @@ class EmbeddedEngine:
         model = self.policy.model
         was_training = model.training
         model.eval()
-        chunks, routes = [], []
+        chunks, routes, gates = [], [], []
         self.decoder.begin()  # collective under EP with the lean decoder: every rank calls generate
         self._calls += 1
         self.route_noise.reseed(noise_seed(sampling.seed, self._calls))
@@ -442,23 +456,31 @@ class EmbeddedEngine:
                 for c in range(n_chunks):
                     i, j = spans[c] if c < len(spans) else (0, 0)
                     chunk = _Chunk(self, rows[i:j], gens[i:j], sampling) if j > i else None
-                    chunk_routes = self._run_chunk(chunk, sampling.return_routes)
+                    chunk_routes, chunk_gates = self._run_chunk(chunk, sampling)
                     if chunk is not None:
                         chunks.append(chunk)
                         routes.append(chunk_routes)
+                        gates.append(chunk_gates)
         finally:
             model.train(was_training)
             self.policy.route_noise = trainer_noise  # the trainer's forwards keep their own noise
-        return self._assemble(chunks, routes, prompts, n, sampling, time.perf_counter() - t_start)
+        return self._assemble(chunks, routes, gates, prompts, n, sampling, time.perf_counter() - t_start)
 
-    def _run_chunk(self, chunk: _Chunk | None, want_routes: bool) -> torch.Tensor | None:
-        """Step until no rank has live rows; return the chunk's routes [b, T, L, K] if asked."""
+    def _run_chunk(
+        self, chunk: _Chunk | None, sampling: SamplingParams
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Step until no rank has live rows; return the chunk's routes [b, T, L, K] and their gates
+        (float32), each if asked (else None)."""
         from moe_rl.megatron.routing import RoutingSession
         from moe_rl.routing import RouterAction
 
-        decoder = self.decoder
+        decoder, want_routes = self.decoder, sampling.return_routes
         by_session = want_routes and chunk is not None and decoder.routes_from_session
-        session = RoutingSession(self.policy, RouterAction.NATURAL) if by_session else None
+        session = (
+            RoutingSession(self.policy, RouterAction.NATURAL, capture_gates=sampling.return_gates)
+            if by_session
+            else None
+        )
         busy = lambda: chunk is not None and not chunk.finished  # noqa: E731
         with session or contextlib.nullcontext():
             try:
@@ -470,14 +492,19 @@ class EmbeddedEngine:
                         if chunk is not None:
                             chunk.log.append(None)
                             chunk.route_steps.append(None)
+                            chunk.gate_steps.append(None)
             finally:
                 if chunk is not None:
                     decoder.release(chunk.cache)
         if not want_routes or chunk is None:
-            return None
-        cfg = self.policy.cfg
+            return None, None
+        layers, topk = self.policy.num_moe_layers, self.policy.cfg.moe_router_topk
         steps = session.natural_steps() if session is not None else chunk.route_steps
-        return chunk.routes_bTLK(steps, self.policy.num_moe_layers, cfg.moe_router_topk)
+        routes = chunk.routes_bTLK(steps, layers, topk)
+        if not sampling.return_gates:
+            return routes, None
+        steps = session.natural_gate_steps() if session is not None else chunk.gate_steps
+        return routes, chunk.routes_bTLK(steps, layers, topk, dtype=torch.float32)
 
     def _check(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> None:
         if n < 1:
@@ -496,7 +523,14 @@ class EmbeddedEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
 
     def _assemble(
-        self, chunks: list[_Chunk], routes: list, prompts, n: int, sampling: SamplingParams, wall_s: float
+        self,
+        chunks: list[_Chunk],
+        routes: list,
+        gates: list,
+        prompts,
+        n: int,
+        sampling: SamplingParams,
+        wall_s: float,
     ) -> Rollouts:
         from moe_rl.routing.codec import encode_routes
 
@@ -522,11 +556,13 @@ class EmbeddedEngine:
         tokens = torch.cat([_fit_T(c.tokens_bT, width) for c in chunks])
         tokens = torch.where(t_idx < total[:, None], tokens, torch.full_like(tokens, self.pad_id))
         logp = torch.cat([_fit_T(c.logp_bT, width) for c in chunks]) * resp
-        routes_BTLK = None
+        routes_BTLK = gates_BTLK = None
         if sampling.return_routes:
             routes_BTLK = encode_routes(
                 torch.cat([_fit_T(r, width) for r in routes]), self.policy.cfg.num_experts
             )
+        if sampling.return_gates:
+            gates_BTLK = torch.cat([_fit_T(g, width) for g in gates])
         generated = int(resp.sum().item())
         extras = {
             "prefill_s": sum(c.prefill_s for c in chunks),
@@ -549,6 +585,7 @@ class EmbeddedEngine:
             weight_version=self.weight_version,
             prompt_index_B=torch.arange(len(prompts)).repeat_interleave(n),
             routes_BTLK=routes_BTLK,
+            gates_BTLK=gates_BTLK,
             pad_id=self.pad_id,
             extras=extras,
         )

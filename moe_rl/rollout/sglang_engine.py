@@ -123,6 +123,11 @@ class SGLangEngine:
             raise ValueError(f"generate needs prompts and n >= 1, got {len(prompts)} prompts, n={n}")
         if sampling.return_routes and None in (self.num_layers, self.topk, self.num_experts):
             raise ValueError("return_routes needs SGLangEngine(num_layers=, topk=, num_experts=)")
+        if sampling.return_gates:
+            raise ValueError(
+                "return_gates: SGLang returns the routed experts' ids, not their gate weights "
+                "(Rollouts.gates_BTLK): use the embedded engine for algo.replay_gate_weights"
+            )
         if sampling.seed is not None and not self._seed_checked:
             self._check_seeds_honoured()
         if self.auto_memory:

@@ -11,6 +11,10 @@ Alignment conventions, shared by every engine and the trainer:
 - ``routes_BTLK[b, t]`` are the K experts chosen in each MoE layer when token t is the
   model's *input*, for t < total_len[b] - 1 (the last token is never fed through the
   model, so SGLang returns total_len - 1 rows); other rows are 0.
+- ``gates_BTLK[b, t, l, k]`` (embedded engine only, when asked) is the gate weight the engine
+  gave expert ``routes_BTLK[b, t, l, k]`` of token t: the router's output probability of that
+  expert, with which its output was mixed (under routing noise, the clean score of the chosen
+  expert); 0 where routes are 0.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class SamplingParams:
     "Base seed; sample j of the batch uses seed + j, so rollouts are reproducible."
     return_routes: bool = False
     "Return the routed experts of every token (needed for R3 and disagreement metrics)."
+    return_gates: bool = False
+    "Also return their gate weights (``Rollouts.gates_BTLK``; R3 with algo.replay_gate_weights; the embedded engine only)."
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -52,6 +58,10 @@ class SamplingParams:
             raise ValueError(f"sampling.top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.return_gates and not self.return_routes:
+            raise ValueError(
+                "sampling.return_gates=True needs return_routes=True: gates are those of the routes"
+            )
 
 
 @dataclass(kw_only=True)
@@ -76,6 +86,8 @@ class Rollouts:
     "int64 index of the row's prompt in the generate() call (rows of a group are adjacent)."
     routes_BTLK: torch.Tensor | None = None
     "uint8/int16 routed experts per input token and MoE layer, or None."
+    gates_BTLK: torch.Tensor | None = None
+    "float32 gate weights of ``routes_BTLK``'s experts, slot for slot, or None (SGLang returns none)."
     pad_id: int = 0
     "Padding token id."
     extras: dict = field(default_factory=dict)

@@ -120,14 +120,29 @@ class Run:
             (self.out / "recipe.yaml").write_text(yaml.safe_dump(to_dict(self.recipe), sort_keys=False))
 
     def make_optimizer(self, stage: str) -> None:
-        """A fresh optimizer for ``stage``: RL does not inherit the SFT stage's Adam moments."""
+        """A fresh optimizer for ``stage``: RL does not inherit the SFT stage's Adam moments. In
+        RL with ``train.freeze_router`` it never changes the routers (:meth:`frozen_for`)."""
         from moe_rl.megatron.optim import Optimizer
 
         cfg = self.recipe.optim
         lr = self.recipe.train.sft_lr
         if stage == "sft" and lr is not None:
             cfg = replace(cfg, lr=lr, min_lr=min(cfg.min_lr, lr))
-        self.optimizer = Optimizer(self.policy.model, cfg, self.info)
+        self.optimizer = Optimizer(self.policy.model, cfg, self.info, frozen=self.frozen_for(stage))
+
+    def frozen_for(self, stage: str) -> tuple[torch.nn.Parameter, ...]:
+        """The parameters ``stage``'s optimizer leaves as they are: with ``train.freeze_router``, in
+        the RL stage, every parameter of every MoE router (the weight; a bias if one had any). SFT
+        trains them: an RL arm with the router frozen starts from the same SFT weights as the others."""
+        if stage != "rl" or not self.recipe.train.freeze_router:
+            return ()
+        for router in self.policy.routers:
+            if getattr(router, "expert_bias", None) is not None:  # updated outside the optimizer
+                raise NotImplementedError(
+                    "train.freeze_router: this router has an expert bias (moe_router_enable_expert_bias), "
+                    "which megatron-core updates outside the optimizer; moe-rl does not build such routers"
+                )
+        return tuple(p for router in self.policy.routers for p in router.parameters())
 
     def add_hook(self, hook: StepHook | Callable[[OptimizerStep], object]) -> StepHook:
         """Seam 1: call ``hook`` after each optimizer step of this run (a :class:`StepHook`, or a
@@ -154,9 +169,9 @@ class Run:
         and ``train`` sections replaced. The sections those shared parts were built from
         (:data:`SHARED_SECTIONS`) must not change: build a new :class:`Run` for another model.
 
-        - Optimizer: shared, unless the ``optim`` section changed or ``new_optimizer`` (fresh Adam
-          moments, e.g. after loading a start checkpoint): then a new one for the current stage
-          (:meth:`make_optimizer`).
+        - Optimizer: shared, unless the ``optim`` section or ``train.freeze_router`` changed, or
+          ``new_optimizer`` (fresh Adam moments, e.g. after loading a start checkpoint): then a new
+          one for the current stage (:meth:`make_optimizer`).
         - ``engine``: serve rollouts from this engine instead (a benchmark's recording wrapper
           or recorded rollouts), whose routes count as given when ``engine_gives_routes``; the
           caller closes it.
@@ -181,7 +196,8 @@ class Run:
             out.engine = engine
         if engine_gives_routes is not None:
             out.engine_gives_routes = engine_gives_routes
-        if new_optimizer or new.optim != self.recipe.optim:
+        frozen_changed = new.train.freeze_router != self.recipe.train.freeze_router
+        if new_optimizer or new.optim != self.recipe.optim or frozen_changed:
             out.make_optimizer(out.state.stage or "rl")
         return out
 

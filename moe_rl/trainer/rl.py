@@ -75,6 +75,8 @@ class RLBatch:
     old_routes_BSLK: torch.Tensor | None  # pi_old's natural routes, for drift
     is_weights: torch.Tensor | None = None  # train-inference correction, [B, T] or [B] (detached)
     probe_before_BSLK: torch.Tensor | None = None  # the probe rows' natural routes under pi_old
+    # the engine's gate weights, replayed with replay_BSLK (R3 with algo.replay_gate_weights)
+    replay_gates_BSLK: torch.Tensor | None = None
 
     @property
     def lens_B(self) -> torch.Tensor:
@@ -147,7 +149,7 @@ def generate(run: Run, step: int) -> tuple[list[Prompt], Rollouts]:
     cfg = run.recipe.train
     prompts = local_prompts(run, run.task.sample(step, cfg.prompts_per_step, run.recipe.task.seed))
     want_routes = run.recipe.algo.routing == "r3" or run.engine_gives_routes
-    sampling = sampling_for(run, step, routes=want_routes)
+    sampling = sampling_for(run, step, routes=want_routes, gates=run.recipe.algo.replay_gate_weights)
     return prompts, run.generate(encode_prompts(run, prompts), cfg.group_size, sampling)
 
 
@@ -169,8 +171,11 @@ def score(run: Run, prompts: list[Prompt], rollouts: Rollouts) -> tuple[torch.Te
     return adv_B, metrics
 
 
-def sampling_for(run: Run, step: int, *, greedy: bool = False, routes: bool = False) -> SamplingParams:
-    """Sampling of step ``step``: its seed is a function of ``train.seed`` and the step only."""
+def sampling_for(
+    run: Run, step: int, *, greedy: bool = False, routes: bool = False, gates: bool = False
+) -> SamplingParams:
+    """Sampling of step ``step``: its seed is a function of ``train.seed`` and the step only.
+    ``routes`` asks the engine for its routes, ``gates`` for their gate weights too."""
     cfg = run.recipe.train
     seed = make_rng("rollout", cfg.seed, step).randrange(2**31)
     return SamplingParams(
@@ -179,7 +184,8 @@ def sampling_for(run: Run, step: int, *, greedy: bool = False, routes: bool = Fa
         max_new_tokens=cfg.max_new_tokens,
         stop_token_ids=(run.tok.eos_id,),
         seed=seed,
-        return_routes=routes,
+        return_routes=routes or gates,
+        return_gates=gates,
     )
 
 
@@ -215,13 +221,14 @@ def old_policy(run: Run, rollouts: Rollouts, adv_B: torch.Tensor) -> tuple[RLBat
     positions_S = torch.arange(s, device=tokens_BT.device)
     valid_BS = (positions_S[None, :] < (rollouts.total_lens_B[:, None] - 1)).float()
     rollout_routes_BSLK = engine_routes(run, rollouts)
+    gates_BSLK = engine_gates(run, rollouts) if algo.replay_gate_weights else None  # R3 only (config)
     rollout_logp_BT = rollouts.logprobs_BT
     old_logp_BT, is_weights, metrics = rollout_logp_BT, None, {}
     lens_B = valid_BS.sum(1).to(torch.int64)
     probe_before_BSLK = None
     if algo.old_logprobs == "recompute" or algo.routing == "r2":
         recomputed_BT, old_routes_BSLK, recorded_BSLK = old_policy_pass(
-            run, tokens_BT, rollout_routes_BSLK, lens_B
+            run, tokens_BT, rollout_routes_BSLK, lens_B, gates_BSLK
         )
         probe_before_BSLK = reused_probe_before(run, old_routes_BSLK, rollout_routes_BSLK, valid_BS)
         replay_BSLK = recorded_BSLK if algo.routing == "r2" else rollout_routes_BSLK
@@ -238,6 +245,7 @@ def old_policy(run: Run, rollouts: Rollouts, adv_B: torch.Tensor) -> tuple[RLBat
         tokens_BT, mask_BT, valid_BS, adv_B, old_logp_BT, replay_BSLK, old_routes_BSLK, is_weights
     )
     batch.probe_before_BSLK = probe_before_BSLK
+    batch.replay_gates_BSLK = gates_BSLK
     return batch, metrics
 
 
@@ -258,6 +266,27 @@ def engine_routes(run: Run, rollouts: Rollouts) -> torch.Tensor | None:
         num_experts=m.num_experts,
         engine=engine,
     )
+
+
+def engine_gates(run: Run, rollouts: Rollouts) -> torch.Tensor:
+    """The engine's gate weights of its routes' experts ``[B, S, L, K]`` (float32), for
+    ``algo.replay_gate_weights``: slot for slot those of :func:`engine_routes`."""
+    engine = getattr(run.engine, "name", type(run.engine).__name__)
+    gates, routes = rollouts.gates_BTLK, rollouts.routes_BTLK
+    if gates is None:
+        raise ValueError(
+            f"algo.replay_gate_weights=true but engine {engine} returned no gate weights "
+            "(Rollouts.gates_BTLK): use the embedded engine (rollout.engine=embedded) or set "
+            "algo.replay_gate_weights=false"
+        )
+    if routes is None or gates.shape != routes.shape:
+        raise ValueError(
+            f"engine {engine}: gates_BTLK {tuple(gates.shape)} must match routes_BTLK "
+            f"{None if routes is None else tuple(routes.shape)} slot for slot"
+        )
+    if not bool(torch.isfinite(gates).all()):
+        raise ValueError(f"engine {engine}: gates_BTLK holds non-finite gate weights")
+    return gates[:, : rollouts.tokens_BT.shape[1] - 1].float()
 
 
 def _mismatch(
@@ -284,10 +313,15 @@ def _mismatch(
 
 
 def old_policy_pass(
-    run: Run, tokens_BT: torch.Tensor, rollout_routes_BSLK: torch.Tensor | None, lens_B: torch.Tensor
+    run: Run,
+    tokens_BT: torch.Tensor,
+    rollout_routes_BSLK: torch.Tensor | None,
+    lens_B: torch.Tensor,
+    rollout_gates_BSLK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """pi_old's ``logp_BT``, its natural ``routes_BSLK`` and (R2) the recorded routes, micro-batch
-    by micro-batch (R3 replays the rollout's routes). ``lens_B``: the rows' input lengths.
+    by micro-batch (R3 replays the rollout's routes, and with ``rollout_gates_BSLK`` their gate
+    weights, as the training forwards do). ``lens_B``: the rows' input lengths.
 
     The flip-probe rows (the first ``train.flip_probe_sequences``) form micro-batches of their
     own, split as :func:`natural_routes` splits them: under natural routing (none, R2), and under
@@ -299,8 +333,10 @@ def old_policy_pass(
     logps, naturals, recorded = [], [], []
     for rows in micro_batches(run, lens_B, 0, n_probe) + micro_batches(run, lens_B, n_probe, b):
         routes = rollout_routes_BSLK[rows] if action is RouterAction.REPLAY else None
+        gates = rollout_gates_BSLK[rows] if routes is not None and rollout_gates_BSLK is not None else None
         pack = packed(run, tokens_BT[rows], lens_B[rows])
-        with torch.no_grad(), RoutingSession(run.policy, action, routes_BSLK=routes, pack=pack) as session:
+        session = RoutingSession(run.policy, action, routes_BSLK=routes, gates_BSLK=gates, pack=pack)
+        with torch.no_grad(), session:
             out = run.policy.logprobs(tokens_BT[rows], temperature=run.recipe.train.temperature, pack=pack)
         logps.append(out.logp_BT)
         naturals.append(session.natural_BSLK(rows.stop - rows.start, s))
@@ -326,12 +362,20 @@ def reused_probe_before(
     so it dispatched the same tokens with the same gates, and by induction over layers every router
     saw the hidden states of the natural forward: the captures are that forward's routes, bit for
     bit. One differing slot (e.g. a rollout in another precision) and the probe runs its forward.
+    With the engine's gate weights replayed (``algo.replay_gate_weights``) the gates are not the
+    natural forward's: never reused.
     """
     n = probe_rows(run, natural_BSLK.shape[0])
     natural_BSLK = natural_BSLK[:n]
-    if run.recipe.algo.routing != "r3":
+    algo = run.recipe.algo
+    if algo.routing != "r3":
         return natural_BSLK
-    if replayed_BSLK is None or not run.recipe.train.packing or run.info.tp_size > 1:
+    if (
+        replayed_BSLK is None
+        or algo.replay_gate_weights
+        or not run.recipe.train.packing
+        or run.info.tp_size > 1
+    ):
         return None
     same_BS = (natural_BSLK == replayed_BSLK[:n].to(natural_BSLK)).all(-1).all(-1)
     return natural_BSLK if bool(same_BS[valid_BS[:n].bool()].all()) else None
@@ -456,9 +500,12 @@ def _micro_step(
     cfg, algo = run.recipe.train, run.recipe.algo
     replay_BSLK = batch.replay_BSLK[rows] if algo.routing != "none" else None
     action = RouterAction.REPLAY if replay_BSLK is not None else RouterAction.NATURAL
+    gates = batch.replay_gates_BSLK
+    gates_BSLK = gates[rows] if replay_BSLK is not None and gates is not None else None
     mask_BT = batch.mask_BT[rows]
     pack = packed(run, batch.tokens_BT[rows], batch.lens_B[rows])
-    with RoutingSession(run.policy, action, routes_BSLK=replay_BSLK, pack=pack) as session:
+    session = RoutingSession(run.policy, action, routes_BSLK=replay_BSLK, gates_BSLK=gates_BSLK, pack=pack)
+    with session:
         out = run.policy.logprobs(
             batch.tokens_BT[rows], temperature=cfg.temperature, with_entropy=True, pack=pack
         )

@@ -258,10 +258,17 @@ def test_override_refused(cli, tmp_path, name):
     assert_kept(before, tmp_path)
 
 
-def test_replay_gate_weights_is_refused_until_it_is_wired():
-    """A documented field the RL step never read was a trap: a run with it on replayed no gates."""
+def test_replay_gate_weights_is_refused_without_r3_or_with_an_engine_that_returns_no_gates():
+    """The engine's gates are replayed with its routes (R3 only), and only the embedded engine returns
+    them (``Rollouts.gates_BTLK``): other settings are refused at load, naming the field and the fix."""
     from moe_rl.config import ConfigError, recipe_from_dict
 
-    with pytest.raises(ConfigError, match=r"algo.replay_gate_weights=true is not wired.*set it false"):
-        recipe_from_dict({}, ["algo.replay_gate_weights=true"])
-    assert recipe_from_dict({}, ["algo.replay_gate_weights=false"]).algo.replay_gate_weights is False
+    for routing in ("none", "r2"):
+        with pytest.raises(
+            ConfigError, match=rf"replay_gate_weights=true .*algo.routing={routing}.*routing=r3"
+        ):
+            recipe_from_dict({}, ["algo.replay_gate_weights=true", f"algo.routing={routing}"])
+    with pytest.raises(ConfigError, match=r"gates_BTLK.*SGLang.*rollout.engine=embedded or set algo.replay"):
+        recipe_from_dict({}, ["algo.replay_gate_weights=true", "algo.routing=r3", "rollout.engine=sglang"])
+    algo = recipe_from_dict({}, ["algo.replay_gate_weights=true", "algo.routing=r3"]).algo
+    assert algo.replay_gate_weights and algo.routing == "r3"
