@@ -122,15 +122,15 @@ MUTANTS = (
     Mutant(
         "replayed gate weights passed but not used",
         "moe_rl/megatron/routing.py",
-        "return fixed + probs * 0, routing_map",
+        "return probs + (fixed - probs).detach(), routing_map",
         "return output",
         ("tests/unit/test_replay_gates.py",),
     ),
     Mutant(
-        "replayed gate weights drop the router's aux loss",
+        "replayed gate weights as constants (the router gets no policy gradient)",
         "moe_rl/megatron/routing.py",
+        "return probs + (fixed - probs).detach(), routing_map",
         "return fixed + probs * 0, routing_map",
-        "return fixed, routing_map",
         ("tests/unit/test_replay_gates.py",),
     ),
     Mutant(

@@ -270,7 +270,7 @@ class AlgoConfig:
     routing: Literal["none", "r2", "r3"] = "none"
     "Routing replay: none | r2 (replay trainer-recorded routes) | r3 (replay rollout-engine routes)."
     replay_gate_weights: bool = False
-    "R3 only: also replay the gate weights the engine mixed the experts with (Rollouts.gates_BTLK; the embedded engine returns them, SGLang does not), in the pi_old recompute and in training, instead of recomputing them from the live router; the router then gets no policy gradient, only its aux and z losses reach it (docs/algorithms.md#replayed-gate-weights)."
+    "R3 only: also replay the gate weights the engine mixed the experts with (Rollouts.gates_BTLK; the embedded engine returns them, SGLang does not), in the pi_old recompute and in training, instead of recomputing them from the live router; used straight through (the backward takes the live gates' gradient), so the router keeps learning (docs/algorithms.md#replayed-gate-weights)."
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     "Source of pi_old log-probs: recompute (trainer forward) | rollout (engine log-probs, bypass mode)."
     rollout_correction: RolloutCorrection = "none"

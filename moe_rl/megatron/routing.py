@@ -258,9 +258,11 @@ class RoutingSession:
                 probs, routing_map = output
                 idx = module.router_replay.target_topk_idx.to(probs.device)
                 fixed = torch.zeros_like(probs).scatter(1, idx, rows_g.to(probs))
-                # probs * 0 keeps the router's graph: megatron attaches its aux loss to probs
-                # (MoEAuxLossAutoScaler), whose gradient still reaches the router; the gates give none
-                return fixed + probs * 0, routing_map
+                # straight through: the forward mixes the experts with the replayed gates, the
+                # backward takes the live gates' gradient, so the router keeps learning (replayed
+                # as constants, it would get no policy gradient at all); probs stays in the graph,
+                # where megatron attaches its aux loss (MoEAuxLossAutoScaler)
+                return probs + (fixed - probs).detach(), routing_map
 
             self._hooks.append(("hook", router.register_forward_hook(replay_gates)))
 
