@@ -88,13 +88,14 @@ def run_overrides(plan: dict, cell: str, arm: str, seed: int, steps: int | None 
 
 
 def run_specs(plan: dict, root: Path = RUNS, cells: list[str] | None = None) -> list[RunSpec]:
-    """Every run of the plan in its ``order`` (each entry's arms, every seed)."""
+    """Every run of the plan in its ``order`` (each entry's arms, every seed), seed by seed within
+    an entry: a partial sweep holds whole seed-paired sets of the entry's arms."""
     out = []
     for entry in plan["order"]:
         if cells and entry["cell"] not in cells:
             continue
-        for arm in entry["arms"]:
-            for seed in plan["seeds"]:
+        for seed in plan["seeds"]:
+            for arm in entry["arms"]:
                 out.append(
                     RunSpec(entry["cell"], arm, seed, root / entry["cell"] / f"{arm_dir(arm)}-s{seed}")
                 )

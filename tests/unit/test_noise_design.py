@@ -34,7 +34,13 @@ def test_every_run_carries_its_cell_arm_and_seed():
     assert "model.num_experts=2" in noise.start_overrides_of(PLAN, "dense-noise")
     specs = noise.run_specs(PLAN)
     assert len({s.out for s in specs}) == len(specs)
-    assert [(s.cell, s.arm) for s in specs[:6]] == [("moe-noise", "GRPO")] * 6  # deciding runs first
+    # the deciding runs first, seed by seed: a partial sweep holds whole paired sets
+    assert [(s.cell, s.arm, s.seed) for s in specs[:4]] == [
+        ("moe-noise", "GRPO", 100),
+        ("moe-noise", "GRPO+R3", 100),
+        ("moe-noise", "CHAOS", 100),
+        ("moe-noise", "GRPO", 101),
+    ]
     with pytest.raises(KeyError, match="unknown arm"):
         noise.arm_sections(PLAN, "GRPO+R9")
 
