@@ -1,4 +1,5 @@
-"""The ``moe-rl`` command: train | check | serve | plan | export | bench | demo | report. ``moe-rl -h`` lists them."""
+"""The ``moe-rl`` command: train | check | serve | plan | export | bench | demo | compare | report. ``moe-rl -h``
+lists them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 from moe_rl.argparsing import ArgParser, one_line_errors
 
@@ -80,6 +82,85 @@ def cmd_demo(args) -> int:
     if args.jobs is not None and args.jobs < 1:
         raise UserError(f"--jobs must be >= 1, got {args.jobs}: give how many arms run at a time")
     print(run_demo(args.recipe, args.overrides, out=args.out, jobs=args.jobs))
+    return 0
+
+
+def compare_parser() -> argparse.ArgumentParser:
+    """``moe-rl compare``'s own parser: options and overrides in any order (parse_intermixed_args)."""
+    p = ArgParser(
+        prog="moe-rl compare",
+        description="Arms of the arm table side by side on RECIPE, N seeds each, from one SFT start "
+        "(trained once when the recipe has an sft stage); live progress; a seed-paired table "
+        "(compare.csv / .md / .json) and compare.png in --out. Rerunning the command skips the "
+        "runs that finished and continues the stopped ones.",
+    )
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*", help="section.field=value, for every run (and the SFT start)")
+    p.add_argument(
+        "--arms",
+        default="GRPO,GRPO+R3,GSPO",
+        help="comma-separated arms of moe_rl/lab/arms.py ARMS: GRPO, GRPO+R2, GRPO+R3, GRPO+TIS, GSPO, "
+        "GSPO+R2 (default: %(default)s); the first is the one the others are compared with",
+    )
+    p.add_argument("--seeds", default="1", help="seeds (paired replicates) per arm (default: 1)")
+    p.add_argument(
+        "--jobs",
+        default=None,
+        help="runs at a time (default: one per arm; 1: one after another, in this process)",
+    )
+    p.add_argument(
+        "--out", default=None, help="where the runs and the results go (default: the recipe's train.out_dir)"
+    )
+    p.add_argument("--status-every", default="20", help="seconds between status lines (default: 20)")
+    return p
+
+
+def cmd_compare(args) -> int:
+    from moe_rl.errors import PathError, UserError
+    from moe_rl.lab.compare import parse_arms, parse_count, run_compare
+    from moe_rl.lab.runner import stop_cleanly
+
+    if not Path(args.recipe).is_file():
+        raise PathError(
+            f"compare recipe {args.recipe} is not a file: give a recipe such as recipes/compare_tiny.yaml"
+        )
+    arms = parse_arms(args.arms)
+    seeds = parse_count(args.seeds, "--seeds", "how many seeds each arm runs")
+    jobs = None if args.jobs is None else parse_count(args.jobs, "--jobs", "how many runs train at a time")
+    try:
+        every = float(args.status_every)
+    except ValueError:
+        every = -1.0
+    if not every > 0:
+        raise UserError(f"--status-every {args.status_every!r}: give a number of seconds > 0")
+    done: dict = {}
+    code = stop_cleanly(
+        lambda: done.update(
+            run_compare(
+                args.recipe,
+                args.overrides,
+                arms=arms,
+                seeds=seeds,
+                jobs=jobs,
+                out=args.out,
+                status_every=every,
+            )
+        )
+    )
+    if code:
+        return code
+    files = done["files"]
+    print(f"\n{done['table']}\n")
+    print(
+        f"{done['wall_s']:.0f}s; table: {files['md']}, {files['csv']}, {files['json']}; picture: {files['png']}"
+    )
+    if done["failed"]:
+        names = ", ".join(f"{j.label} ({j.log_file})" for j in done["failed"])
+        print(
+            f"moe-rl: {len(done['failed'])} run(s) failed: {names}; the same command retries them",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -247,6 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--jobs", type=int, default=None, help="arms at a time (default: all)")
     d.add_argument("overrides", nargs="*")
     d.set_defaults(fn=cmd_demo)
+    sub.add_parser(
+        "compare",
+        help="arms side by side on a recipe, N seeds each, from one SFT start; seed-paired table and "
+        "picture; moe-rl compare -h",
+    )
     b = sub.add_parser("bench", help="run a benchmark: moe-rl bench NAME --preset P (see benchmarks/)")
     b.add_argument("name")
     b.add_argument("args", nargs=argparse.REMAINDER)
@@ -285,6 +371,9 @@ def _dispatch(argv: list[str], verbose: bool) -> int:
         from moe_rl.serve.embedded import main as serve_main
 
         return serve_main(argv[1:])
+    if argv[:1] == ["compare"]:  # its own parser: options and overrides in any order
+        _setup_logging(verbose)
+        return cmd_compare(compare_parser().parse_intermixed_args(argv[1:]))
     args = build_parser().parse_args(["-v", *argv] if verbose else argv)
     _setup_logging(args.verbose)
     return args.fn(args)

@@ -9,5 +9,6 @@ imports this package).
 - :mod:`moe_rl.lab.collapse`: the fixed collapse criterion and its verdict;
 - :mod:`moe_rl.lab.report`: metrics read back, tables and pictures (``moe-rl report``);
 - :mod:`moe_rl.lab.demo`: ``moe-rl demo``;
+- :mod:`moe_rl.lab.compare`: ``moe-rl compare`` (arms x seeds on a recipe, a seed-paired table);
 - :mod:`moe_rl.lab.stats`: means and least-squares fits.
 """

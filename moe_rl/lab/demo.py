@@ -41,26 +41,29 @@ MARKER = ".moe-rl-demo"
 "Written into a demo's ``out``: the folder is the demo's own (a rerun may write into it)."
 
 
-def check_out(out: Path) -> None:
-    """Refuse an ``out`` holding anything the demo did not write (a user's folders or files)."""
+def check_out(
+    out: Path, *, command: str = "demo", marker: str = MARKER, writes: str = "a folder per arm and report.png"
+) -> None:
+    """Refuse an ``out`` holding anything ``command`` did not write (a user's folders or files):
+    one without ``command``'s ``marker`` (:func:`claim_out`) that is not empty."""
     if out.exists() and not out.is_dir():
-        raise PathError(f"demo --out {out} is a file: give a new or empty folder")
-    if out.is_dir() and not (out / MARKER).exists():
+        raise PathError(f"{command} --out {out} is a file: give a new or empty folder")
+    if out.is_dir() and not (out / marker).exists():
         theirs = sorted(p.name for p in out.iterdir())
         if theirs:
             shown = ", ".join(theirs[:3]) + (f" and {len(theirs) - 3} more" if len(theirs) > 3 else "")
             raise PathError(
-                f"demo --out {out} holds files the demo did not write ({shown}): give a new or empty folder "
-                "(the demo writes a folder per arm and report.png there)"
+                f"{command} --out {out} holds files the {command} did not write ({shown}): give a new or "
+                f"empty folder (the {command} writes {writes} there)"
             )
 
 
-def claim_out(out: Path, recipe: Path, overrides: list[str]) -> None:
-    """Mark ``out`` (checked by :func:`check_out`) the demo's."""
+def claim_out(out: Path, recipe: Path, overrides: list[str], *, marker: str = MARKER) -> None:
+    """Mark ``out`` (checked by :func:`check_out`) as its command's (``marker``: the demo's by default)."""
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f"{MARKER}.tmp"
+    tmp = out / f"{marker}.tmp"
     tmp.write_text(json.dumps({"recipe": str(recipe), "overrides": overrides}))
-    tmp.replace(out / MARKER)
+    tmp.replace(out / marker)
 
 
 def check_arms(recipe: Path, overrides: list[str]) -> None:

@@ -8,6 +8,8 @@ many at a time in a pool, with the CPU seconds each took.
 - :func:`run_arm` runs one RL arm from a start and says how it ended; :func:`resumable_run` does
   so unless an earlier invocation finished it (:data:`STATUS_FILE`);
 - :func:`in_pool` and :func:`run_when_ready` run many, ``jobs`` at a time;
+- :func:`forwarding_signals` passes SIGTERM / SIGINT / SIGHUP on to every child run (each saves at
+  its next step), :func:`stop_cleanly` ends the command with 128 + the signal;
 - :func:`read_arm` reads an arm's metrics back.
 """
 
@@ -19,12 +21,15 @@ import logging
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from moe_rl.trainer.signals import SIGNALS
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +56,74 @@ def run_child(cmd: list[str], env: dict | None = None, *, log_file: Path | None 
     :func:`cpu_seconds`)."""
     with open(log_file, "w") if log_file else contextlib.nullcontext() as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
+        _LIVE.add(proc)
         try:
+            for stop in list(_FORWARDING):  # a stop asked for before this child was in _LIVE
+                if stop.signum:
+                    _send(proc, stop.signum)
             _, status, usage = os.wait4(proc.pid, 0)
         except BaseException:  # interrupted: do not leave the child running
             proc.kill()
             proc.wait()
             raise
+        finally:
+            _LIVE.discard(proc)
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:
         raise subprocess.CalledProcessError(proc.returncode, cmd)
     return usage.ru_utime + usage.ru_stime
+
+
+_LIVE: set[subprocess.Popen] = set()
+"The child processes :func:`run_child` is waiting on (what :func:`forwarding_signals` signals)."
+_FORWARDING: list[Forwarded] = []
+"The :func:`forwarding_signals` blocks in force (a child started after a stop gets it too)."
+
+
+class Forwarded:
+    """What :func:`forwarding_signals` saw: ``signum``, the first stop signal (0: none yet)."""
+
+    signum: int = 0
+
+
+def _send(proc: subprocess.Popen, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+        os.kill(proc.pid, signum)
+
+
+@contextlib.contextmanager
+def forwarding_signals():
+    """While inside, SIGTERM, SIGINT and SIGHUP sent to this process are passed on to every child
+    :func:`run_child` is waiting on, and to any it starts later: each ``moe-rl train`` child saves
+    at its next step and exits with 128 + the signal (trainer/signals.py), so none is orphaned.
+    The first signal is recorded in the yielded :class:`Forwarded`: the caller starts no new run
+    and ends with 128 + it (:func:`stop_cleanly`). A run in this process installs the trainer's
+    own handlers while it trains (they stop it the same way). Outside the main thread (where Python
+    installs no handlers) nothing is installed."""
+    state = Forwarded()
+    if threading.current_thread() is not threading.main_thread():
+        yield state
+        return
+
+    def forward(signum, frame):
+        if not state.signum:
+            state.signum = signum
+            log.warning(
+                "%s received: passed on to %d running run(s); each stops after its step with a checkpoint",
+                signal.Signals(signum).name,
+                len(_LIVE),
+            )
+        for proc in list(_LIVE):
+            _send(proc, signum)
+
+    old = {s: signal.signal(s, forward) for s in SIGNALS}
+    _FORWARDING.append(state)
+    try:
+        yield state
+    finally:
+        _FORWARDING.remove(state)
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 def child_launch() -> str:

@@ -148,11 +148,13 @@ def warm_start(
     cache: Path = CACHE,
     launch: str | None = None,
     root: Path | None = None,
+    log_file: Path | None = None,
 ) -> tuple[Path, dict]:
     """The SFT start of ``base`` + ``overrides`` (trained now if none is found) and its info.
 
     It is trained into ``root`` (default ``<cache>/<sft_key>``), ``launch``-ed as
-    :func:`moe_rl.lab.runner.run_recipe` runs a recipe. The SFT saves every
+    :func:`moe_rl.lab.runner.run_recipe` runs a recipe (a launched one's output into ``log_file``
+    when given). The SFT saves every
     :data:`SFT_CHECKPOINT_EVERY` steps; one stopped or killed before its end (checkpoints but no
     :data:`INFO_FILE`) is resumed from its newest intact checkpoint."""
     from moe_rl.megatron.checkpoint import latest_checkpoint
@@ -173,7 +175,8 @@ def warm_start(
         shutil.rmtree(root, ignore_errors=True)
     t0, c0 = time.perf_counter(), cpu_seconds()
     sft = ["train.stages=[sft]", f"train.out_dir={root}", "checkpoint.dir=null", "checkpoint.load=null"]
-    run_recipe(base, [*overrides, *sft, f"checkpoint.every={SFT_CHECKPOINT_EVERY}"], launch, resume=resume)
+    ov = [*overrides, *sft, f"checkpoint.every={SFT_CHECKPOINT_EVERY}"]
+    run_recipe(base, ov, launch, resume=resume, log_file=log_file)
     rows = read_metrics(root / "metrics.jsonl", "sft")
     info = {
         "checkpoint": str(ckpt),

@@ -1,0 +1,667 @@
+"""``moe-rl compare RECIPE --arms GRPO,GRPO+R3,GSPO --seeds N``: arms of the arm table side by side
+on a user's recipe, N seeds each, from one start; a seed-paired table and a picture at the end.
+
+- **Arms** are :data:`moe_rl.lab.arms.ARMS` (an unknown name is one line listing them), each the
+  recipe plus the arm's ``algo`` overrides, as ``moe-rl train`` takes them.
+- **Seeds**: replicate ``s`` of every arm samples with the same ``train.seed`` and ``task.seed``
+  (:func:`moe_rl.lab.arms.arm_overrides`), so within a seed the arms differ only in ``algo``; each
+  seed is one paired comparison.
+- **One start**: a recipe whose ``train.stages`` has ``sft`` gets its SFT start trained once
+  (:func:`moe_rl.lab.starts.warm_start`, into ``<out>/starts/<sft_key>``, or a finished or shipped
+  start of the same SFT signature); every arm then runs ``train.stages=[rl]`` from it. A recipe
+  without an SFT stage runs the arms from the start it names (``model.hf_path`` or
+  ``checkpoint.load``).
+- **Resumable**: every run goes through :func:`moe_rl.lab.runner.resumable_run`, so the same
+  command again skips the runs that finished and resumes the ones stopped with a checkpoint.
+- **Live**: one line per run as it starts and ends, and every ``status_every`` seconds a status
+  line with each running run's step/steps, reward and latest held-out accuracy, read from its
+  ``metrics.jsonl``. A run's own output goes to ``<out>/<arm>/s<seed>.log``.
+- **Signals**: SIGTERM / SIGINT / SIGHUP are passed on to every child run
+  (:func:`moe_rl.lab.runner.forwarding_signals`): each saves at its next step, no further run
+  starts, and the command ends with 128 + the signal; the same command continues.
+- **Result**: per arm the final reward (mean of the last 5 steps), the final held-out accuracy and
+  the flip rates per router (``flip/step/router_rate``, ``flip/drift/router_rate``, means over the
+  steps), averaged over seeds, and each arm's difference to the first arm paired by seed
+  (:func:`moe_rl.lab.stats.paired`: mean, 95% t interval, sign-flip p), printed and written as
+  ``compare.csv``, ``compare.md`` and ``compare.json`` beside ``compare.png`` (reward and held-out
+  accuracy per arm: the median over seeds with a min-max band).
+
+With ``jobs`` 1 the runs train one after another in this process (the trainer's own signal
+handling stops them); with more, each is a ``moe-rl train`` child process, ``jobs`` at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import logging
+import math
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_rl.config import ConfigError, load_recipe
+from moe_rl.errors import UserError
+from moe_rl.lab.arms import ARMS, DEMO_ARMS, arm_dir, arm_overrides
+from moe_rl.lab.demo import check_out, claim_out
+from moe_rl.lab.report import series, summarize
+from moe_rl.lab.results import json_safe, write_json
+from moe_rl.lab.runner import (
+    STATUS_FILE,
+    forwarding_signals,
+    in_pool,
+    local_launch,
+    read_arm,
+    resumable_run,
+)
+from moe_rl.lab.starts import warm_start
+from moe_rl.lab.stats import mean, paired
+
+log = logging.getLogger(__name__)
+
+MARKER = ".moe-rl-compare"
+"Written into a comparison's ``out``: the folder is the command's own (a rerun may write into it)."
+STATUS_EVERY = 20.0
+"Seconds between two status lines."
+REWARD_SMOOTH = 5
+"Steps of the trailing mean of the picture's reward curves (the table's final reward: the last 5)."
+METRICS: dict[str, str] = {
+    "reward": "final reward (mean of the last 5 RL steps)",
+    "accuracy": "final held-out greedy accuracy",
+    "flip_step": "flip/step/router_rate (mean over RL steps)",
+    "flip_drift": "flip/drift/router_rate (mean over RL steps)",
+}
+"The table's per-run values, each averaged over an arm's seeds and paired by seed against the first arm."
+FINISHED = ("done", "stopped")
+"A run's end that has results (``stopped``: the trainer ended it on purpose, e.g. non-finite steps)."
+
+
+# -- the command line's values -----------------------------------------------------------------------
+def parse_arms(text: str) -> list[str]:
+    """``"GRPO,gspo"`` -> ``["GRPO", "GSPO"]`` (names of :data:`ARMS`, any case); an unknown, repeated
+    or missing name is a one-line error listing the arms."""
+    by_key = {name.lower(): name for name in ARMS}
+    names = [t.strip() for t in text.split(",")]
+    if not text.strip() or any(not t for t in names):
+        raise UserError(f"--arms {text!r}: give comma-separated arms of {', '.join(ARMS)}")
+    out = []
+    for t in names:
+        if t.lower() not in by_key:
+            raise UserError(f"--arms: unknown arm {t!r}: use one of {', '.join(ARMS)}")
+        if by_key[t.lower()] in out:
+            raise UserError(f"--arms: {by_key[t.lower()]} is named twice: give each arm once")
+        out.append(by_key[t.lower()])
+    return out
+
+
+def parse_count(text: str | int, flag: str, what: str) -> int:
+    """``text`` as a whole number >= 1 for ``flag``; anything else is a one-line error saying ``what``
+    it counts."""
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        value = None
+    if value is None or value < 1:
+        raise UserError(f"{flag} {text!r}: give a whole number >= 1 ({what})")
+    return value
+
+
+# -- the runs -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Job:
+    """One run of the comparison: ``arm``'s replicate ``seed`` into ``out``."""
+
+    arm: str
+    seed: int
+    out: Path
+
+    @property
+    def label(self) -> str:
+        return f"{self.arm} seed {self.seed}"
+
+    @property
+    def log_file(self) -> Path:
+        """Beside the run's folder (which a fresh run empties)."""
+        return self.out.parent / f"{self.out.name}.log"
+
+
+def plan_jobs(arms: list[str], seeds: int, out: Path) -> list[Job]:
+    """Every arm's every seed, seed by seed (the first seed of every arm first: a comparison cut
+    short still has whole seeds to pair)."""
+    return [Job(a, s, out / arm_dir(a) / f"s{s}") for s in range(seeds) for a in arms]
+
+
+def job_overrides(overrides: list[str], job: Job) -> list[str]:
+    """The recipe overrides of ``job``: the user's, then the arm's and the seed's."""
+    return [*overrides, *arm_overrides(job.arm, seed=job.seed)]
+
+
+def check_arms(recipe: Path, overrides: list[str], arms: list[str]) -> dict[str, int]:
+    """Every arm's RL recipe loads (a ConfigError naming the arm), before anything trains; returns
+    each arm's RL steps."""
+    steps = {}
+    for name in arms:
+        try:
+            r = load_recipe(recipe, [*overrides, *arm_overrides(name, seed=0), "train.stages=[rl]"])
+        except ConfigError as e:
+            raise ConfigError(f"compare arm {name}: {e}") from None
+        steps[name] = r.train.rl_steps
+    return steps
+
+
+def read_progress(path: Path, stage: str) -> dict:
+    """The newest ``stage`` progress of a run's ``metrics.jsonl`` while it is written: steps done,
+    reward and loss of the last step, the latest held-out accuracy (a half-written or unreadable
+    line is skipped; no file: ``{}``)."""
+    import json
+
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError:
+        return {}
+    out: dict = {}
+    for raw in lines:
+        try:
+            r = json.loads(raw)
+            step = int(r["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if r.get("stage") == stage:
+            out["done"] = step + 1
+            for key, name in (("reward/mean", "reward"), ("loss", "loss")):
+                if r.get(key) is not None:
+                    out[name] = r[key]
+        if r.get("stage") in ("rl", "rl_eval") and r.get("eval/accuracy") is not None:
+            out["acc"] = r["eval/accuracy"]
+    return out
+
+
+def _fmt(v, spec: str = ".3f") -> str:
+    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
+
+
+class Progress:
+    """The terminal lines: one per run as it starts and as it ends, and every ``every`` seconds a
+    status line of the running ones (from their ``metrics.jsonl``)."""
+
+    def __init__(self, total: int, every: float = STATUS_EVERY, stream=None):
+        self.total, self.every = total, every
+        self.stream = stream if stream is not None else sys.stdout
+        self.t0 = time.monotonic()
+        self.ended = 0
+        self.running: dict[str, tuple[Path, str, int]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def line(self, text: str) -> None:
+        with self._lock:
+            print(f"[{_clock(time.monotonic() - self.t0)}] {text}", file=self.stream, flush=True)
+
+    def started(
+        self, label: str, run_dir: Path, stage: str, steps: int, log_file: Path, *, quiet=False
+    ) -> None:
+        """``label`` runs (``quiet``: no line, e.g. a run an earlier invocation may have finished)."""
+        with self._lock:
+            self.running[label] = (run_dir, stage, steps)
+        if not quiet:
+            self.line(f"{label}: started ({steps} {stage.upper()} steps; output: {log_file})")
+
+    def ended_run(self, label: str, text: str, *, counts: bool = True) -> None:
+        with self._lock:
+            self.running.pop(label, None)
+            self.ended += counts
+        self.line(f"{label}: {text}" + (f" [{self.ended}/{self.total} runs]" if counts else ""))
+
+    def status(self) -> str | None:
+        """The status line of the running runs (None when none runs)."""
+        with self._lock:
+            running = dict(self.running)
+        if not running:
+            return None
+        parts = []
+        for label, (run_dir, stage, steps) in running.items():
+            p = read_progress(run_dir / "metrics.jsonl", stage)
+            text = f"{label} {p.get('done', 0)}/{steps}"
+            if stage == "sft":
+                text += f" loss {_fmt(p.get('loss'))}"
+            else:
+                text += f" reward {_fmt(p.get('reward'))} acc {_fmt(p.get('acc'))}"
+            parts.append(text)
+        return f"{self.ended}/{self.total} runs ended | " + " | ".join(parts)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every):
+            text = self.status()
+            if text:
+                self.line(text)
+
+    def __enter__(self) -> Progress:
+        self._thread = threading.Thread(target=self._loop, name="compare-status", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+@contextlib.contextmanager
+def _output_into(log_file: Path, in_process: bool):
+    """A run in this process writes its output into ``log_file`` instead of the terminal: log
+    records (the root logger's handlers swapped for one on the file), progress bars and warnings
+    (``sys.stderr``); a child's output is its launcher's (``log_file`` too)."""
+    if not in_process:
+        yield
+        return
+    with open(log_file, "a") as f, contextlib.redirect_stderr(f):
+        handler = logging.StreamHandler(f)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        root = logging.getLogger()
+        saved = root.handlers[:]
+        root.handlers = [handler]
+        try:
+            yield
+        finally:
+            root.handlers = saved
+
+
+@contextlib.contextmanager
+def _lab_quiet():
+    """The runner's and the starts' INFO lines (launch commands, resumes) off the terminal while the
+    comparison prints its own."""
+    names = ("moe_rl.lab.runner", "moe_rl.lab.starts")
+    saved = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for n, level in saved.items():
+            logging.getLogger(n).setLevel(level)
+
+
+# -- the table --------------------------------------------------------------------------------------
+def run_values(run_dir: str | Path) -> dict:
+    """A finished run's values of :data:`METRICS` (nan when it has none), its RL steps and its
+    held-out accuracy at the start."""
+    arm = read_arm(run_dir)
+    s = summarize("", arm)
+    rl = arm["rl"]
+    return {
+        "steps": s["steps"],
+        "reward": s["reward_last"],
+        "accuracy": s["eval_end"],
+        "accuracy_start": s["eval_start"],
+        "flip_step": mean(r.get("flip/step/router_rate") for r in rl),
+        "flip_drift": mean(r.get("flip/drift/router_rate") for r in rl),
+    }
+
+
+def seed_table(values: dict[str, dict[int, dict]], arms: list[str]) -> list[dict]:
+    """One row per arm: its number of seeds, each of :data:`METRICS` averaged over them, and (after
+    the first arm) ``diff``: per metric, :func:`moe_rl.lab.stats.paired` of the differences to the
+    first arm over the seeds both ran, each difference within one seed."""
+    ref = values.get(arms[0], {})
+    rows = []
+    for arm in arms:
+        per = values.get(arm, {})
+        row: dict = {"arm": arm, "seeds": len(per), "seed_list": sorted(per)}
+        for m in METRICS:
+            row[m] = mean(per[s][m] for s in sorted(per))
+        if arm != arms[0]:
+            common = sorted(set(per) & set(ref))
+            row["vs"] = arms[0]
+            row["diff"] = {m: paired([per[s][m] - ref[s][m] for s in common]) for m in METRICS}
+        rows.append(row)
+    return rows
+
+
+def _diff_text(d: dict | None, spec: str = "+.3f") -> str:
+    if not d or not d["n"]:
+        return "-"
+    if d["n"] < 2:
+        return f"{format(d['mean'], spec)} (1 seed)"
+    lo, hi = d["ci95"]
+    return f"{format(d['mean'], spec)} [{format(lo, spec)}, {format(hi, spec)}]"
+
+
+SPECS = {"reward": ".3f", "accuracy": ".3f", "flip_step": ".5f", "flip_drift": ".5f"}
+HEADS = {"reward": "reward", "accuracy": "held-out acc", "flip_step": "flip/step", "flip_drift": "flip/drift"}
+
+
+def format_table(rows: list[dict], *, diffs: tuple[str, ...] = ("reward", "accuracy")) -> str:
+    """The terminal table: per arm its seeds and the :data:`METRICS` means, then its paired
+    difference to the first arm for ``diffs`` (mean [95% CI])."""
+    ref = rows[0]["arm"]
+    heads = ["arm", "seeds", *(HEADS[m] for m in METRICS), *(f"{HEADS[m]} - {ref} [95% CI]" for m in diffs)]
+    cells = [
+        [
+            r["arm"],
+            str(r["seeds"]),
+            *(_fmt(r[m], SPECS[m]) for m in METRICS),
+            *(_diff_text(r.get("diff", {}).get(m), "+" + SPECS[m]) for m in diffs),
+        ]
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
+
+    def fmt(cs: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cs, widths)))
+
+    head = fmt(heads)
+    return "\n".join([head, "-" * len(head), *(fmt(c) for c in cells)])
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The table as Markdown: every metric's mean and every paired difference to the first arm."""
+    ref = rows[0]["arm"]
+    heads = ["arm", "seeds", *(HEADS[m] for m in METRICS), *(f"{HEADS[m]} - {ref} [95% CI]" for m in METRICS)]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "|".join(["---", *["---:"] * (len(heads) - 1)]) + "|"]
+    for r in rows:
+        cells = [
+            r["arm"],
+            str(r["seeds"]),
+            *(_fmt(r[m], SPECS[m]) for m in METRICS),
+            *(_diff_text(r.get("diff", {}).get(m), "+" + SPECS[m]) for m in METRICS),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def csv_rows(rows: list[dict]) -> list[dict]:
+    """The table as flat CSV rows: the means, then per metric the paired difference's ``mean``,
+    ``ci_lo``, ``ci_hi``, ``n`` and ``p`` (empty for the first arm)."""
+    out = []
+    for r in rows:
+        flat = {"arm": r["arm"], "seeds": r["seeds"], **{m: r[m] for m in METRICS}}
+        for m in METRICS:
+            d = r.get("diff", {}).get(m)
+            flat[f"d_{m}_vs"] = r.get("vs", "")
+            vals = (d["mean"], d["ci95"][0], d["ci95"][1], d["n"], d["p"]) if d else ("",) * 5
+            flat.update(
+                dict(zip((f"d_{m}_mean", f"d_{m}_ci_lo", f"d_{m}_ci_hi", f"d_{m}_n", f"d_{m}_p"), vals))
+            )
+        out.append(json_safe(flat))
+    return out
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    flat = csv_rows(rows)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(flat[0]))
+        w.writeheader()
+        w.writerows({k: "" if v is None else v for k, v in row.items()} for row in flat)
+    tmp.replace(path)
+
+
+# -- the picture ------------------------------------------------------------------------------------
+def _trailing_mean(ys: list[float], k: int) -> list[float]:
+    return [sum(ys[max(0, i - k + 1) : i + 1]) / len(ys[max(0, i - k + 1) : i + 1]) for i in range(len(ys))]
+
+
+def _band(curves: list[tuple[list, list]]) -> tuple[list, list, list, list]:
+    """Median, min and max across curves at every step any of them has."""
+    import statistics
+
+    by_x: dict[int, list[float]] = {}
+    for xs, ys in curves:
+        for x, y in zip(xs, ys):
+            if y is not None and math.isfinite(y):
+                by_x.setdefault(x, []).append(y)
+    xs = sorted(by_x)
+    return (
+        xs,
+        [statistics.median(by_x[x]) for x in xs],
+        [min(by_x[x]) for x in xs],
+        [max(by_x[x]) for x in xs],
+    )
+
+
+def plot(runs: dict[str, dict[int, dict]], out_png: Path) -> Path:
+    """``compare.png``: reward (trailing mean of :data:`REWARD_SMOOTH` steps) and held-out accuracy
+    per arm, the median over seeds with a min-max band (``runs[arm][seed]``: :func:`read_arm`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.4))
+    for i, (arm, seeds) in enumerate(runs.items()):
+        color = plt.get_cmap("tab10")(i)
+        rewards, accs = [], []
+        for data in seeds.values():
+            xs, ys = series(data["rl"], "reward/mean")
+            rewards.append((xs, _trailing_mean(ys, REWARD_SMOOTH)))
+            accs.append(series(data["eval"], "eval/accuracy"))
+        for ax, curves in ((axes[0], rewards), (axes[1], accs)):
+            xs, med, lo, hi = _band(curves)
+            if not xs:
+                continue
+            ax.plot(
+                xs,
+                med,
+                color=color,
+                marker="o" if len(xs) <= 12 else None,
+                label=f"{arm} ({len(seeds)} seeds)",
+            )
+            if len(seeds) > 1:
+                ax.fill_between(xs, lo, hi, color=color, alpha=0.18, linewidth=0)
+    axes[0].set_title(f"reward (trailing mean of {REWARD_SMOOTH} steps)")
+    axes[1].set_title("held-out greedy accuracy")
+    for ax in axes:
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize=9)
+    fig.suptitle("median over seeds; band: min to max across seeds")
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
+
+
+# -- the command --------------------------------------------------------------------------------------
+def _start(
+    recipe: Path, overrides: list[str], out: Path, launch: str | None, progress: Progress, stop
+) -> Path | None:
+    """The SFT start every run begins from (trained once into ``<out>/starts``) when the recipe has
+    an SFT stage; None when it names its own start; a recipe with neither is refused."""
+    import subprocess
+
+    from moe_rl.lab.starts import cached_start, sft_key
+    from moe_rl.trainer.signals import StopRequested
+
+    base = load_recipe(recipe, overrides)
+    if "sft" not in base.train.stages:
+        if not (base.model.hf_path or base.checkpoint.load):
+            raise UserError(
+                f"{recipe}: train.stages has no sft and neither model.hf_path nor checkpoint.load names a "
+                "start: the arms would begin from random weights. Add sft to train.stages or name a start"
+            )
+        return None
+    cache = out / "starts"
+    hit = cached_start(recipe, overrides, cache=cache)
+    if hit is not None:
+        progress.line(f"SFT start: reusing {hit[0]}")
+        return hit[0]
+    root = cache / sft_key(load_recipe(recipe, [*overrides, "train.stages=[sft]"]))
+    logf = out / "sft.log"
+    out.mkdir(parents=True, exist_ok=True)
+    progress.started("SFT start", root, "sft", base.train.sft_steps, logf)
+    try:
+        with _output_into(logf, launch is None):
+            ckpt, info = warm_start(recipe, overrides, cache=cache, launch=launch, root=root, log_file=logf)
+    except StopRequested:
+        progress.ended_run(
+            "SFT start", "stopped by a signal, saved (the same command continues it)", counts=False
+        )
+        raise
+    except subprocess.CalledProcessError as e:
+        if stop.signum:
+            import signal
+
+            name = signal.Signals(stop.signum).name
+            progress.ended_run(
+                "SFT start", "stopped by a signal, saved (the same command continues it)", counts=False
+            )
+            raise StopRequested(
+                stop.signum, f"{name} received: the SFT start saved at its next step"
+            ) from None
+        raise UserError(
+            f"the SFT start failed (exit status {e.returncode}): its output is in {logf}"
+        ) from None
+    progress.ended_run(
+        "SFT start",
+        f"done in {info['wall_s']:.0f}s, final loss {info['final_loss']:.3f} ({ckpt})",
+        counts=False,
+    )
+    return ckpt
+
+
+def run_compare(
+    recipe: str | Path,
+    overrides: list[str] = (),
+    *,
+    arms: list[str] | None = None,
+    seeds: int = 1,
+    jobs: int | None = None,
+    out: str | Path | None = None,
+    status_every: float = STATUS_EVERY,
+    stream=None,
+) -> dict:
+    """Run (or reuse) the start and every arm's every seed; write the table, picture and JSON
+    under ``out`` (default: the recipe's ``train.out_dir``). ``jobs``: runs at a time (default:
+    one per arm). Returns ``{"table", "rows", "failed", "out", "files", "wall_s"}``; a stop signal
+    raises :class:`~moe_rl.trainer.signals.StopRequested` once every child saved
+    (:func:`moe_rl.lab.runner.stop_cleanly` turns it into 128 + the signal)."""
+    import signal
+
+    from moe_rl.errors import PathError
+    from moe_rl.trainer.signals import StopRequested
+
+    recipe, overrides = Path(recipe), list(overrides)
+    arms = list(arms or DEMO_ARMS)
+    if not recipe.is_file():
+        raise PathError(
+            f"compare recipe {recipe} is not a file: give a recipe such as recipes/compare_tiny.yaml"
+        )
+    steps = check_arms(recipe, overrides, arms)
+    out = Path(out if out is not None else load_recipe(recipe, overrides).train.out_dir)
+    planned = plan_jobs(arms, seeds, out)
+    jobs = max(1, min(jobs or len(arms), len(planned)))
+    launch = local_launch(None, jobs)  # one at a time: in this process; else a child per run
+    threads = max(1, (os.cpu_count() or 1) // jobs) if launch else None
+    check_out(out, command="compare", marker=MARKER, writes="a folder per arm, its start and compare.*")
+    t0 = time.perf_counter()
+    progress = Progress(len(planned), status_every, stream)
+    how = f"{threads} thread(s) each" if threads else "in this process"
+    progress.line(
+        f"compare {', '.join(arms)} x {seeds} seed(s) of {recipe} into {out}: "
+        f"{len(planned)} runs, {jobs} at a time ({how})"
+    )
+    ended: dict[Job, dict] = {}
+    with forwarding_signals() as stop, _lab_quiet(), progress:
+        start = _start(recipe, overrides, out, launch, progress, stop)
+        claim_out(out, recipe, overrides, marker=MARKER)
+
+        def one(job: Job) -> None:
+            if stop.signum:  # stopping: start nothing new
+                return
+            job.out.parent.mkdir(parents=True, exist_ok=True)
+            finished = (job.out / STATUS_FILE).exists()  # most likely skipped: no "started" line
+            progress.started(job.label, job.out, "rl", steps[job.arm], job.log_file, quiet=finished)
+            kw = {"resume": True, "checkpoint_every": None, "threads": threads, "log_file": job.log_file}
+            ov = job_overrides(overrides, job)
+            try:
+                with _output_into(job.log_file, launch is None):
+                    st = resumable_run(job.label, recipe, ov, job.out, start=start, launch=launch, **kw)
+            except StopRequested:
+                progress.ended_run(job.label, "stopped by a signal, saved (the same command continues it)")
+                raise
+            except Exception as e:  # a run in this process crashed: the others still run
+                with open(job.log_file, "a") as f:
+                    traceback.print_exc(file=f)
+                st = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
+            ended[job] = st
+            if st["status"] in FINISHED:
+                v = run_values(job.out)
+                when = "finished earlier, skipped" if "ended_at" in st else f"{st['wall_s']:.0f}s"
+                when += ", resumed" if st.get("resumed") and "ended_at" not in st else ""
+                progress.ended_run(
+                    job.label,
+                    f"{st['status']} ({when}): {v['steps']} steps, reward {_fmt(v['reward'])}, "
+                    f"held-out acc {_fmt(v['accuracy_start'])} -> {_fmt(v['accuracy'])}",
+                )
+            elif stop.signum:
+                progress.ended_run(job.label, "stopped by a signal, saved (the same command continues it)")
+            else:
+                progress.ended_run(job.label, f"FAILED ({st['reason']}): its output is in {job.log_file}")
+
+        in_pool(one, planned, jobs)
+        if stop.signum:
+            cut = sum(1 for j in planned if j in ended and ended[j]["status"] not in FINISHED)
+            name = signal.Signals(stop.signum).name
+            raise StopRequested(
+                stop.signum, f"{name} received: {cut} running run(s) saved at their next step"
+            )
+    return write_results(recipe, overrides, arms, seeds, out, planned, ended, time.perf_counter() - t0, jobs)
+
+
+def write_results(recipe, overrides, arms, seeds, out, planned, ended, wall, jobs) -> dict:
+    """The table, ``compare.csv``, ``compare.md``, ``compare.json`` and ``compare.png`` of the runs
+    that finished (``ended``: each run's status)."""
+    finished = [j for j in planned if ended.get(j, {}).get("status") in FINISHED]
+    failed = [j for j in planned if j not in finished]
+    values: dict[str, dict[int, dict]] = {a: {} for a in arms}
+    curves: dict[str, dict[int, dict]] = {a: {} for a in arms}
+    for j in finished:
+        values[j.arm][j.seed] = {**run_values(j.out), "out": str(j.out)}
+        curves[j.arm][j.seed] = read_arm(j.out)
+    rows = seed_table(values, arms)
+    files = {k: out / f"compare.{k}" for k in ("csv", "md", "json", "png")}
+    write_csv(files["csv"], rows)
+    files["md"].write_text(
+        f"# moe-rl compare: {', '.join(arms)} x {seeds} seed(s)\n\n`{recipe}` {' '.join(overrides)}\n\n"
+        + markdown_table(rows)
+        + f"\nDifferences to {arms[0]}: paired by seed, mean [95% t interval] over the seeds both arms ran.\n\n"
+        + "".join(f"- {HEADS[m]}: {text}\n" for m, text in METRICS.items())
+    )
+    plot({a: c for a, c in curves.items() if c}, files["png"])
+    doc = {
+        "recipe": str(recipe),
+        "overrides": overrides,
+        "arms": arms,
+        "seeds": seeds,
+        "reference": arms[0],
+        "metrics": METRICS,
+        "rows": rows,
+        "runs": {a: {str(s): v for s, v in sorted(values[a].items())} for a in arms},
+        "failed": [
+            {"arm": j.arm, "seed": j.seed, "log": str(j.log_file), **ended.get(j, {})} for j in failed
+        ],
+        "wall_s": wall,
+        "jobs": jobs,
+        "cpu_count": os.cpu_count(),
+    }
+    write_json(files["json"], doc)
+    return {
+        "table": format_table(rows),
+        "rows": rows,
+        "failed": failed,
+        "out": out,
+        "files": files,
+        "wall_s": wall,
+    }
