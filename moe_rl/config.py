@@ -452,6 +452,10 @@ class TrainConfig:
     "Greedy accuracy on held-out prompts every N RL steps (0: only at the end)."
     eval_prompts: int = 64
     "Held-out prompts per evaluation."
+    samples_every: int = 10
+    "Write train.samples_per_step rollouts of every N-th RL step (steps 0, N, 2N, ...: prompt, response, reward, advantage) and as many held-out generations of every evaluation (prompt, response, reward, correct) to <out_dir>/samples.jsonl and TensorBoard text (rank 0; 0: off)."
+    samples_per_step: int = 4
+    "Rollouts (the first rows of rank 0's batch) and held-out generations written each time train.samples_every writes."
     log_every: int = 1
     "Print a progress line every N steps."
     flip_probe_sequences: int = 3
@@ -474,6 +478,7 @@ class TrainConfig:
         require_positive(self, "train", "max_new_tokens", "eval_prompts", "log_every")
         require_positive(self, "train", "sft_steps", "rl_steps", "eval_every", strict=False)
         require_positive(self, "train", "micro_batch_size", "pack_tokens", strict=False)
+        require_positive(self, "train", "samples_every", "samples_per_step", strict=False)
         require(
             self.group_size >= 2 or "rl" not in self.stages,
             "train.group_size must be >= 2 for RL: group advantages need several responses",

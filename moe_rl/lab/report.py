@@ -23,11 +23,16 @@ PANELS: dict[str, str] = {
     ROLLOUT_FLIP: "rollout-vs-trainer expert flip rate",
     CLIPPED_OWN: "clipped tokens (GRPO: token ratio; GSPO: tokens of clipped seqs)",
     "entropy/mean": "token entropy",
+    "experts/load_imbalance": "expert load imbalance (max / mean tokens per expert, mean of layers)",
+    "experts/dead_frac": "dead experts (share of layer x expert pairs with no token)",
+    "experts/router_entropy": "router entropy (nats, softmax over the experts)",
 }
-"""The title of every curve a report draws, by metric key: :func:`plot` draws :data:`DETAIL_PANELS`,
-``benchmarks/collapse.py`` its runs' curves."""
+"""The title of every curve a report draws, by metric key: :func:`plot` draws :data:`DETAIL_PANELS`
+(and :data:`EXPERT_PANELS` where logged), ``benchmarks/collapse.py`` its runs' curves."""
 DETAIL_PANELS = tuple(PANELS)[:8]
 "The panels of ``report-detail.png`` (``moe-rl report``): every metric the arms compare on."
+EXPERT_PANELS = ("experts/load_imbalance", "experts/dead_frac", "experts/router_entropy")
+"Expert load panels (docs/algorithms.md#expert-load): drawn after :data:`DETAIL_PANELS` only when an arm logged them."
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -164,14 +169,25 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def panels(arms: dict[str, dict]) -> list[str]:
+    """The panels :func:`plot` draws for ``arms``: :data:`DETAIL_PANELS`, then each of
+    :data:`EXPERT_PANELS` some arm's RL rows hold (runs from before they were logged have none)."""
+    present = [k for k in EXPERT_PANELS if any(series(arm["rl"], k)[0] for arm in arms.values())]
+    return [*DETAIL_PANELS, *present]
+
+
 def plot(arms: dict[str, dict], out_png: str | Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 4, figsize=(20, 8))
-    for ax, key in zip(axes.flat, DETAIL_PANELS):
+    keys = panels(arms)
+    rows = -(-len(keys) // 4)
+    fig, axes = plt.subplots(rows, 4, figsize=(20, 4 * rows))
+    for ax in axes.flat[len(keys) :]:
+        ax.set_visible(False)
+    for ax, key in zip(axes.flat, keys):
         for name, arm in arms.items():
             rows = arm["eval"] if key == "eval/accuracy" else arm["rl"]
             xs, ys = series(rows, key)

@@ -34,6 +34,7 @@ import torch
 from moe_rl.dist import all_gather_cat
 from moe_rl.megatron.packing import PackedRows
 from moe_rl.routing import RouterAction
+from moe_rl.routing.load import router_entropy_N
 from moe_rl.routing.noise import RouteNoise, selection_key
 
 
@@ -50,8 +51,10 @@ def install_route_choice(policy) -> None:
       gathers them for replayed experts. Replayed experts (REPLAY_FORWARD / REPLAY_BACKWARD) are
       used exactly, whatever the noise;
     - hands the router's own choice, noise included, to every listener in
-      ``policy.route_listeners`` as ``(layer, indices [R, K])``; under replay that choice is
-      computed for them and not used.
+      ``policy.route_listeners`` as ``(layer, indices [R, K], scores [R, E])``; under replay that
+      choice is computed for them and not used. ``scores`` are those megatron-core takes the top-k
+      from (the router's logits; its softmax probabilities with ``moe_router_pre_softmax``; sigmoid
+      scores for a sigmoid router), without the selection noise.
     """
     if getattr(policy, "route_listeners", None) is not None:
         return
@@ -92,7 +95,7 @@ def install_route_choice(policy) -> None:
                         else default_compute_topk(scores, topk, num_groups, group_topk)[1]
                     )
                 for listen in list(policy.route_listeners):
-                    listen(layer, own)
+                    listen(layer, own, scores)
             return out
 
         rr.get_replay_topk = choose
@@ -130,6 +133,9 @@ class RoutingSession:
     is what the router outputs); REPLAY with ``gates_BSLK`` replaces the router's gate weights of
     the replayed experts by those (the router then gets no gradient through its gates; its aux and
     z losses still reach it).
+
+    ``entropy``: also keep the entropy of every router's softmax over the experts, per token, of
+    the first forward (:meth:`router_entropy_BSL`; softmax routers only).
     """
 
     def __init__(
@@ -142,6 +148,7 @@ class RoutingSession:
         pack: PackedRows | None = None,
         stop_after_routes: bool = False,
         capture_gates: bool = False,
+        entropy: bool = False,
     ):
         if action is RouterAction.REPLAY and routes_BSLK is None:
             raise ValueError("RouterAction.REPLAY needs routes_BSLK (the experts to replay)")
@@ -160,6 +167,8 @@ class RoutingSession:
         self.capture_gates = capture_gates
         self.topk = policy.cfg.moe_router_topk
         self._natural: list[list[torch.Tensor]] = []
+        self.entropy = entropy
+        self._entropy: list[list[torch.Tensor]] = []
         self._chosen_gates: list[list[torch.Tensor]] = []
         self._hooks: list = []
         self._shape: tuple[int, int] | None = None
@@ -192,7 +201,8 @@ class RoutingSession:
                 r_NK = all_gather_cat(r, info.tp_group, dim=0)[: self.pack.n]
                 if (b, s) != (self.pack.b, self.pack.s):
                     raise ValueError(f"the pack holds a [{self.pack.b}, {self.pack.s}] batch, not [{b}, {s}]")
-                fill = torch.arange(self.topk, device=r.device).expand(b, s, self.topk).to(r.dtype)
+                k = r.shape[-1]
+                fill = torch.arange(k, device=r.device).expand(b, s, k).to(r.dtype)
                 if r.is_floating_point():  # gates: 0 where nothing was routed
                     fill = torch.zeros_like(fill)
                 idx = (self.pack.row_N.to(r.device), self.pack.pos_N.to(r.device))
@@ -222,16 +232,24 @@ class RoutingSession:
             self._wrap(i, router)
         return self
 
-    def _listen(self, layer: int, own_NK: torch.Tensor) -> None:
-        """The router's own top-k of ``layer`` in this forward (:func:`install_route_choice`)."""
+    def _listen(self, layer: int, own_NK: torch.Tensor, scores_NE: torch.Tensor) -> None:
+        """The router's own top-k of ``layer`` in this forward (:func:`install_route_choice`) and,
+        with ``entropy``, the entropy of its softmax over the experts (first forward only)."""
         if not self._capturing:
             return
         self._natural[layer].append(own_NK.detach())
+        if self.entropy and not self._entropy[layer]:
+            cfg = self.policy.routers[layer].config
+            if cfg.moe_router_score_function == "softmax":
+                with torch.no_grad():
+                    h_N = router_entropy_N(scores_NE.detach(), probabilities=cfg.moe_router_pre_softmax)
+                self._entropy[layer].append(h_N[:, None])
         if self.stop_after_routes and layer == len(self.policy.routers) - 1:
             raise _RoutesCaptured
 
     def _wrap(self, i: int, router) -> None:
         self._natural.append([])
+        self._entropy.append([])
         gates = []
         self._chosen_gates.append(gates)
         if self.action is RouterAction.RECORD:
@@ -295,6 +313,13 @@ class RoutingSession:
         if not self._natural or not all(self._natural):
             raise RuntimeError("no routing was captured: run a forward inside the session")
         return self._to_BSLK([n[0] for n in self._natural], b, s)
+
+    def router_entropy_BSL(self, b: int, s: int) -> torch.Tensor | None:
+        """Entropy (nats) of each router's softmax over the experts in the first forward, [B, S, L]
+        float32 (0 where nothing was routed); None without ``entropy`` or for a non-softmax router."""
+        if not self._entropy or not all(self._entropy):
+            return None
+        return self._to_BSLK([h[0] for h in self._entropy], b, s)[..., 0]
 
     def natural_steps(self) -> list[list[torch.Tensor]]:
         """Every captured forward's natural top-k per layer, [R, K] each (for decoding loops)."""

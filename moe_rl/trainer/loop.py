@@ -14,6 +14,7 @@ import torch
 
 from moe_rl import dist
 from moe_rl.trainer.rl import encode_prompts, local_prompts, rewards_of, rl_step, sampling_for
+from moe_rl.trainer.samples import samples_due, write_samples
 from moe_rl.trainer.sentinel import Sentinel, SentinelVerdict
 from moe_rl.trainer.stage import Stage, run_stage
 from moe_rl.trainer.state import TrainingStopped
@@ -107,10 +108,13 @@ def _stop_or_roll_back(run: Run, verdict: SentinelVerdict) -> bool:
 
 
 def evaluate(run: Run, step: int) -> dict[str, float]:
-    """Greedy accuracy on held-out prompts (each rank its share; summed across DP)."""
+    """Greedy accuracy on held-out prompts (each rank its share; summed across DP), after ``step``
+    RL steps; the first generations go to ``samples.jsonl`` (``train.samples_every``)."""
     prompts = local_prompts(run, run.task.heldout(run.recipe.train.eval_prompts))
     rollouts = run.generate(encode_prompts(run, prompts), 1, sampling_for(run, step, greedy=True))
     rewards_B = rewards_of(run, prompts, rollouts, 1)
+    if samples_due(run):
+        write_samples(run, step, "eval", prompts, rollouts, rewards_B, None, 1)
     correct = (rewards_B >= 1.0).sum().to(rewards_B.dtype)
     counts = dist.all_reduce(
         torch.stack([correct, rewards_B.new_tensor(float(len(prompts)))]), run.info.dp_group

@@ -1,4 +1,5 @@
-"""Metric sinks: JSONL (one object per step) and TensorBoard, written by rank 0 only."""
+"""Metric sinks: JSONL (one object per step) and TensorBoard, written by rank 0 only; the policy's
+samples (:mod:`moe_rl.trainer.samples`) beside them in ``samples.jsonl``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+SAMPLES = "samples.jsonl"
+"What the policy generated (:mod:`moe_rl.trainer.samples`), one JSON object a line."
 ABANDONED = "metrics.abandoned.jsonl"
 "Rows a resume or a rollback cut from ``metrics.jsonl`` (the steps it ran again), kept here."
 
@@ -34,6 +37,7 @@ class MetricsSink:
         self.enabled = enabled
         self.out_dir = Path(out_dir)
         self._f = None
+        self._samples_fd: int | None = None
         self._tb = None
         self.tags: dict[str, object] = {}
         if not enabled:
@@ -60,6 +64,31 @@ class MetricsSink:
             for k, v in clean.items():
                 if isinstance(v, float):
                     self._tb.add_scalar(f"{stage}/{k}", v, step)
+            self._tb.flush()
+
+    def samples(self, step: int, kind: str, rows: list[dict]) -> None:
+        """Append ``{"step", "kind", "time", **tags, **row}`` for each of ``rows`` to ``samples.jsonl``
+        (created on first use), all in one ``write`` to a file opened with ``O_APPEND`` (one system
+        call at the end of the file, as metrics.jsonl's rows are flushed one at a time); and the rows
+        as one text entry ``samples/<kind>`` in TensorBoard.
+        Rows are never cut: a resumed attempt's rows follow (its ``attempt`` tag tells them apart)."""
+        if not self.enabled or not rows:
+            return
+        from moe_rl.trainer.samples import samples_text
+
+        now = time.time()
+        lines = [
+            json.dumps({"step": step, "kind": kind, "time": now, **self.tags, **row}, ensure_ascii=False)
+            for row in rows
+        ]
+        data = ("\n".join(lines) + "\n").encode("utf-8")
+        if self._samples_fd is None:
+            self._samples_fd = os.open(self.out_dir / SAMPLES, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        view = memoryview(data)
+        while view:  # one write() for a regular file; a short one (never seen) is finished
+            view = view[os.write(self._samples_fd, view) :]
+        if self._tb is not None:
+            self._tb.add_text(f"samples/{kind}", samples_text(rows), step)
             self._tb.flush()
 
     def offset(self) -> int:
@@ -92,6 +121,9 @@ class MetricsSink:
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
+        if self._samples_fd is not None:
+            os.close(self._samples_fd)
+            self._samples_fd = None
         if self._tb is not None:
             self._tb.close()
 
@@ -100,6 +132,13 @@ def read_metrics(path: str | Path, stage: str | None = None) -> list[dict]:
     """The rows of a ``metrics.jsonl`` (optionally one stage's)."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     return [row for row in rows if stage is None or row.get("stage") == stage]
+
+
+def read_samples(out_dir: str | Path, kind: str | None = None) -> list[dict]:
+    """The rows of a run folder's ``samples.jsonl`` (optionally one ``kind``: rollout | eval)."""
+    path = Path(out_dir) / SAMPLES
+    rows = [json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()]
+    return [row for row in rows if kind is None or row.get("kind") == kind]
 
 
 def read_every_attempt(out_dir: str | Path, stage: str | None = None) -> list[dict]:

@@ -47,10 +47,12 @@ from moe_rl.rollout.types import Rollouts, SamplingParams
 from moe_rl.routing import RouterAction
 from moe_rl.routing.codec import decode_routes
 from moe_rl.routing.flip import flip_counts, flip_metrics
+from moe_rl.routing.load import expert_load_counts, expert_load_metrics
 from moe_rl.routing.noise import RouteNoise
 from moe_rl.routing.validate import validate_routes
 from moe_rl.tasks.base import Prompt, make_rng
 from moe_rl.trainer.hooks import OptimizerStep
+from moe_rl.trainer.samples import samples_due, write_samples
 from moe_rl.trainer.sft import encode_pair
 from moe_rl.trainer.timer import StepTimer
 
@@ -123,7 +125,9 @@ def collect(run: Run, step: int, timer: StepTimer | None = None) -> tuple[RLBatc
     with timer.record("rollout"):
         prompts, rollouts = generate(run, step)
     with timer.record("old_logprob"):  # scoring is cheap: it is timed with the pi_old forward
-        adv_B, metrics = score(run, prompts, rollouts)
+        rewards_B, adv_B, metrics = score(run, prompts, rollouts)
+        if samples_due(run, step):
+            write_samples(run, step, "rollout", prompts, rollouts, rewards_B, adv_B, cfg.group_size)
         batch, pi_old_metrics = old_policy(run, rollouts, adv_B)
     if cfg.shuffle_minibatches:
         order = torch.randperm(batch.tokens_BT.shape[0], generator=torch.Generator().manual_seed(seed))
@@ -153,8 +157,11 @@ def generate(run: Run, step: int) -> tuple[list[Prompt], Rollouts]:
     return prompts, run.generate(encode_prompts(run, prompts), cfg.group_size, sampling)
 
 
-def score(run: Run, prompts: list[Prompt], rollouts: Rollouts) -> tuple[torch.Tensor, dict[str, float]]:
-    """Group-normalised advantages ``adv_B`` and the reward and response metrics."""
+def score(
+    run: Run, prompts: list[Prompt], rollouts: Rollouts
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Every row's reward ``rewards_B``, the group-normalised advantages ``adv_B`` and the reward
+    and response metrics."""
     cfg, algo = run.recipe.train, run.recipe.algo
     rewards_B = rewards_of(run, prompts, rollouts, cfg.group_size)
     adv_B, stats = group_advantages(
@@ -168,7 +175,7 @@ def score(run: Run, prompts: list[Prompt], rollouts: Rollouts) -> tuple[torch.Te
     metrics["reward/accuracy"] = float((rewards_B >= 1.0).float().mean())
     metrics["response/len_mean"] = float(rollouts.response_mask_BT.sum(1).mean())
     metrics["response/truncated"] = sum(f == "length" for f in rollouts.finish_reasons) / rollouts.batch_size
-    return adv_B, metrics
+    return rewards_B, adv_B, metrics
 
 
 def sampling_for(
@@ -494,8 +501,10 @@ def _micro_step(
 ) -> dict[str, torch.Tensor]:
     """Forward and backward of one micro-batch (``rows``); gradients accumulate.
 
-    ``global_counts`` is the minibatch's (sequences, tokens) over all ranks; the entropy sums and
-    the drift flip counts of these rows are appended to ``entropy`` and ``flips``.
+    ``global_counts`` is the minibatch's (sequences, tokens) over all ranks; the entropy sums, the
+    drift flip counts and the expert load counts (the routers' own choice and their softmax
+    entropy in this forward, docs/algorithms.md#expert-load) of these rows are appended to
+    ``entropy`` and ``flips`` (``flips["experts"]``).
     """
     cfg, algo = run.recipe.train, run.recipe.algo
     replay_BSLK = batch.replay_BSLK[rows] if algo.routing != "none" else None
@@ -504,7 +513,9 @@ def _micro_step(
     gates_BSLK = gates[rows] if replay_BSLK is not None and gates is not None else None
     mask_BT = batch.mask_BT[rows]
     pack = packed(run, batch.tokens_BT[rows], batch.lens_B[rows])
-    session = RoutingSession(run.policy, action, routes_BSLK=replay_BSLK, gates_BSLK=gates_BSLK, pack=pack)
+    session = RoutingSession(
+        run.policy, action, routes_BSLK=replay_BSLK, gates_BSLK=gates_BSLK, pack=pack, entropy=True
+    )
     with session:
         out = run.policy.logprobs(
             batch.tokens_BT[rows], temperature=cfg.temperature, with_entropy=True, pack=pack
@@ -521,11 +532,24 @@ def _micro_step(
         loss, metrics = loss_fn(inputs, algo)
         session.backward(loss)
     entropy.append(torch.stack([(out.entropy_BT.detach() * mask_BT).sum(), mask_BT.sum()]))
+    b, s = rows.stop - rows.start, batch.tokens_BT.shape[1] - 1
+    natural_BSLK = session.natural_BSLK(b, s)
+    flips.setdefault("experts", []).append(
+        expert_load_counts(
+            natural_BSLK.reshape(b * s, *natural_BSLK.shape[2:]),
+            run.recipe.model.num_experts,
+            batch.valid_BS[rows].reshape(b * s),
+            _flat(session.router_entropy_BSL(b, s)),
+        )
+    )
     if batch.old_routes_BSLK is not None:
-        natural_BSLK = session.natural_BSLK(rows.stop - rows.start, batch.tokens_BT.shape[1] - 1)
         drift = route_flips(natural_BSLK, batch.old_routes_BSLK[rows], batch.valid_BS[rows])
         flips.setdefault("flip/drift", []).append(drift)
     return metrics
+
+
+def _flat(x_BSL: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x_BSL is None else x_BSL.reshape(-1, x_BSL.shape[-1])
 
 
 def _global_counts(run: Run, minibatch_masks: list[torch.Tensor]) -> list[tuple[float, float]]:
@@ -548,6 +572,18 @@ def _reduce_over_dp(run: Run, loss_metrics: list[dict], entropy: list, flips: di
     metrics = {k: float(v) for k, v in combined.items()}
     entropy_sum, tokens = dist.all_reduce(torch.stack(entropy).sum(0), run.info.dp_group).tolist()
     metrics["entropy/mean"] = entropy_sum / max(tokens, 1.0)
+    load = flips.pop("experts", None)
+    if load:
+        metrics.update(expert_load(run, load))
     if flips:
         metrics.update(flip_rates(run, flips))
     return metrics
+
+
+def expert_load(run: Run, pieces: list[dict]) -> dict[str, float]:
+    """``experts/*`` of expert load counts (:func:`expert_load_counts`), summed over the pieces
+    and then over data-parallel ranks before any ratio is taken."""
+    total = {k: sum(c[k] for c in pieces).clone() for k in pieces[0]}
+    for v in total.values():
+        dist.all_reduce(v, run.info.dp_group)
+    return expert_load_metrics(total)

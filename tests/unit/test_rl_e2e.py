@@ -6,7 +6,7 @@ import pytest
 
 from moe_rl.config import recipe_from_dict
 from moe_rl.trainer.loop import TrainingStopped
-from moe_rl.trainer.metrics import read_every_attempt, read_metrics
+from moe_rl.trainer.metrics import read_every_attempt, read_metrics, read_samples
 from moe_rl.trainer.run import run
 from tests.tiny import TINY_MODEL
 
@@ -60,10 +60,17 @@ def test_every_algorithm_and_routing_mode_runs(tmp_path, parallel_info, name, ro
         "eval/accuracy",
         "flip/rollout_vs_trainer/rate",
         "mismatch/k3",
+        "experts/load_imbalance",
+        "experts/load_imbalance/layer_1",
+        "experts/dead_frac",
+        "experts/router_entropy",
     ):
         assert key in rl, key
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl", "rl")
     assert [r["step"] for r in rows] == [0, 1]
+    # train.samples_every (10): step 0's first 4 rollouts; the start's and the final evaluation's
+    samples = [(r["kind"], r["step"]) for r in read_samples(tmp_path / "run")]
+    assert samples == [("eval", 0)] * 4 + [("rollout", 0)] * 4 + [("eval", 2)] * 4
     # the trainer recomputes pi_old with the weights that generated: same routes, same log-probs
     assert rl["flip/rollout_vs_trainer/rate"] == 0.0
     assert rl["mismatch/abs_log_ratio"] < 1e-5
