@@ -5,24 +5,79 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 
 from moe_rl.argparsing import ArgParser, one_line_errors
 
+QUIET_LOGGERS = ("megatron",)
+"Libraries whose INFO lines (DDP buckets, optimizer config, FSDP detection) show only with ``-v``."
+QUIET_WARNING_MODULES = ("megatron",)
+"""Modules whose warnings are off unless ``-v``: megatron-core's (Transformer Engine / Apex
+fallbacks on CPU, its deprecations such as "tp_group is None"); every one a start printed was
+raised there (measured with every warning shown)."""
+
 
 def _setup_logging(verbose: bool) -> None:
+    """Log lines as ``HH:MM:SS LEVEL name: message`` (DEBUG with ``-v``); megatron-core's loggers at
+    WARNING and its known warnings off, unless ``verbose`` (then INFO, and every warning)."""
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
+    if verbose:
+        return
     import warnings
 
-    warnings.filterwarnings("ignore", module="megatron")  # TE/Apex fallbacks are expected on CPU
+    for module in QUIET_WARNING_MODULES:
+        warnings.filterwarnings("ignore", module=module)
+
+
+SUMMARY_KEYS: dict[str, tuple[str, ...]] = {
+    "sft": ("loss", "grad_norm", "step_s"),
+    "rl": (
+        "reward/mean",
+        "reward/accuracy",
+        "eval/accuracy",
+        "response/len_mean",
+        "entropy/mean",
+        "flip/step/rate",
+        "flip/drift/rate",
+        "clip/token_frac",
+        "mismatch/k3",
+        "experts/load_imbalance",
+        "grad_norm",
+        "time/step",
+    ),
+}
+"The metrics ``moe-rl train`` prints at the end, per stage (every metric is in metrics.jsonl)."
+
+
+def summary_table(results: dict[str, dict[str, float]], seconds: float, out_dir: str) -> str:
+    """The final summary of ``moe-rl train``: a line with the wall time and where every metric is,
+    then a ``stage  metric  last`` table of the :data:`SUMMARY_KEYS` each stage logged, at its last
+    step (RL's ``eval/accuracy``: the final evaluation; rates as fractions, as in metrics.jsonl)."""
+    table = [
+        (stage, key, float(metrics[key]))
+        for stage, metrics in results.items()
+        for key in SUMMARY_KEYS.get(stage, ())
+        if isinstance(metrics.get(key), (int, float))
+    ]
+    head = f"done in {seconds:.1f}s; every metric: {out_dir}/metrics.jsonl"
+    if not table:
+        return head
+    width = max(len("metric"), *(len(key) for _, key, _ in table))
+    out, shown = [head, f"{'stage':<5}  {'metric':<{width}}  last"], set()
+    for stage, key, v in table:
+        out.append(f"{'' if stage in shown else stage:<5}  {key:<{width}}  {v:.4g}")
+        shown.add(stage)
+    return "\n".join(out)
 
 
 def cmd_train(args) -> int:
@@ -38,13 +93,8 @@ def cmd_train(args) -> int:
         results = run(recipe, resume=args.resume, fresh=args.fresh)
     except StopRequested as e:  # SIGTERM / SIGINT after a clean save: 128 + signal (signals.py)
         return e.exit_code
-    logging.getLogger("moe_rl").info(
-        "done in %.1fs: %s",
-        time.perf_counter() - t0,
-        json.dumps(
-            {k: {m: round(v, 4) for m, v in d.items() if isinstance(v, float)} for k, d in results.items()}
-        ),
-    )
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 prints it
+        print(summary_table(results, time.perf_counter() - t0, recipe.train.out_dir), flush=True)
     return 0
 
 

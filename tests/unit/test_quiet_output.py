@@ -1,0 +1,86 @@
+"""Quiet output (issue 33, item 11): megatron-core's INFO lines and warnings only with ``-v``, and
+``moe-rl train``'s final summary a short table. In process, no subprocess."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+
+from moe_rl.cli import SUMMARY_KEYS, main, summary_table
+
+
+@pytest.fixture
+def restore_logging():
+    megatron = logging.getLogger("megatron")
+    level = megatron.level
+    with warnings.catch_warnings():
+        yield
+    megatron.setLevel(level)
+
+
+def _megatron_warning_shown() -> bool:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.warn_explicit(
+            "Transformer Engine and Apex are not installed",
+            UserWarning,
+            "optimizer.py",
+            1,
+            "megatron.core.optimizer",
+        )
+    return bool(seen)
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_megatron_logs_at_warning_unless_verbose(restore_logging, capsys, verbose):
+    """``moe-rl check`` (the same set-up as every command): megatron-core's loggers at WARNING, so
+    its INFO lines (DDP buckets, optimizer config) do not print, and its known warnings off; with
+    ``-v`` INFO and every warning. Planted bugs killed: the megatron level left at the root's INFO;
+    ``-v`` still hiding megatron's INFO; the warning filter ignoring ``-v``."""
+    warnings.simplefilter("always")  # what a user sees with warnings on, whatever pytest set
+    assert main(["-v", "check", "recipes/tiny.yaml"] if verbose else ["check", "recipes/tiny.yaml"]) == 0
+    capsys.readouterr()
+    child = logging.getLogger("megatron.core.distributed.param_and_grad_buffer")
+    assert logging.getLogger("megatron").level == (logging.INFO if verbose else logging.WARNING)
+    assert child.isEnabledFor(logging.INFO) == verbose
+    assert child.isEnabledFor(logging.WARNING)
+    assert _megatron_warning_shown() == verbose
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.warn_explicit("ours", UserWarning, "x.py", 1, "moe_rl.trainer")
+    assert seen, "a warning outside megatron-core is never hidden"
+
+
+def test_summary_table_shows_the_key_metrics_of_each_stage():
+    """The stages' key metrics, one per line under their stage, values in 4 significant digits;
+    the other metrics (in metrics.jsonl) and non-numbers left out; the wall time and the JSONL path
+    on the first line. Planted bugs killed: the full dict printed; a key metric dropped; a stage
+    name repeated on every line."""
+    results = {
+        "sft": {"loss": 4.50004, "tokens": 482.0, "grad_norm": 5.83291, "lr": 2e-4, "step_s": 0.3796},
+        "rl": {
+            "reward/mean": 0.25,
+            "eval/accuracy": 0.5,
+            "flip/step/rate": 0.0012345,
+            "experts/load_imbalance": 1.4321,
+            "time/step": 2.5,
+            "clip/seq_frac": 0.1,
+            "ratio/token_max": 1.7,
+            "note": "text",
+        },
+    }
+    text = summary_table(results, 21.46, "runs/x")
+    assert text.splitlines() == [
+        "done in 21.5s; every metric: runs/x/metrics.jsonl",
+        "stage  metric                  last",
+        "sft    loss                    4.5",
+        "       grad_norm               5.833",
+        "       step_s                  0.3796",
+        "rl     reward/mean             0.25",
+        "       eval/accuracy           0.5",
+        "       flip/step/rate          0.001234",
+        "       experts/load_imbalance  1.432",
+        "       time/step               2.5",
+    ]
+    assert summary_table({"rl": {"other": 1.0}}, 3.0, "o") == "done in 3.0s; every metric: o/metrics.jsonl"
+    assert len(SUMMARY_KEYS["rl"]) <= 12  # short: a screen, not the ~80 metrics of a step
