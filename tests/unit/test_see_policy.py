@@ -95,33 +95,35 @@ def test_samples_due_every_n_steps_and_at_every_evaluation():
 
 
 def test_sink_appends_tagged_sample_rows_and_tensorboard_text(tmp_path):
-    """Each batch of rows is appended (never replacing what was there), tagged like metrics rows,
-    and shown as one TensorBoard text entry that holds the response. Planted bug killed: the file
-    opened for writing (a second batch replaces the first)."""
+    """Each batch of rows is appended, tagged like metrics rows; a resumed attempt's sink (a new
+    one in the same folder) appends after the first attempt's rows, never replacing them; each
+    batch is one TensorBoard text entry that holds its responses. Planted bug killed: the file
+    opened for writing from its start (the resumed attempt's rows replace the earlier ones)."""
     from moe_rl.trainer.metrics import MetricsSink, read_samples
 
-    sink = MetricsSink(tmp_path, tensorboard=False)
-    sink.tags = {"run": "abc", "attempt": 1}
-    shown = []
-    sink._tb = SimpleNamespace(
-        add_text=lambda tag, text, step: shown.append((tag, text, step)), flush=lambda: None
-    )
     row = {"row": 0, "prompt": "1+2=", "response": "3é", "answer": "3", "reward": 1.0, "correct": True}
     row.update(response_tokens=2, finish_reason="stop")
-    sink.samples(5, "eval", [row])
-    sink.samples(6, "rollout", [{**row, "advantage": 0.5}, {**row, "row": 1, "advantage": -0.5}])
-    sink._tb = None
-    sink.close()
+    shown = []
+    for attempt, step, kind, rows in [
+        (0, 5, "eval", [row]),
+        (1, 6, "rollout", [{**row, "advantage": 0.5}, {**row, "row": 1, "advantage": -0.5}]),
+    ]:
+        sink = MetricsSink(tmp_path, tensorboard=False)
+        sink.tags = {"run": "abc", "attempt": attempt}
+        sink._tb = SimpleNamespace(add_text=lambda *a: shown.append(a), flush=lambda: None)
+        sink.samples(step, kind, rows)
+        sink._tb = None
+        sink.close()
     rows = read_samples(tmp_path)
-    assert [(r["step"], r["kind"], r["row"]) for r in rows] == [
-        (5, "eval", 0),
-        (6, "rollout", 0),
-        (6, "rollout", 1),
+    assert [(r["step"], r["kind"], r["row"], r["attempt"]) for r in rows] == [
+        (5, "eval", 0, 0),
+        (6, "rollout", 0, 1),
+        (6, "rollout", 1, 1),
     ]
-    assert all(r["run"] == "abc" and r["attempt"] == 1 and r["response"] == "3é" for r in rows)
+    assert all(r["run"] == "abc" and r["response"] == "3é" for r in rows)
     assert [r["row"] for r in read_samples(tmp_path, "rollout")] == [0, 1]
     assert [(tag, step) for tag, _, step in shown] == [("samples/eval", 5), ("samples/rollout", 6)]
-    assert "3é" in shown[0][1] and "advantage +0.5" in shown[1][1]
+    assert "3é" in shown[0][1] and "advantage +0.5" in shown[1][1] and "advantage -0.5" in shown[1][1]
 
 
 # -- the RL step, end to end -------------------------------------------------------------------------
