@@ -13,11 +13,15 @@ from moe_rl.cli import SUMMARY_KEYS, main, summary_table
 
 @pytest.fixture
 def restore_logging():
-    megatron = logging.getLogger("megatron")
-    level = megatron.level
+    """The logging and warning set-up as it was: the CLI configures the root logger in process (a
+    handler on the captured stderr would outlive the test)."""
+    megatron, root = logging.getLogger("megatron"), logging.getLogger()
+    level, root_level, handlers = megatron.level, root.level, root.handlers[:]
     with warnings.catch_warnings():
         yield
     megatron.setLevel(level)
+    root.setLevel(root_level)
+    root.handlers[:] = handlers
 
 
 def _megatron_warning_shown() -> bool:
