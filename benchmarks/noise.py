@@ -24,7 +24,7 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS, SMOKE_BASE, commit, machine, positive_int, result_path
 from moe_rl.lab import noise, runner
-from moe_rl.lab.arms import DEMO, flatten
+from moe_rl.lab.arms import DEMO
 from moe_rl.lab.report import load_arm
 from moe_rl.lab.results import write_json
 from moe_rl.lab.runner import STATUS_FILE, local_launch, read_status, run_when_ready
@@ -89,14 +89,14 @@ def execute(plan: dict, specs: list[noise.RunSpec], *, jobs: int, cache: Path = 
     run_when_ready(specs, jobs=jobs, ready=ready, build=build, run=one)
 
 
-def collect(plan: dict, specs: list[noise.RunSpec]) -> tuple[dict, list[dict]]:
+def collect(specs: list[noise.RunSpec]) -> tuple[dict, list[dict]]:
     """Summaries of the finished runs, by (cell, arm, seed), and their cost rows."""
     results, cost = {}, []
     for spec in specs:
         st = read_status(spec.out / STATUS_FILE) if (spec.out / STATUS_FILE).exists() else None
         if st is None or st.get("status") != "done":
             continue
-        summary = noise.summarize_run(load_arm(spec.out), plan["cell_base"]["train"]["rl_steps"])
+        summary = noise.summarize_run(load_arm(spec.out))
         results[(spec.cell, spec.arm, spec.seed)] = summary
         cost.append({"cell": spec.cell, "arm": spec.arm, "seed": spec.seed, "wall_s": st.get("wall_s")})
     return results, cost
@@ -122,7 +122,7 @@ def headline(analysis: dict) -> dict:
     return out
 
 
-def plot(plan: dict, analysis: dict, results: dict, png: Path) -> None:
+def plot(analysis: dict, results: dict, png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -170,12 +170,12 @@ def plot(plan: dict, analysis: dict, results: dict, png: Path) -> None:
 
 
 def report(plan: dict, specs: list[noise.RunSpec], preset: str, t0: float) -> Path:
-    results, cost = collect(plan, specs)
+    results, cost = collect(specs)
     analysis = noise.analyse(plan, results)
     stage = preset if len(results) == len(specs) else f"{preset}-partial"
     out = result_path("noise", stage)
     png = out.with_suffix(".png")
-    plot(plan, analysis, results, png)
+    plot(analysis, results, png)
     walls = [c["wall_s"] for c in cost if c["wall_s"]]
     doc = {
         "bench": "noise",
@@ -192,10 +192,7 @@ def report(plan: dict, specs: list[noise.RunSpec], preset: str, t0: float) -> Pa
             "cost_per_run_s": sum(walls) / len(walls) if walls else None,
         },
         "analysis": analysis,
-        "runs": [
-            {"cell": c, "arm": a, "seed": s, **{k: v for k, v in r.items()}}
-            for (c, a, s), r in results.items()
-        ],
+        "runs": [{"cell": c, "arm": a, "seed": s, **r} for (c, a, s), r in results.items()],
         "cost": cost,
         "plot": png.name,
     }
@@ -240,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = noise.run_specs(plan, root, cells)
     if args.dry_run:
         for s in specs:
-            print(s.label, " ".join(flatten({}) + noise.run_overrides(plan, s.cell, s.arm, s.seed)))
+            print(s.label, " ".join(noise.run_overrides(plan, s.cell, s.arm, s.seed)))
         return 0
     t0 = time.perf_counter()
     if not args.report:

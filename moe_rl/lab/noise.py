@@ -113,7 +113,7 @@ def auc(evals: list[tuple[int, float]]) -> float:
     return area / (pts[-1][0] - pts[0][0])
 
 
-def summarize_run(arm: dict, steps: int) -> dict:
+def summarize_run(arm: dict) -> dict:
     """What the analysis reads of one finished run (``arm``: :func:`moe_rl.lab.report.load_arm`)."""
     evals = [(r["step"], r["eval/accuracy"]) for r in arm["eval"] if r.get("eval/accuracy") is not None]
     rewards = [r.get("reward/mean") for r in arm["rl"]]
