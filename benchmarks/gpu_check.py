@@ -56,8 +56,8 @@ if str(ROOT) not in sys.path:  # run as a script
 ALGOS = ("grpo", "gspo", "gspo_token")
 ROUTINGS = ("none", "r2", "r3")
 SECTIONS = ("device", "tests", "rl_step", "kernels", "moe_1b", "mismatch")
-SECTION_S = {"device": 30, "tests": 120, "rl_step": 60, "kernels": 120, "moe_1b": 75, "mismatch": 45}
-"""Each section's cap in seconds on the GPU (450 in all: `make gpu-check`'s budget; the run's
+SECTION_S = {"device": 30, "tests": 120, "rl_step": 60, "kernels": 150, "moe_1b": 75, "mismatch": 45}
+"""Each section's cap in seconds on the GPU (480 in all: `make gpu-check`'s budget; the run's
 remaining budget caps each too). In-process sections check their cap between items (a mode, a
 kernel configuration, an RL step), so one long item can run past it."""
 DRY_SECTION_S = {"device": 10, "tests": 40, "rl_step": 40, "kernels": 30, "moe_1b": 30, "mismatch": 30}
@@ -344,6 +344,7 @@ RL_KEYS = (
     "entropy/mean",
     "flip/step/rate",
     "flip/rollout_vs_trainer/rate",
+    "flip/rollout_vs_trainer/router_rate",
     "mismatch/abs_log_ratio",
     "weights/finite",
     "optim/skipped_updates",
@@ -352,8 +353,17 @@ RL_KEYS = (
 )
 
 
-def tiny_rl_recipe(out_dir: str | Path, algo: str = "gspo", routing: str = "none", **train):
-    """The tiny policy (tests/tiny.py) on short arithmetic, RL stage only, on this process's device."""
+def tiny_rl_recipe(
+    out_dir: str | Path,
+    algo: str = "gspo",
+    routing: str = "none",
+    *,
+    algo_extra: dict | None = None,
+    rollout: dict | None = None,
+    **train,
+):
+    """The tiny policy (tests/tiny.py) on short arithmetic, RL stage only, on this process's device;
+    ``algo_extra`` / ``rollout`` / ``train``: more keys of those sections."""
     from moe_rl.config import recipe_from_dict
     from tests.tiny import TINY_MODEL
 
@@ -362,7 +372,8 @@ def tiny_rl_recipe(out_dir: str | Path, algo: str = "gspo", routing: str = "none
             "model": {**TINY_MODEL, "vocab_size": 104},  # the char tokenizer's vocabulary
             "optim": {"lr": 1e-3},
             "task": {"name": "arithmetic", "arithmetic": {"min_operands": 2, "max_operands": 2, "digits": 1}},
-            "algo": {"name": algo, "routing": routing},
+            "algo": {"name": algo, "routing": routing, **(algo_extra or {})},
+            "rollout": dict(rollout or {}),
             "train": {
                 "stages": ["rl"],
                 "rl_steps": 1,
@@ -388,26 +399,71 @@ def parity_reward(prompt, text: str) -> float:
     return float(zlib.crc32(text.encode()) % 2)
 
 
-def one_rl_step(out_dir: str | Path, algo: str, routing: str) -> dict:
-    """One trainer ``rl_step`` of a fresh tiny run (embedded engine); its metrics (:data:`RL_KEYS`)
-    and ``ok``: finite, a non-zero gradient, no skipped update, weights finite."""
+def one_rl_step(out_dir: str | Path, algo: str, routing: str, **extra) -> dict:
+    """One trainer ``rl_step`` of a fresh tiny run (embedded engine); its metrics (:data:`RL_KEYS`),
+    which parameters the step moved (``moved``: routers and the rest, counted) and ``ok``: finite,
+    a non-zero gradient, no skipped update, weights finite. ``extra``: :func:`tiny_rl_recipe`'s."""
+    import torch
+
     from moe_rl.trainer.rl import rl_step
     from moe_rl.trainer.run import Run
     from moe_rl.trainer.timer import StepTimer
 
-    run = Run(tiny_rl_recipe(out_dir, algo, routing))
+    run = Run(tiny_rl_recipe(out_dir, algo, routing, **extra))
     try:
         run.task.reward = parity_reward
         run.ensure_engine()
         run.make_optimizer("rl")
+        router_ids = {id(p) for r in run.policy.routers for p in r.parameters()}
+        named = list(run.policy.model.named_parameters())
+        before = [p.detach().clone() for _, p in named]
         result = rl_step(run, 0, StepTimer())
+        moved = {"routers": [0, 0], "others": [0, 0]}  # [moved, all]
+        for (_, p), b in zip(named, before):
+            kind = moved["routers" if id(p) in router_ids else "others"]
+            kind[0] += int(not torch.equal(p.detach(), b))
+            kind[1] += 1
         device_name = str(next(run.policy.model.parameters()).device)
     finally:
         run.close()
     m = {k: result.metrics.get(k) for k in RL_KEYS}
     finite = all(v is None or math.isfinite(v) for v in m.values())
     ok = finite and m["grad_norm"] > 0 and m["optim/skipped_updates"] == 0 and m["weights/finite"] == 1
-    return {"ok": bool(ok), "device": device_name, **m}
+    return {"ok": bool(ok), "device": device_name, "moved": moved, **m}
+
+
+EXTRA_MODES = {
+    "grpo/r3+gates+noise": dict(
+        algo="grpo",
+        routing="r3",
+        algo_extra={"replay_gate_weights": True},
+        rollout={"route_noise": 0.5},
+        route_noise=0.5,
+    ),
+    "gspo/r2+noise+jitter": dict(algo="gspo", routing="r2", route_noise=0.5, start_jitter=1e-7),
+    "grpo/none+frozen_router": dict(algo="grpo", routing="none", freeze_router=True),
+}
+"""Issue 31's switches on CUDA, each with an effect :func:`extra_effect` checks: selection noise in
+the engine and the trainer (per-device generators), R3 with the engine's gate weights replayed
+(straight-through), a jittered start, the frozen-router parameter group."""
+
+
+def extra_effect(name: str, res: dict, modes: dict) -> tuple[bool, str]:
+    """Whether an :data:`EXTRA_MODES` run shows its switch's effect: under engine noise the engine's
+    routes differ from the trainer's more than without it (its base mode); a frozen router stays
+    bit for bit while every other weight moves; any other mode moves its routers."""
+    moved = res["moved"]
+    if name.endswith("frozen_router"):
+        ok = moved["routers"][0] == 0 and moved["others"][0] == moved["others"][1]
+        return ok, f"routers moved {moved['routers']}, others moved {moved['others']}"
+    if not moved["routers"][0]:
+        return False, f"routers moved {moved['routers']}"
+    if "rollout" in EXTRA_MODES[name]:
+        base = modes.get(name.split("+")[0], {}).get("flip/rollout_vs_trainer/rate")
+        noisy = res.get("flip/rollout_vs_trainer/rate")
+        ok = base is not None and noisy is not None and noisy > base
+        return ok, f"rollout_vs_trainer flip rate {noisy} with engine noise, {base} without"
+    return True, f"routers moved {moved['routers']}"
 
 
 RESUME_KEYS = (
@@ -503,6 +559,22 @@ def section_rl_step(ck: Check, cap: float) -> dict:
             if modes[name]["ok"] is False:
                 failed.append(name)
             print(f"rl_step {name}: {modes[name]}", flush=True)
+    for name, extra in EXTRA_MODES.items():
+        if time.perf_counter() > t_end:
+            modes[name] = {"ok": None, "skipped": "section budget"}
+            continue
+        t0 = time.perf_counter()
+        try:
+            modes[name] = one_rl_step(ck.work / "rl" / name.replace("/", "-"), **extra)
+            ok, why = extra_effect(name, modes[name], modes)
+            modes[name].update(effect_ok=ok, effect=why, ok=modes[name]["ok"] and ok)
+        except Exception as e:
+            modes[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
+            modes[name]["traceback"] = traceback.format_exc().splitlines()[-8:]
+        modes[name]["seconds"] = time.perf_counter() - t0
+        if modes[name]["ok"] is False:
+            failed.append(name)
+        print(f"rl_step {name}: {modes[name]}", flush=True)
     out = {"modes": modes}
     if time.perf_counter() < t_end:
         try:
@@ -522,6 +594,8 @@ def section_rl_step(ck: Check, cap: float) -> dict:
 
 
 # -- d. the log-prob kernel table ------------------------------------------------------------------------
+TILE_SWEEP = {(8192, 2048), (16384, 4096)}
+"Configurations whose run also times the fused kernel at every tile of GPU_TILES (CUDA only)."
 KERNEL_ORDER = ((8192, 2048), (32768, 4096), (16384, 4096), (32768, 2048), (16384, 2048), (8192, 4096))
 """Configurations in the order they run (each while the budget allows): the smallest first (it
 warms torch.compile and Triton), then the largest (where the memory claim matters most), then the
@@ -545,7 +619,7 @@ def section_kernels(ck: Check, cap: float) -> dict:
     need_cuda(ck)
     impls = kernels.make_impls(use_compile)
     rate = ck.peak_flops or kernels.bf16_rate(dev)
-    runs, gspo, skipped, per_unit = [], [], [], None
+    runs, gspo, skipped, sweeps, per_unit = [], [], [], [], None
     for n, h in todo:
         # seconds per N x H of the last configuration; the first two also compile (torch.compile
         # specialises, then goes dynamic), so until then only a floor of 15 s left is asked
@@ -555,7 +629,9 @@ def section_kernels(ck: Check, cap: float) -> dict:
             continue
         t0 = time.perf_counter()
         try:
-            run, g, _ = kernels.bench_config(n, h, cfg, impls, dev, rate, tiles=False)
+            run, g, sweep = kernels.bench_config(n, h, cfg, impls, dev, rate, tiles=(n, h) in TILE_SWEEP)
+            if sweep:
+                sweeps.append(tile_summary(sweep, run["derived"]))
         except Exception as e:  # recorded; the next configuration runs
             run = {"config": f"{n}x{h}", "n": n, "h": h, "error": f"{type(e).__name__}: {e}"[:500]}
             g = {"config": run["config"], "error": run["error"]}
@@ -577,7 +653,36 @@ def section_kernels(ck: Check, cap: float) -> dict:
         "runs": runs,
         "gspo": gspo,
         "skipped_for_budget": skipped,
+        "tile_sweeps": sweeps,
     }
+
+
+def tile_summary(sweep: dict, derived: dict) -> dict:
+    """A tile sweep (``benchmarks.kernels.sweep_tiles``) with each tile's floor fractions and the
+    fastest tile per pass against the default (``GPU_TILE``, the table's)."""
+    from moe_rl.kernels.fused_logprob import GPU_TILE, GPU_TILES
+
+    default = next(k for k, v in GPU_TILES.items() if v == GPU_TILE)
+    out = {"config": sweep["config"], "default": default, "tiles": {}}
+    for name, r in sweep.items():
+        if name == "config":
+            continue
+        out["tiles"][name] = dict(r)
+        for p in ("fwd", "fwd_bwd"):
+            t = r.get(f"{p}_ms")
+            if isinstance(t, float) and t > 0:
+                out["tiles"][name][f"{p}_floor_fraction"] = derived[f"floor_{p}_ms"] / t
+    for p in ("fwd", "fwd_bwd"):
+        timed = {k: v[f"{p}_ms"] for k, v in out["tiles"].items() if isinstance(v.get(f"{p}_ms"), float)}
+        if timed:
+            best = min(timed, key=timed.get)
+            out[f"best_{p}"] = {
+                "tile": best,
+                "ms": timed[best],
+                "floor_fraction": derived[f"floor_{p}_ms"] / timed[best],
+                "speedup_vs_default": timed.get(default, float("nan")) / timed[best],
+            }
+    return out
 
 
 # -- e. a ~1B-parameter MoE RL step ------------------------------------------------------------------------
@@ -677,6 +782,13 @@ def section_moe_1b(ck: Check, cap: float) -> dict:
 
         if torch.cuda.is_available():
             peak_mib = torch.cuda.max_memory_allocated() / 2**20
+        profile = None
+        if steps and time.perf_counter() + 2 * steps[-1]["time/train"] < t_end:
+            try:
+                profile = profile_train_pass(run, res.batch)
+            except Exception as e:  # the steps' measurements stand without it
+                profile = {"error": f"{type(e).__name__}: {e}"[:500]}
+            print(f"moe_1b profile: {profile}", flush=True)
     finally:
         run.close()
         free_cuda()
@@ -707,6 +819,81 @@ def section_moe_1b(ck: Check, cap: float) -> dict:
         "the minibatches) / time/train / the device section's measured matmul rate; attention "
         "score FLOPs and the optimizer not counted",
         "peak_mib": peak_mib,
+        "profile": profile,
+    }
+
+
+PROFILE_TOP = 12
+
+
+def profile_train_pass(run, batch) -> dict:
+    """One training forward + backward (the first micro-batch of the last step's first minibatch,
+    packed as training packs it, natural routing) under ``torch.profiler``: wall time, the device's
+    busy time (sum of its kernels' own time; CUDA only), kernel launches, and the top ops by
+    self device time and by self host time. One pass, not a whole RL step: the first lease's
+    whole-step profile outran the run's time limit in ``key_averages()``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from moe_rl.megatron.routing import RoutingSession
+    from moe_rl.routing import RouterAction
+    from moe_rl.trainer.rl import micro_batches, packed
+
+    cfg = run.recipe.train
+    rows = micro_batches(run, batch.lens_B, 0, batch.tokens_BT.shape[0] // cfg.minibatches)[0]
+    tokens, mask = batch.tokens_BT[rows], batch.mask_BT[rows]
+
+    def one_pass():
+        pack = packed(run, tokens, batch.lens_B[rows])
+        with RoutingSession(run.policy, RouterAction.NATURAL, pack=pack) as session:
+            out = run.policy.logprobs(tokens, temperature=cfg.temperature, with_entropy=True, pack=pack)
+            session.backward(-(out.logp_BT * mask).sum() / mask.sum())
+        for p in run.policy.model.parameters():
+            p.grad = None
+        if hasattr(run.policy.model, "zero_grad_buffer"):
+            run.policy.model.zero_grad_buffer()
+
+    run.policy.train()
+    one_pass()  # warm
+    sync()
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        one_pass()
+        sync()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+
+    def self_device(e) -> float:
+        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
+
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+
+    def top(key) -> list[dict]:
+        rows_ = sorted(events, key=key, reverse=True)[:PROFILE_TOP]
+        return [
+            {
+                "name": e.key[:80],
+                "count": e.count,
+                "self_device_ms": self_device(e) / 1e3,
+                "self_host_ms": e.self_cpu_time_total / 1e3,
+            }
+            for e in rows_
+        ]
+
+    busy_ms = sum(self_device(e) for e in kernels) / 1e3
+    return {
+        "rows": rows.stop - rows.start,
+        "positions": int(batch.lens_B[rows].sum()),
+        "wall_ms": wall * 1e3,
+        "device_busy_ms": busy_ms if cuda else None,
+        "device_busy_fraction": busy_ms / (wall * 1e3) if cuda else None,
+        "kernel_launches": sum(e.count for e in kernels) if cuda else None,
+        "top_device": top(self_device) if cuda else [],
+        "top_host": top(lambda e: e.self_cpu_time_total),
     }
 
 
@@ -797,6 +984,8 @@ def headline(doc: dict) -> dict:
                 for key in [f"{p}_{m}"]
             }
             h["kernels"][run["config"]]["targets_met"] = dv.get("targets")
+        for sw in k.get("tile_sweeps", []):
+            h["kernels"][f"tiles {sw['config']}"] = {p: sw.get(f"best_{p}") for p in ("fwd", "fwd_bwd")}
     e = _result(s.get("moe_1b"))
     if e:
         h["moe_1b"] = {
@@ -805,11 +994,17 @@ def headline(doc: dict) -> dict:
             "tokens_per_s": {p: v["tokens_per_s"] for p, v in e.get("phases", {}).items()},
             "train_mfu": e.get("train_mfu"),
         }
+        prof = e.get("profile") or {}
+        if "wall_ms" in prof:
+            h["moe_1b"]["train_pass_profile"] = {
+                k: prof.get(k) for k in ("positions", "wall_ms", "device_busy_fraction", "kernel_launches")
+            }
     f = _result(s.get("mismatch"))
     if f:
         h["rollout_vs_trainer"] = {
             name: {
                 "flip_rate": c.get("flip/rate"),
+                "router_rate": c.get("flip/router_rate"),
                 "token_any": c.get("flip/token_any"),
                 "k3": c.get("mismatch/k3"),
             }
@@ -892,7 +1087,7 @@ def main(argv=None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (CI: CPU, < 60 s)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="result directory")
-    ap.add_argument("--budget-s", type=float, default=None, help="whole run (default 450; dry run 120)")
+    ap.add_argument("--budget-s", type=float, default=None, help="whole run (default 480; dry run 120)")
     ap.add_argument("--only", nargs="*", choices=SECTIONS, help="these sections only")
     ap.add_argument(
         "--requirements", nargs="*", metavar="EXTRA", help="print the wheel requirements (+ EXTRA) and exit"
@@ -909,7 +1104,7 @@ def main(argv=None) -> dict | None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    budget = args.budget_s or (120.0 if args.dry_run else 450.0)
+    budget = args.budget_s or (120.0 if args.dry_run else 480.0)
     ck = Check(args.out, args.dry_run, budget)
     print(f"gpu_check: {ck.json_path} (budget {budget:.0f} s)", flush=True)
     import signal

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_check import SECTIONS, requirements
+from benchmarks.gpu_check import EXTRA_MODES, SECTIONS, requirements
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,8 +41,12 @@ def test_dry_run_finishes_every_section(tmp_path):
     assert h["all_ok"] and h["matmul_tflops"] > 0
     assert set(h["rl_step"]) == {
         f"{a}/{r}" for a in ("grpo", "gspo", "gspo_token") for r in ("none", "r2", "r3")
-    } | {"resume"}
+    } | set(EXTRA_MODES) | {"resume"}
     assert all(h["rl_step"].values()), h["rl_step"]
+    modes = doc["sections"]["rl_step"]["modes"]
+    assert all(modes[name]["effect_ok"] for name in EXTRA_MODES), {n: modes[n]["effect"] for n in EXTRA_MODES}
+    assert h["moe_1b"]["train_pass_profile"]["wall_ms"] > 0, doc["sections"]["moe_1b"]["profile"]
+    assert doc["sections"]["moe_1b"]["profile"]["top_host"]
     assert h["tests"]["failed"] + h["tests"]["error"] == 0
     if not torch.cuda.is_available():  # tests/gpu skips on CPU, and the dry run records it
         assert h["tests"]["passed"] == 0 and h["tests"]["skipped"] > 0
