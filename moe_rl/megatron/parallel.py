@@ -78,16 +78,23 @@ def init_parallel(
         rank = int(os.environ.get("RANK", "0"))
     check_world(cfg, world_size)
     if not dist.is_initialized():
+        rendezvous: dict = {"init_method": init_method}  # None: env:// (torchrun, Slurm)
         if init_method is None and "MASTER_ADDR" not in os.environ:
-            init_method = f"tcp://127.0.0.1:{free_port()}"
+            if world_size == 1:
+                # one process: an in-memory store, no port. A port picked by free_port() is free
+                # only when picked; the first lent GPU's run lost one to another socket between
+                # that and the store's bind (EADDRINUSE) after a dozen runs in one process
+                rendezvous = {"store": dist.HashStore()}
+            else:
+                rendezvous = {"init_method": f"tcp://127.0.0.1:{free_port()}"}
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
         dist.init_process_group(
             backend=backend_for(cfg),
-            init_method=init_method,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=cfg.timeout_s),
+            **rendezvous,
         )
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
