@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/moe-rl demo
+	$(BIN)/moe-rl demo --out runs/demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 tests

@@ -122,17 +122,12 @@ def cmd_check(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from pathlib import Path
+    """``moe-rl compare`` with the demo's arms (DEMO_ARMS) on its recipe."""
+    from moe_rl.lab.arms import DEMO_ARMS
+    from moe_rl.lab.compare import STATUS_EVERY
 
-    from moe_rl.errors import PathError, UserError
-    from moe_rl.lab.demo import DEFAULT_RECIPE, run_demo
-
-    if not Path(args.recipe).is_file():
-        raise PathError(f"--recipe {args.recipe} is not a file: give a recipe such as {DEFAULT_RECIPE}")
-    if args.jobs is not None and args.jobs < 1:
-        raise UserError(f"--jobs must be >= 1, got {args.jobs}: give how many arms run at a time")
-    print(run_demo(args.recipe, args.overrides, out=args.out, jobs=args.jobs))
-    return 0
+    args.arms, args.status_every = ",".join(DEMO_ARMS), str(STATUS_EVERY)
+    return cmd_compare(args)
 
 
 def compare_parser() -> argparse.ArgumentParser:
@@ -371,11 +366,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.set_defaults(fn=cmd_export)
     d = sub.add_parser(
-        "demo", help="GRPO, GRPO + replay and GSPO side by side from one start (the phase's closest cell)"
+        "demo",
+        help="GRPO, GRPO + R3 and the chaos null under routing noise, 3 seeds each (moe-rl compare on "
+        "recipes/demo/noise_demo.yaml)",
     )
-    d.add_argument("--recipe", default="recipes/demo/closest.yaml", help="the demo recipe (see recipes/demo)")
-    d.add_argument("--out", default="runs/demo", help="where the arms and the report go")
-    d.add_argument("--jobs", type=int, default=None, help="arms at a time (default: all)")
+    d.add_argument("--recipe", default="recipes/demo/noise_demo.yaml", help="the demo recipe (see recipes/demo)")
+    d.add_argument("--out", default="runs/demo", help="where the runs and compare.* go")
+    d.add_argument("--jobs", default="2", help="runs at a time (default: 2)")
+    d.add_argument("--seeds", default="3", help="seeds per arm (default: 3, DEMO_SEEDS)")
     d.add_argument("overrides", nargs="*")
     d.set_defaults(fn=cmd_demo)
     sub.add_parser(

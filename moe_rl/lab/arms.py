@@ -38,8 +38,37 @@ ARMS: dict[str, dict] = {
 """The arms of the comparison, as recipe sections: the GSPO paper's (with its clip bands) and
 GRPO with truncated importance sampling against the train-inference mismatch (C = 2)."""
 
-DEMO_ARMS = ("GRPO", "GRPO+R3", "GSPO")
-"The arms ``moe-rl demo`` runs: the replay arm is the repro's (benchmarks/phase.py, REPLAY_RULE)."
+VARIANTS: dict[str, dict] = {
+    "CHAOS": {"of": "GRPO", "overrides": {"train": {"start_jitter": 1.0e-7}}},
+    "GRPO+frozen": {"of": "GRPO", "overrides": {"train": {"freeze_router": True}}},
+    "GRPO+R3+gates": {"of": "GRPO+R3", "overrides": {"algo": {"replay_gate_weights": True}}},
+}
+"""Issue 31's arms, each an arm of :data:`ARMS` plus overrides (the noise design's ``extra_arms``,
+recipes/demo/noise.plan.yaml, pre-registered with these values; a test holds them equal): the
+chaos null (GRPO from a start jittered by 1e-7, a no-op whose spread is the yardstick for every
+arm difference), GRPO with the routers frozen in RL, and R3 with the engine's gate weights
+replayed too. ``moe-rl compare`` takes them by name; the benchmarks that default to every arm
+(benchmarks/collapse.py) keep :data:`ARMS`."""
+
+
+def _merged(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+COMPARE_ARMS: dict[str, dict] = {
+    **ARMS,
+    **{name: _merged(ARMS[v["of"]], v["overrides"]) for name, v in VARIANTS.items()},
+}
+"Every arm by name, as recipe sections: :data:`ARMS` and :data:`VARIANTS`."
+
+DEMO_ARMS = ("GRPO", "GRPO+R3", "CHAOS")
+"""The arms ``make demo`` runs (recipes/demo/noise_demo.yaml): GRPO, GRPO + R3 and the chaos null,
+the noise design's deciding contrast (docs/noise.md)."""
+DEMO_SEEDS = 3
+"Seeds per arm of ``make demo``: each seed one paired comparison, the median and spread drawn."
 FIRST_SEED = 1234
 "``train.seed`` of replicate 0 (replicate ``s`` samples with ``FIRST_SEED + s``, prompts in order ``s``)."
 
@@ -53,9 +82,9 @@ def arm_overrides(name: str, seed: int | None = None, steps: int | None = None) 
     """The overrides of arm ``name`` (``algo.name=grpo``, ...); an unknown name lists the arms.
     With ``seed``: replicate ``seed`` (the same ``train.seed`` and ``task.seed`` in every arm, so
     arms differ only in ``algo``); with ``steps``: that many RL steps."""
-    if name not in ARMS:
-        raise KeyError(f"unknown arm {name!r}: use one of {', '.join(ARMS)}")
-    ov = flatten(ARMS[name])
+    if name not in COMPARE_ARMS:
+        raise KeyError(f"unknown arm {name!r}: use one of {', '.join(COMPARE_ARMS)}")
+    ov = flatten(COMPARE_ARMS[name])
     if seed is not None:
         ov += [f"train.seed={FIRST_SEED + seed}", f"task.seed={seed}"]
     return ov + ([f"train.rl_steps={steps}"] if steps else [])

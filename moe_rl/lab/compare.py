@@ -46,7 +46,7 @@ from pathlib import Path
 
 from moe_rl.config import ConfigError, load_recipe
 from moe_rl.errors import UserError
-from moe_rl.lab.arms import ARMS, DEMO_ARMS, arm_dir, arm_overrides
+from moe_rl.lab.arms import COMPARE_ARMS, DEMO_ARMS, arm_dir, arm_overrides
 from moe_rl.lab.demo import check_out, claim_out
 from moe_rl.lab.report import series, summarize
 from moe_rl.lab.results import json_safe, write_json
@@ -84,14 +84,14 @@ FINISHED = ("done", "stopped")
 def parse_arms(text: str) -> list[str]:
     """``"GRPO,gspo"`` -> ``["GRPO", "GSPO"]`` (names of :data:`ARMS`, any case); an unknown, repeated
     or missing name is a one-line error listing the arms."""
-    by_key = {name.lower(): name for name in ARMS}
+    by_key = {name.lower(): name for name in COMPARE_ARMS}
     names = [t.strip() for t in text.split(",")]
     if not text.strip() or any(not t for t in names):
-        raise UserError(f"--arms {text!r}: give comma-separated arms of {', '.join(ARMS)}")
+        raise UserError(f"--arms {text!r}: give comma-separated arms of {', '.join(COMPARE_ARMS)}")
     out = []
     for t in names:
         if t.lower() not in by_key:
-            raise UserError(f"--arms: unknown arm {t!r}: use one of {', '.join(ARMS)}")
+            raise UserError(f"--arms: unknown arm {t!r}: use one of {', '.join(COMPARE_ARMS)}")
         if by_key[t.lower()] in out:
             raise UserError(f"--arms: {by_key[t.lower()]} is named twice: give each arm once")
         out.append(by_key[t.lower()])

@@ -165,12 +165,12 @@ def test_bench_unknown_name(cli):
 
 @cli_case
 def test_demo_missing_recipe(cli, tmp_path):
-    cli("demo", "--recipe", tmp_path / "gone.yaml").one_line(r"--recipe .*gone\.yaml is not a file")
+    cli("demo", "--recipe", tmp_path / "gone.yaml").one_line(r"recipe .*gone\.yaml is not a file")
 
 
 @cli_case
 def test_demo_bad_jobs(cli):
-    cli("demo", "--jobs", "0").one_line(r"--jobs must be >= 1, got 0")
+    cli("demo", "--jobs", "0").one_line(r"--jobs '0': give a whole number >= 1")
 
 
 def test_demo_without_a_start_is_refused(tmp_path):

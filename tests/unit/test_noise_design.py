@@ -104,3 +104,31 @@ def test_the_success_rule_reads_the_contrast_against_the_chaos_spread():
     for s in range(6):
         results[("moe-noise", "CHAOS", s)] = _result(0.5 + (0.2 if s % 2 else -0.2))
     assert noise.analyse(PLAN, results)["success"]["moe_noise_separates"] is False
+
+
+def test_the_demo_is_the_deciding_cell_in_short():
+    """``make demo``'s recipe is the moe-noise cell but for its length, held-out size, out_dir and
+    its start (the cell's SFT start, shipped); its arms are the cell's deciding ones, defined as
+    the pre-registered plan defines them."""
+    import hashlib
+    from pathlib import Path
+
+    from moe_rl.config import load_recipe, to_dict
+    from moe_rl.lab.arms import DEMO, DEMO_ARMS, VARIANTS, arm_overrides
+    from moe_rl.lab.demo import DEFAULT_RECIPE
+
+    root = Path(__file__).resolve().parents[2]
+    demo = to_dict(load_recipe(root / DEFAULT_RECIPE))
+    cell = to_dict(load_recipe(DEMO, noise.cell_overrides(PLAN, "moe-noise")))
+    for sec, keys in {"train": ("rl_steps", "eval_prompts", "out_dir", "stages"), "model": ("hf_path",)}.items():
+        for k in keys:
+            demo[sec].pop(k), cell[sec].pop(k)
+    assert demo == cell
+    assert VARIANTS == PLAN["extra_arms"]
+    assert DEMO_ARMS == tuple(PLAN["order"][0]["arms"])
+    for arm in DEMO_ARMS:  # the same sections as the design's runs
+        assert set(arm_overrides(arm)) <= set(noise.run_overrides(PLAN, "moe-noise", arm, 100))
+    info = json.loads((root / "recipes/demo/noise_start.json").read_text())
+    files = {p.name: p for p in (root / "recipes/demo/noise_start").iterdir()}
+    assert set(files) == set(info["sha256"])
+    assert all(hashlib.sha256(p.read_bytes()).hexdigest() == info["sha256"][n] for n, p in files.items())

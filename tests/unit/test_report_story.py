@@ -49,62 +49,20 @@ def test_without_a_collapse_the_sequence_log_ratio_is_shown():
     assert all(not v.collapsed and math.isfinite(v.best) for v in verdicts.values())
 
 
-def test_the_demo_writes_its_picture_detail_and_verdicts(tmp_path):
-    """``moe-rl demo`` end to end on a micro policy: SFT, three arms side by side, report.png (the
-    story), report-detail.png (every metric) and report.json with the verdicts; a second demo
-    reuses the SFT start."""
+def test_the_shipped_demo_runs_every_arm_from_its_start(tmp_path):
+    """``make demo`` (recipes/demo/noise_demo.yaml) starts every arm of DEMO_ARMS from the shipped
+    noise start (model.hf_path, no SFT stage) through ``moe-rl compare``: one short step each at the
+    shipped policy's own size, every seed paired, and a rerun into its own folder keeps the runs
+    that finished instead of retraining them."""
     import json
     from pathlib import Path
 
-    from moe_rl.lab.arms import DEMO_ARMS
-    from moe_rl.lab.demo import run_demo
-
-    root = Path(__file__).resolve().parents[2]
-    ov = [
-        "model.hidden_size=32",
-        "model.num_layers=2",
-        "model.num_attention_heads=2",
-        "model.num_query_groups=2",
-        "model.head_dim=16",
-        "model.moe_ffn_hidden_size=32",
-        "model.num_experts=4",
-        "model.max_seq_len=48",
-        "train.sft_steps=5",
-        "train.rl_steps=3",
-        "train.prompts_per_step=2",
-        "train.group_size=4",
-        "train.minibatches=2",
-        "train.max_new_tokens=8",
-        "train.eval_every=1",
-        "train.eval_prompts=4",
-        "train.flip_probe_sequences=2",
-        f"train.out_dir={tmp_path / 'sft'}",
-    ]
-    text = run_demo(root / "recipes/demo/base.yaml", ov, out=tmp_path / "demo")
-    out = tmp_path / "demo"
-    for png in ("report.png", "report-detail.png"):
-        assert (out / png).read_bytes()[:4] == b"\x89PNG", png
-    doc = json.loads((out / "report.json").read_text())
-    assert set(doc["story"]["verdicts"]) == set(DEMO_ARMS) and len(doc["rows"]) == 3
-    assert doc["story"]["title"] in text and doc["wall_s"] > 0
-    assert all((out / f"{a.lower().replace('+', '_')}.log").stat().st_size > 0 for a in DEMO_ARMS)
-    sft = sorted((tmp_path / "sft" / "checkpoints").iterdir())
-    run_demo(root / "recipes/demo/base.yaml", [*ov, "train.rl_steps=1"], out=tmp_path / "again", jobs=1)
-    assert sorted((tmp_path / "sft" / "checkpoints").iterdir()) == sft  # reused, not retrained
-    assert json.loads((tmp_path / "again" / "report.json").read_text())["jobs"] == 1
-
-
-def test_the_shipped_demo_start_runs_every_arm(tmp_path):
-    """The default demo (recipes/demo/closest.yaml) starts every arm from the shipped SFT start
-    (model.hf_path, no SFT stage): one short step each at the shipped policy's own size."""
-    import json
-    from pathlib import Path
-
+    from moe_rl.lab.arms import DEMO_ARMS, arm_dir
     from moe_rl.lab.demo import DEFAULT_RECIPE, run_demo
 
     root = Path(__file__).resolve().parents[2]
     ov = [
-        f"model.hf_path={root / 'recipes/demo/start'}",
+        f"model.hf_path={root / 'recipes/demo/noise_start'}",
         "train.rl_steps=1",
         "train.prompts_per_step=2",
         "train.group_size=2",
@@ -113,12 +71,15 @@ def test_the_shipped_demo_start_runs_every_arm(tmp_path):
         "train.eval_prompts=2",
         "train.flip_probe_sequences=1",
     ]
-    run_demo(root / DEFAULT_RECIPE, ov, out=tmp_path / "demo")
-    doc = json.loads((tmp_path / "demo" / "report.json").read_text())
-    assert doc["sft_s"] < 5 and len(doc["rows"]) == 3  # no SFT ran: the arms loaded the start
-    assert not (tmp_path / "demo" / "sft").exists()
-    # a rerun into the demo's own folder (after Ctrl-C, say) keeps the finished arms, not retrains them
-    rows = {p: p.read_bytes() for p in (tmp_path / "demo").glob("*/metrics.jsonl")}
+    res = run_demo(root / DEFAULT_RECIPE, ov, out=tmp_path / "demo", jobs=1, seeds=1)
+    assert not res["failed"] and [r["arm"] for r in res["rows"]] == list(DEMO_ARMS)
+    doc = json.loads((tmp_path / "demo" / "compare.json").read_text())
+    assert [r["arm"] for r in doc["rows"]] == list(DEMO_ARMS)
+    assert not (tmp_path / "demo" / "starts").exists()  # no SFT ran: the arms loaded the start
+    for arm in DEMO_ARMS:  # each arm ran its own overrides on the shipped start
+        recipe = (tmp_path / "demo" / arm_dir(arm) / "s0" / "recipe.yaml").read_text()
+        assert "noise_start" in recipe and ("start_jitter: 1.0e-07" in recipe) == (arm == "CHAOS"), arm
+    rows = {p: p.read_bytes() for p in (tmp_path / "demo").glob("*/s0/metrics.jsonl")}
     assert len(rows) == 3
-    run_demo(root / DEFAULT_RECIPE, ov, out=tmp_path / "demo")
-    assert {p: p.read_bytes() for p in (tmp_path / "demo").glob("*/metrics.jsonl")} == rows
+    run_demo(root / DEFAULT_RECIPE, ov, out=tmp_path / "demo", jobs=1, seeds=1)
+    assert {p: p.read_bytes() for p in (tmp_path / "demo").glob("*/s0/metrics.jsonl")} == rows
