@@ -370,7 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="GRPO, GRPO + R3 and the chaos null under routing noise, 3 seeds each (moe-rl compare on "
         "recipes/demo/noise_demo.yaml)",
     )
-    d.add_argument("--recipe", default="recipes/demo/noise_demo.yaml", help="the demo recipe (see recipes/demo)")
+    d.add_argument(
+        "--recipe", default="recipes/demo/noise_demo.yaml", help="the demo recipe (see recipes/demo)"
+    )
     d.add_argument("--out", default="runs/demo", help="where the runs and compare.* go")
     d.add_argument("--jobs", default="2", help="runs at a time (default: 2)")
     d.add_argument("--seeds", default="3", help="seeds per arm (default: 3, DEMO_SEEDS)")

@@ -120,7 +120,10 @@ def test_the_demo_is_the_deciding_cell_in_short():
     root = Path(__file__).resolve().parents[2]
     demo = to_dict(load_recipe(root / DEFAULT_RECIPE))
     cell = to_dict(load_recipe(DEMO, noise.cell_overrides(PLAN, "moe-noise")))
-    for sec, keys in {"train": ("rl_steps", "eval_prompts", "out_dir", "stages"), "model": ("hf_path",)}.items():
+    for sec, keys in {
+        "train": ("rl_steps", "eval_prompts", "out_dir", "stages"),
+        "model": ("hf_path",),
+    }.items():
         for k in keys:
             demo[sec].pop(k), cell[sec].pop(k)
     assert demo == cell
