@@ -219,7 +219,8 @@ def cmd_report(args) -> int:
     runs = dict(r.split("=", 1) if "=" in r else (r.rstrip("/").split("/")[-1], r) for r in args.runs)
     table, _ = report(runs, args.out)
     print(table)
-    print(f"curves: {args.out}")
+    out = Path(args.out)
+    print(f"curves: {out}; table: {out.with_suffix('.csv')}, {out.with_suffix('.md')}")
     return 0
 
 

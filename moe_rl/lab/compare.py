@@ -33,7 +33,6 @@ handling stops them); with more, each is a ``moe-rl train`` child process, ``job
 from __future__ import annotations
 
 import contextlib
-import csv
 import logging
 import math
 import os
@@ -49,7 +48,7 @@ from moe_rl.errors import UserError
 from moe_rl.lab.arms import COMPARE_ARMS, DEMO_ARMS, arm_dir, arm_overrides
 from moe_rl.lab.demo import check_out, claim_out
 from moe_rl.lab.report import series, summarize
-from moe_rl.lab.results import json_safe, write_json
+from moe_rl.lab.results import csv_text, json_safe, write_json, write_text
 from moe_rl.lab.runner import (
     STATUS_FILE,
     forwarding_signals,
@@ -397,13 +396,7 @@ def csv_rows(rows: list[dict]) -> list[dict]:
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
-    flat = csv_rows(rows)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(flat[0]))
-        w.writeheader()
-        w.writerows({k: "" if v is None else v for k, v in row.items()} for row in flat)
-    tmp.replace(path)
+    write_text(path, csv_text(csv_rows(rows)))
 
 
 # -- the picture ------------------------------------------------------------------------------------
@@ -633,11 +626,12 @@ def write_results(recipe, overrides, arms, seeds, out, planned, ended, wall, job
     rows = seed_table(values, arms)
     files = {k: out / f"compare.{k}" for k in ("csv", "md", "json", "png")}
     write_csv(files["csv"], rows)
-    files["md"].write_text(
+    write_text(
+        files["md"],
         f"# moe-rl compare: {', '.join(arms)} x {seeds} seed(s)\n\n`{recipe}` {' '.join(overrides)}\n\n"
         + markdown_table(rows)
         + f"\nDifferences to {arms[0]}: paired by seed, mean [95% t interval] over the seeds both arms ran.\n\n"
-        + "".join(f"- {HEADS[m]}: {text}\n" for m, text in METRICS.items())
+        + "".join(f"- {HEADS[m]}: {text}\n" for m, text in METRICS.items()),
     )
     plot({a: c for a, c in curves.items() if c}, files["png"])
     doc = {

@@ -127,53 +127,76 @@ def summarize(name: str, arm: dict) -> dict:
     }
 
 
+COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("arm", "arm", "{:<10}"),
+    ("steps", "steps", "{:>5}"),
+    ("reward_first", "rew0", "{:>8.3f}"),
+    ("reward_last", "rew_end", "{:>8.3f}"),
+    ("eval_start", "acc0", "{:>8.3f}"),
+    ("eval_end", "acc_end", "{:>8.3f}"),
+    ("flip_step", "flip/step", "{:>9.4f}"),
+    ("flip_drift", "flip/drift", "{:>9.4f}"),
+    ("clip_token", "clip/token", "{:>10.5f}"),
+    ("clip_seq", "clip/seq", "{:>9.4f}"),
+    ("max_abs_seq_log_ratio", "|seqlogr|", "{:>9.2f}"),
+    ("mismatch_k3", "k3", "{:>9.2e}"),
+    ("mismatch_extreme", "extreme", "{:>8.5f}"),
+    ("flip_rollout", "flip/r-v-t", "{:>9.4f}"),
+    ("step_s", "step_s", "{:>7.2f}"),
+)
+"""The report table's columns: (summary key, heading, format). Flip rates and fractions are
+fractions (0.01 = 1%), as in metrics.jsonl."""
+
+
 def format_table(rows: list[dict]) -> str:
-    cols = [
-        ("arm", "{:<10}"),
-        ("steps", "{:>5}"),
-        ("reward_first", "{:>8.3f}"),
-        ("reward_last", "{:>8.3f}"),
-        ("eval_start", "{:>8.3f}"),
-        ("eval_end", "{:>8.3f}"),
-        ("flip_step", "{:>9.4f}"),
-        ("flip_drift", "{:>9.4f}"),
-        ("clip_token", "{:>10.5f}"),
-        ("clip_seq", "{:>9.4f}"),
-        ("max_abs_seq_log_ratio", "{:>9.2f}"),
-        ("mismatch_k3", "{:>9.2e}"),
-        ("mismatch_extreme", "{:>8.5f}"),
-        ("flip_rollout", "{:>9.4f}"),
-        ("step_s", "{:>7.2f}"),
-    ]
-    heads = [
-        "arm",
-        "steps",
-        "rew0",
-        "rew_end",
-        "acc0",
-        "acc_end",
-        "flip/step",
-        "flip/drift",
-        "clip/token",
-        "clip/seq",
-        "|seqlogr|",
-        "k3",
-        "extreme",
-        "flip/r-v-t",
-        "step_s",
-    ]
-    widths = [len(f.format(r[c])) if rows else 8 for (c, f), r in zip(cols, rows * len(cols))]
+    widths = [len(f.format(r[c])) if rows else 8 for (c, _, f), r in zip(COLUMNS, rows * len(COLUMNS))]
+    heads = [h for _, h, _ in COLUMNS]
     head = " ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(heads, widths)))
     lines = [head, "-" * len(head)]
-    lines += [" ".join(f.format(r[c]) for c, f in cols) for r in rows]
+    lines += [" ".join(f.format(r[c]) for c, _, f in COLUMNS) for r in rows]
     return "\n".join(lines)
 
 
+def markdown(rows: list[dict]) -> str:
+    """The table as Markdown (the terminal's columns and formats)."""
+    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|---|" + "---:|" * (len(COLUMNS) - 1)]
+    lines += ["| " + " | ".join(f.format(r[c]).strip() for c, _, f in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+ROUND_OFF = 1e-9
+"Values no larger than this in magnitude are round-off (k3 of an fp32 engine: ~1e-13), not signal."
+
+
+def _values(arms: dict[str, dict], key: str) -> list[float]:
+    vals = []
+    for arm in arms.values():
+        vals += series(arm["eval"] if key == "eval/accuracy" else arm["rl"], key)[1]
+    return [v for v in vals if v is not None and math.isfinite(v)]
+
+
+def informative(values: list[float]) -> bool:
+    """Whether a panel of ``values`` (every arm's) shows anything: some value beyond round-off, and
+    not all equal (one point, or a metric that never moved, e.g. a flip rate of an engine that
+    routes exactly as the trainer)."""
+    if not values:
+        return False
+    top = max(abs(v) for v in values)
+    return top > ROUND_OFF and max(values) - min(values) > ROUND_OFF * max(1.0, top)
+
+
 def panels(arms: dict[str, dict]) -> list[str]:
-    """The panels :func:`plot` draws for ``arms``: :data:`DETAIL_PANELS`, then each of
-    :data:`EXPERT_PANELS` some arm's RL rows hold (runs from before they were logged have none)."""
-    present = [k for k in EXPERT_PANELS if any(series(arm["rl"], k)[0] for arm in arms.values())]
-    return [*DETAIL_PANELS, *present]
+    """The panels :func:`plot` draws for ``arms``: those of :data:`DETAIL_PANELS`, then of
+    :data:`EXPERT_PANELS`, whose metric is :func:`informative` over every arm (absent metrics,
+    e.g. an SFT-only run's, and constant or round-off ones get no panel)."""
+    return [k for k in (*DETAIL_PANELS, *EXPERT_PANELS) if informative(_values(arms, k))]
+
+
+def y_scale(values: list[float]) -> str:
+    """``log`` for positive values spanning two decades or more, else ``linear`` (a symlog axis
+    drew near-zero values as barcodes)."""
+    pos = [v for v in values if v > 0]
+    return "log" if pos and len(pos) == len(values) and max(pos) / min(pos) >= 100 else "linear"
 
 
 def plot(arms: dict[str, dict], out_png: str | Path) -> Path:
@@ -183,10 +206,13 @@ def plot(arms: dict[str, dict], out_png: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     keys = panels(arms)
-    rows = -(-len(keys) // 4)
-    fig, axes = plt.subplots(rows, 4, figsize=(20, 4 * rows))
-    for ax in axes.flat[len(keys) :]:
+    rows = max(1, -(-len(keys) // 4))
+    fig, axes = plt.subplots(rows, 4, figsize=(20, 4 * rows), squeeze=False)
+    for ax in axes.flat[max(1, len(keys)) :]:
         ax.set_visible(False)
+    if not keys:
+        axes.flat[0].axis("off")
+        axes.flat[0].text(0, 0.5, "no metric moved in these runs (absent, constant or round-off)")
     for ax, key in zip(axes.flat, keys):
         for name, arm in arms.items():
             rows = arm["eval"] if key == "eval/accuracy" else arm["rl"]
@@ -194,10 +220,10 @@ def plot(arms: dict[str, dict], out_png: str | Path) -> Path:
             ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=name)
         ax.set_title(PANELS[key])
         ax.set_xlabel("RL step")
-        if key.startswith(("clip/", "mismatch/")):
-            ax.set_yscale("symlog", linthresh=1e-4)
+        ax.set_yscale(y_scale(_values(arms, key)))
         ax.grid(alpha=0.3)
-    axes.flat[0].legend()
+    if keys:
+        axes.flat[0].legend()
     fig.tight_layout()
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
@@ -315,10 +341,16 @@ def story(arms: dict[str, dict], out_png: str | Path) -> dict:
 
 
 def report(runs: dict[str, str | Path], out_png: str | Path) -> tuple[str, list[dict]]:
-    """Plot and tabulate named run directories; return the table text and summary rows."""
-    if Path(out_png).is_dir():
-        raise PathError(f"--out {out_png} is a folder: give a file name, e.g. {Path(out_png) / 'report.png'}")
+    """Plot and tabulate named run directories: ``out_png``, and beside it the table as ``.csv``
+    and ``.md`` (same stem); return the table text and summary rows."""
+    from moe_rl.lab.results import csv_text, write_text
+
+    out_png = Path(out_png)
+    if out_png.is_dir():
+        raise PathError(f"--out {out_png} is a folder: give a file name, e.g. {out_png / 'report.png'}")
     arms = {name: load_arm(d) for name, d in runs.items()}
     plot(arms, out_png)
     rows = [summarize(n, a) for n, a in arms.items()]
+    write_text(out_png.with_suffix(".csv"), csv_text(rows))
+    write_text(out_png.with_suffix(".md"), f"# moe-rl report\n\n{markdown(rows)}")
     return format_table(rows), rows

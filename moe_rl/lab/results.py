@@ -31,13 +31,19 @@ def json_safe(obj: Any) -> Any:
 
 
 def write_json(path: str | Path, doc: Any, *, indent: int | None = 1, newline: bool = False) -> Path:
-    """Write ``doc`` as JSON at ``path`` atomically (temp file, fsync, rename); non-finite floats
-    as ``null``, other non-JSON values as their ``str``. ``newline``: end the file with one."""
-    path = Path(path)
+    """Write ``doc`` as JSON at ``path`` atomically (:func:`write_text`); non-finite floats as
+    ``null``, other non-JSON values as their ``str``. ``newline``: end the file with one."""
     text = json.dumps(json_safe(doc), indent=indent, default=str, allow_nan=False) + ("\n" if newline else "")
+    return write_text(path, text)
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` at ``path`` atomically: a temp file beside it, fsync, rename (a reader never
+    sees half a file, an interrupted write leaves the old one)."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
+        with open(tmp, "w", newline="") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -46,3 +52,15 @@ def write_json(path: str | Path, doc: Any, *, indent: int | None = 1, newline: b
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def csv_text(rows: list[dict]) -> str:
+    """``rows`` (one dict each, the first one's keys as the header) as CSV; None as empty."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else [])
+    w.writeheader()
+    w.writerows({k: "" if v is None else v for k, v in json_safe(row).items()} for row in rows)
+    return buf.getvalue()

@@ -16,7 +16,7 @@ import pytest
 from benchmarks.common import SMOKE_BASE
 from moe_rl.cli import main
 from moe_rl.lab import compare, runner
-from moe_rl.lab.arms import ARMS, DEMO, FIRST_SEED, flatten
+from moe_rl.lab.arms import ARMS, COMPARE_ARMS, DEMO, FIRST_SEED, flatten
 from moe_rl.lab.stats import paired
 
 TINY = [
@@ -156,9 +156,9 @@ def test_the_paired_difference_pairs_runs_by_seed():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--arms", "GRPO,GRPO+R9"], "--arms: unknown arm 'GRPO+R9': use one of " + ", ".join(ARMS)),
+        (["--arms", "GRPO,GRPO+R9"], "--arms: unknown arm 'GRPO+R9': use one of " + ", ".join(COMPARE_ARMS)),
         (["--arms", "GRPO,grpo"], "--arms: GRPO is named twice: give each arm once"),
-        (["--arms", ""], "--arms '': give comma-separated arms of " + ", ".join(ARMS)),
+        (["--arms", ""], "--arms '': give comma-separated arms of " + ", ".join(COMPARE_ARMS)),
         (["--seeds", "0"], "--seeds '0': give a whole number >= 1 (how many seeds each arm runs)"),
         (["--seeds", "two"], "--seeds 'two': give a whole number >= 1 (how many seeds each arm runs)"),
         (["--jobs", "-1"], "--jobs '-1': give a whole number >= 1 (how many runs train at a time)"),

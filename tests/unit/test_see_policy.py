@@ -236,20 +236,55 @@ def test_evaluation_writes_its_held_out_generations(tmp_path, parallel_info, mon
     assert len(raw) == 3 and all(json.loads(line)["kind"] == "eval" for line in raw)
 
 
-def test_report_draws_expert_panels_only_where_logged(tmp_path):
-    """``moe-rl report``'s panels: the expert load curves join the eight detail panels when a run
-    logged them, and a run from before they existed gets none (no empty panel). Planted bug
-    killed: the panels drawn for every run (eight empty axes' worth of noise on old runs)."""
-    from moe_rl.lab.report import DETAIL_PANELS, EXPERT_PANELS, panels, plot
+def test_report_draws_a_panel_only_for_a_metric_that_moved(tmp_path):
+    """``moe-rl report``'s panels (issue 33, item 8): a metric gets a panel when some arm logged it
+    and its values, over every arm, differ by more than round-off; absent ones (an old run's expert
+    load, an SFT run's RL metrics), constant ones (an fp32 engine's all-zero rollout-vs-trainer flip
+    rate, a dead-expert share that stayed 0) and round-off ones (k3 at 1e-13) get none. Planted
+    bugs killed: the panels drawn for every run; the constant test dropped; the round-off test
+    dropped."""
+    from moe_rl.lab.report import EXPERT_PANELS, ROLLOUT_FLIP, panels, plot, y_scale
 
-    old = {"rl": [{"step": 0, "reward/mean": 0.5}], "eval": []}
+    def rows(**cols):
+        return [{"step": i, **{k.replace("__", "/"): v[i] for k, v in cols.items()}} for i in range(3)]
+
+    old = {"rl": rows(reward__mean=[0.5, 0.6, 0.7]), "eval": []}
     new = {
-        "rl": [{"step": 0, "reward/mean": 0.5, "experts/load_imbalance": 1.2, "experts/dead_frac": 0.0}],
-        "eval": [],
-    }
-    assert panels({"a": old}) == list(DETAIL_PANELS)
-    assert panels({"a": old, "b": new}) == [*DETAIL_PANELS, *EXPERT_PANELS[:2]]
+        "rl": [
+            {**r, "experts/load_imbalance": 1.2 + 0.1 * r["step"], "experts/dead_frac": 0.0, ROLLOUT_FLIP: 0.0,
+             "mismatch/k3": 1e-13 * r["step"]}
+            for r in rows(reward__mean=[0.5, 0.5, 0.5])
+        ],
+        "eval": [{"step": 0, "eval/accuracy": 0.3}, {"step": 2, "eval/accuracy": 0.4}],
+    }  # fmt: skip
+    assert panels({"a": old}) == ["reward/mean"]
+    assert panels({"b": new}) == ["eval/accuracy", EXPERT_PANELS[0]]  # reward constant in b alone
+    assert panels({"a": old, "b": new}) == ["reward/mean", "eval/accuracy", EXPERT_PANELS[0]]
+    assert panels({"sft": {"rl": [], "eval": []}}) == []
     assert plot({"a": old, "b": new}, tmp_path / "r.png").stat().st_size > 0
+    assert plot({"sft": {"rl": [], "eval": []}}, tmp_path / "empty.png").stat().st_size > 0
+    assert y_scale([1e-5, 1e-3, 0.2]) == "log" and y_scale([0.0, 0.2]) == "linear"
+    assert y_scale([0.1, 0.3]) == "linear"
+
+
+def test_report_writes_its_table_as_csv_and_markdown(tmp_path):
+    """``moe-rl report`` writes report.csv and report.md beside report.png, with the terminal
+    table's rows (issue 33, item 8)."""
+    import csv
+
+    from moe_rl.lab.report import report
+
+    for name, reward in (("a", 0.25), ("b", 0.75)):
+        d = tmp_path / name
+        d.mkdir()
+        lines = [{"step": s, "stage": "rl", "run": "r", "reward/mean": reward + 0.01 * s} for s in range(3)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    table, rows = report({"a": tmp_path / "a", "b": tmp_path / "b"}, tmp_path / "report.png")
+    got = list(csv.DictReader((tmp_path / "report.csv").open()))
+    assert [r["arm"] for r in got] == ["a", "b"] and float(got[1]["reward_last"]) == rows[1]["reward_last"]
+    md = (tmp_path / "report.md").read_text().splitlines()
+    assert md[2].startswith("| arm | steps |") and md[4].startswith("| a | 3 | 0.250 |")
+    assert "rew_end" in table
 
 
 @pytest.mark.parametrize("pre_softmax", [False, True])
