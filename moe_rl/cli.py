@@ -23,12 +23,18 @@ raised there (measured with every warning shown)."""
 
 def _setup_logging(verbose: bool) -> None:
     """Log lines as ``HH:MM:SS LEVEL name: message`` (DEBUG with ``-v``); megatron-core's loggers at
-    WARNING and its known warnings off, unless ``verbose`` (then INFO, and every warning)."""
+    WARNING and its known warnings off, unless ``verbose`` (then INFO, and every warning). Under
+    torchrun or Slurm (``WORLD_SIZE`` > 1) each line names its rank, and ranks other than 0 log
+    warnings and errors only, unless ``verbose``: one progress line per step, not one per rank."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1") or 1), os.environ.get("RANK", "0")
+    where = f"[rank {rank}] " if world > 1 else ""
+    quiet_rank = world > 1 and rank != "0" and not verbose
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=logging.WARNING if quiet_rank else logging.DEBUG if verbose else logging.INFO,
+        format=f"%(asctime)s {where}%(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    logging.getLogger("moe_rl.rank").setLevel(logging.INFO)  # each rank's one start line
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
     if verbose:

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from moe_rl.trainer.metrics import MetricsSink
 
 log = logging.getLogger(__name__)
+RANK_LOGGER = "moe_rl.rank"
+"The logger of each rank's one start line: at INFO on every rank (``moe_rl.cli._setup_logging``)."
 
 SHARED_SECTIONS = ("model", "parallel", "rollout", "task")
 "Recipe sections a derived run keeps: the policy, process groups, engine and task were built from them."
@@ -94,6 +96,13 @@ class Run:
 
             pin_nccl_for_engines(recipe, nccl=backend_for(recipe.parallel) == "nccl")
         self.info = init_parallel(recipe.parallel, seed=recipe.train.seed)
+        if self.info.world_size > 1:  # every rank's one line (the others log warnings only)
+            i = self.info
+            logging.getLogger(RANK_LOGGER).info(
+                "rank %d/%d on %s: tp %d/%d, ep %d/%d, dp %d/%d",
+                *(i.rank, i.world_size, i.device, i.tp_rank, i.tp_size, i.ep_rank, i.ep_size),
+                *(i.dp_rank, i.dp_size),
+            )
         self.policy = build_policy(recipe.model, recipe.parallel, self.info)
         self.policy.route_noise = RouteNoise(recipe.train.route_noise, seed=recipe.train.seed)
         self.optimizer = None
@@ -362,21 +371,26 @@ class Run:
 
         return PolicyHFSource(self.policy)
 
-    def progress(self, step: int, total: int, metrics: dict[str, float]) -> None:
-        """A progress bar with reward and step time on rank 0's terminal."""
+    def progress(self, stage: str, step: int, total: int, metrics: dict[str, float]) -> None:
+        """Rank 0's progress after ``stage``'s step ``step`` (0-based) of ``total``: a bar on a
+        terminal; where stderr is a file or a pipe (a log, Slurm, a child of ``compare``), one plain
+        line every ``train.log_every`` steps and at the last (a bar would be carriage returns)."""
         if self.info.rank != 0:
             return
-        if self._bar is None:
-            from tqdm import tqdm
+        shown = progress_fields(stage, metrics)
+        if _stderr_is_terminal():
+            if self._bar is None or self._bar.desc != stage:
+                from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=step, desc="rl", dynamic_ncols=True)
-        self._bar.update(1)
-        self._bar.set_postfix(
-            reward=f"{metrics.get('reward/mean', 0):.3f}",
-            acc=f"{metrics.get('reward/accuracy', 0):.2f}",
-            flip=f"{metrics.get('flip/step/rate', float('nan')):.3f}",
-            step_s=f"{metrics.get('time/step', 0):.1f}",
-        )
+                if self._bar is not None:
+                    self._bar.close()
+                self._bar = tqdm(total=total, initial=step, desc=stage, dynamic_ncols=True)
+            self._bar.update(1)
+            self._bar.set_postfix(shown)
+        elif step % max(1, self.recipe.train.log_every) == 0 or step == total - 1:
+            log.info(
+                "%s step %d/%d %s", stage, step + 1, total, " ".join(f"{k} {v}" for k, v in shown.items())
+            )
 
     def close(self) -> None:
         """Flush metrics, stop the engine, and end the process groups this run started (a run from
@@ -398,3 +412,31 @@ class Run:
 def checkpoint_root(recipe: Recipe) -> Path:
     """Where a recipe's run keeps its checkpoints: ``checkpoint.dir``, else ``<out_dir>/checkpoints``."""
     return Path(recipe.checkpoint.dir or Path(recipe.train.out_dir) / "checkpoints")
+
+
+PROGRESS_FIELDS: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "sft": (("loss", "loss", "{:.4f}"), ("grad_norm", "grad_norm", "{:.3f}"), ("step_s", "s/step", "{:.2f}")),
+    "rl": (
+        ("reward/mean", "reward", "{:.3f}"),
+        ("reward/accuracy", "acc", "{:.2f}"),
+        ("flip/step/rate", "flip/step", "{:.2%}"),
+        ("time/step", "s/step", "{:.1f}"),
+    ),
+}
+"""What a stage's progress shows: (metric, label, format). Flip rates as percentages, marked
+with %, as the docs give them (metrics.jsonl keeps fractions)."""
+
+
+def progress_fields(stage: str, metrics: dict[str, float]) -> dict[str, str]:
+    """``label -> formatted value`` of ``stage``'s :data:`PROGRESS_FIELDS` present in ``metrics``."""
+    return {
+        label: fmt.format(metrics[key])
+        for key, label, fmt in PROGRESS_FIELDS.get(stage, ())
+        if isinstance(metrics.get(key), (int, float))
+    }
+
+
+def _stderr_is_terminal() -> bool:
+    import sys
+
+    return bool(getattr(sys.stderr, "isatty", lambda: False)())

@@ -62,7 +62,7 @@ class RLStage(Stage):
     def finish(self, step: int, metrics: dict[str, float], skipped: bool) -> bool:
         verdict = _check_sentinel(self.sentinel, metrics)
         self.run.sink.log(step, "rl", metrics)
-        self.run.progress(step, self.steps, metrics)
+        self.run.progress("rl", step, self.steps, metrics)
         return _stop_or_roll_back(self.run, verdict)
 
     def advanced(self, step: int) -> None:

@@ -112,15 +112,7 @@ class SFTStage(Stage):
             hook(event)
         metrics["step_s"] = timer.total()
         run.sink.log(step, "sft", metrics)
-        if run.info.rank == 0 and (step % cfg.log_every == 0 or step == self.steps - 1):
-            log.info(
-                "sft step %d/%d loss %.4f grad_norm %.3f %.3fs",
-                step + 1,
-                self.steps,
-                metrics["loss"],
-                metrics["grad_norm"],
-                metrics["step_s"],
-            )
+        run.progress("sft", step, self.steps, metrics)
         return metrics, bool(metrics.get("skipped")) or not math.isfinite(metrics["loss"])
 
     def finish(self, step: int, metrics: dict[str, float], skipped: bool) -> bool:

@@ -48,6 +48,9 @@ def test_torchrun_sh_trains_two_ranks(tmp_path):
     text = logs[0].read_text()
     assert "2 processes" in text and "[rank0]:" in text and "[rank1]:" in text
     assert "sft step 3/3" in text
+    # rank 1: its one start line (and warnings), not a copy of rank 0's progress
+    rank1 = [ln for ln in text.splitlines() if ln.startswith("[rank1]:") and " INFO " in ln]
+    assert len(rank1) == 1 and "[rank 1] INFO moe_rl.rank: rank 1/2" in rank1[0], rank1
     assert (out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()).is_dir()
 
 
