@@ -15,6 +15,7 @@ plain lists of ``moe_rl.names``, so importing this module imports no torch. Vali
 
 from __future__ import annotations
 
+import importlib.util
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -32,7 +33,15 @@ from moe_rl.configlib import (
 )
 from moe_rl.configlib import read_yaml_with_includes as read_recipe_data
 from moe_rl.configlib import to_dict as to_dict
-from moe_rl.names import DEFAULT_BOUNDS, LOSS_NAMES, PAPER_CLIP, TOKEN_LEVEL, TOKEN_RATIO_LOSSES
+from moe_rl.names import (
+    DEFAULT_BOUNDS,
+    DEFAULT_LOGGERS,
+    LOGGERS,
+    LOSS_NAMES,
+    PAPER_CLIP,
+    TOKEN_LEVEL,
+    TOKEN_RATIO_LOSSES,
+)
 from moe_rl.sglang_config import SGLangConfig
 from moe_rl.tasks.config import TaskConfig
 
@@ -458,6 +467,8 @@ class TrainConfig:
     "Rollouts (the first rows of rank 0's batch) and held-out generations written each time train.samples_every writes."
     log_every: int = 1
     "Print a progress line every N steps."
+    loggers: tuple[str, ...] = DEFAULT_LOGGERS
+    "Where rank 0 sends metrics: jsonl (metrics.jsonl: always, --resume and moe-rl report read it) | tensorboard (scalars, hparams, the recipe, samples; <out_dir>/tb) | wandb (pip install wandb; WANDB_MODE, WANDB_PROJECT) | mlflow (pip install mlflow-skinny; MLFLOW_TRACKING_URI, else <out_dir>/mlruns); docs/design.md#trackers."
     flip_probe_sequences: int = 3
     "Sequences of each rollout batch whose routes are compared just before and after every optimizer step (0: off; each probe is a forward of them to the last router: ~5% of a step at 3, docs/algorithms.md)."
     flip_probe_every: int = 1
@@ -474,6 +485,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check_choices(self, "train")
         self._check_stages_and_paths()
+        self._check_loggers()
         require_positive(self, "train", "sft_batch_size", "prompts_per_step", "group_size", "minibatches")
         require_positive(self, "train", "max_new_tokens", "eval_prompts", "log_every")
         require_positive(self, "train", "sft_steps", "rl_steps", "eval_every", strict=False)
@@ -503,6 +515,33 @@ class TrainConfig:
             "train.pack_tokens is a packing budget: set train.packing=true or train.pack_tokens=0",
         )
 
+    def _check_loggers(self) -> None:
+        """Every name in :data:`moe_rl.names.LOGGERS`, once, jsonl among them, each tracker's package
+        importable (found, not imported: a recipe loads in milliseconds)."""
+        for i, name in enumerate(self.loggers):
+            require(
+                name in LOGGERS,
+                f"train.loggers[{i}]={name!r} is unknown: use {', '.join(LOGGERS)}",
+            )
+        require(
+            len(set(self.loggers)) == len(self.loggers),
+            f"train.loggers={list(self.loggers)} names a logger twice: list each once",
+        )
+        require(
+            "jsonl" in self.loggers,
+            f"train.loggers={list(self.loggers)} leaves out jsonl: metrics.jsonl is what --resume, "
+            "moe-rl report and the lab read; add jsonl",
+        )
+        for name in self.loggers:
+            if LOGGERS[name] is None:
+                continue
+            module, package = LOGGERS[name]
+            require(
+                _installed(module),
+                f"train.loggers names {name}, whose package is not installed: pip install {package} "
+                f"(or pip install 'moe-rl[track]'), or take {name} out of train.loggers",
+            )
+
     def _check_stages_and_paths(self) -> None:
         require(bool(self.stages), "train.stages is empty: list the stages to run, e.g. [sft, rl]")
         require(
@@ -514,6 +553,14 @@ class TrainConfig:
             "train.out_dir is empty (the run would write into the current folder): name a run folder, "
             "e.g. runs/my_run",
         )
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported (without importing it)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing; a module left without a spec
+        return False
 
 
 SentinelAction = Literal["off", "log", "stop", "rollback"]

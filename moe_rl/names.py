@@ -23,6 +23,17 @@ TOKEN_RATIO_LOSSES = ("grpo", "gspo_token")
 TASK_NAMES = ("arithmetic", "countdown", "jsonl")
 "Valid task.name values: the keys of moe_rl.tasks.TASKS."
 
+LOGGERS = {
+    "jsonl": None,
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow-skinny"),
+}
+"""Valid train.loggers values -> (the module the tracker imports, the pip package that provides it);
+jsonl is the sink's own file. The other keys are those of moe_rl.trainer.trackers.TRACKERS."""
+DEFAULT_LOGGERS = ("jsonl", "tensorboard")
+"train.loggers when a recipe names none: metrics.jsonl and TensorBoard."
+
 CORRECTIONS = ("none", "tis", "seq_tis", "icepop", "icepop_mask", "geo_mask")
 "Valid values of algo.rollout_correction (moe_rl.losses.corrections implements them)."
 TOKEN_LEVEL = ("tis", "icepop", "icepop_mask")

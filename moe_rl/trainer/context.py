@@ -65,7 +65,7 @@ class Run:
     engine_gives_routes: bool
     "Ask the engine for every token's routed experts (free on the embedded engine; SGLang: R3 only)."
     sink: MetricsSink
-    "Where metrics go (JSONL + TensorBoard, rank 0)."
+    "Where metrics go (metrics.jsonl and the trackers of train.loggers, rank 0)."
     state: RunState
     "The run's position (stage, step, counters); saved in every checkpoint."
     checkpointer: Checkpointer
@@ -109,7 +109,9 @@ class Run:
         self.engine = None
         self.engine_gives_routes = False
         self.out = Path(recipe.train.out_dir)
-        self.sink = MetricsSink(self.out, enabled=self.info.rank == 0)
+        self.sink = MetricsSink(
+            self.out, enabled=self.info.rank == 0, loggers=recipe.train.loggers, recipe=to_dict(recipe)
+        )
         self.state = RunState(run_id=uuid.uuid4().hex[:12])
         self.tag_rows()
         self.checkpointer = Checkpointer(

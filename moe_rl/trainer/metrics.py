@@ -1,4 +1,5 @@
-"""Metric sinks: JSONL (one object per step) and TensorBoard, written by rank 0 only; the policy's
+"""The metric sink: JSONL (one object per step) and the trackers ``train.loggers`` names
+(:mod:`moe_rl.trainer.trackers`: TensorBoard, W&B, MLflow), written by rank 0 only; the policy's
 samples (:mod:`moe_rl.trainer.samples`) beside them in ``samples.jsonl``."""
 
 from __future__ import annotations
@@ -8,7 +9,11 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from moe_rl.names import DEFAULT_LOGGERS
+from moe_rl.trainer.trackers import TrackedRun, Tracker, flatten, make_tracker
 
 log = logging.getLogger(__name__)
 
@@ -26,31 +31,86 @@ def _jsonable(v: object) -> object:
 
 
 class MetricsSink:
-    """Append ``{"step", "stage", "time", **tags, **metrics}`` to ``metrics.jsonl`` and TensorBoard.
+    """Append ``{"step", "stage", "time", **tags, **metrics}`` to ``metrics.jsonl`` and send the
+    metrics to the trackers of ``loggers`` (``train.loggers``: :mod:`moe_rl.trainer.trackers`).
 
     ``tags`` (set by the run): ``run``, the run's id (a ``--fresh`` start in a reused folder gets a
     new one), and ``attempt``, how many times this run continued from a checkpoint (a ``--resume``
     or a sentinel rollback; each cuts the rows it abandons first), so a report can tell two runs
-    and the attempts of one apart."""
+    and the attempts of one apart.
 
-    def __init__(self, out_dir: str | Path, *, enabled: bool = True, tensorboard: bool = True):
+    ``recipe``: the resolved recipe as a mapping (``to_dict``): the trackers' hparams / config /
+    params and the YAML they keep. The trackers start at the first row (the tags are set by then);
+    one that fails is warned about once and dropped, ``metrics.jsonl`` keeps every row."""
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        *,
+        enabled: bool = True,
+        loggers: Sequence[str] = DEFAULT_LOGGERS,
+        recipe: dict | None = None,
+    ):
         self.enabled = enabled
         self.out_dir = Path(out_dir)
         self._f = None
         self._samples_fd: int | None = None
-        self._tb = None
+        self.loggers = tuple(n for n in loggers if n != "jsonl")
+        "The trackers' names (``jsonl`` is this sink's own file, always written)."
+        self.recipe = recipe
+        self.trackers: list[Tracker] | None = None
+        "The running trackers (None: not started yet; a failed one is removed)."
         self.tags: dict[str, object] = {}
         if not enabled:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._f = (self.out_dir / "metrics.jsonl").open("a")
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(self.out_dir / "tb"))
-            except Exception as e:  # tensorboard missing or broken: keep the JSONL
-                log.warning("TensorBoard disabled: %s", e)
+    def _start_trackers(self) -> list[Tracker]:
+        if self.trackers is not None:
+            return self.trackers
+        import yaml
+
+        self.trackers = []
+        parts = [
+            self.out_dir.resolve().name,
+            str(self.tags.get("run", "")),
+            f"a{self.tags.get('attempt', 0)}",
+        ]
+        run = TrackedRun(
+            out_dir=self.out_dir,
+            name="-".join(p for p in parts if p),
+            tags=dict(self.tags),
+            params=flatten(self.recipe) if self.recipe else {},
+            recipe_yaml=yaml.safe_dump(self.recipe, sort_keys=False) if self.recipe else None,
+            samples=self.out_dir / SAMPLES,
+        )
+        for name in self.loggers:
+            tracker = make_tracker(name)
+            self.trackers.append(tracker)
+            self._call(tracker, "start", lambda t: t.start(run))
+        return self.trackers
+
+    def _call(self, tracker: Tracker, what: str, fn: Callable[[Tracker], object]) -> None:
+        """``fn(tracker)``; if it raises: one warning, and the tracker is closed and dropped."""
+        try:
+            fn(tracker)
+        except Exception as e:  # a tracker never stops training
+            log.warning(
+                "train.loggers: %s failed to %s (%s: %s): it is off for the rest of this run; "
+                "metrics.jsonl keeps every row",
+                tracker.name,
+                what,
+                type(e).__name__,
+                e,
+            )
+            if tracker in self.trackers:
+                self.trackers.remove(tracker)
+            if what != "close":
+                try:
+                    tracker.close()
+                except Exception:
+                    log.debug("closing the failed tracker %s", tracker.name, exc_info=True)
 
     def log(self, step: int, stage: str, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -60,36 +120,29 @@ class MetricsSink:
             json.dumps({"step": step, "stage": stage, "time": time.time(), **self.tags, **clean}) + "\n"
         )
         self._f.flush()
-        if self._tb is not None:
-            for k, v in clean.items():
-                if isinstance(v, float):
-                    self._tb.add_scalar(f"{stage}/{k}", v, step)
-            self._tb.flush()
+        numbers = {k: v for k, v in clean.items() if isinstance(v, float)}
+        for tracker in list(self._start_trackers()):
+            self._call(tracker, f"log {stage} step {step}", lambda t: t.log(step, stage, numbers))
 
     def samples(self, step: int, kind: str, rows: list[dict]) -> None:
         """Append ``{"step", "kind", "time", **tags, **row}`` for each of ``rows`` to ``samples.jsonl``
         (created on first use), all in one ``write`` to a file opened with ``O_APPEND`` (one system
         call at the end of the file, as metrics.jsonl's rows are flushed one at a time); and the rows
-        as one text entry ``samples/<kind>`` in TensorBoard.
+        to the trackers (TensorBoard: one text entry ``samples/<kind>``; W&B: a table).
         Rows are never cut: a resumed attempt's rows follow (its ``attempt`` tag tells them apart)."""
         if not self.enabled or not rows:
             return
-        from moe_rl.trainer.samples import samples_text
-
         now = time.time()
-        lines = [
-            json.dumps({"step": step, "kind": kind, "time": now, **self.tags, **row}, ensure_ascii=False)
-            for row in rows
-        ]
+        tagged = [{"step": step, "kind": kind, "time": now, **self.tags, **row} for row in rows]
+        lines = [json.dumps(row, ensure_ascii=False) for row in tagged]
         data = ("\n".join(lines) + "\n").encode("utf-8")
         if self._samples_fd is None:
             self._samples_fd = os.open(self.out_dir / SAMPLES, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         view = memoryview(data)
         while view:  # one write() for a regular file; a short one (never seen) is finished
             view = view[os.write(self._samples_fd, view) :]
-        if self._tb is not None:
-            self._tb.add_text(f"samples/{kind}", samples_text(rows), step)
-            self._tb.flush()
+        for tracker in list(self._start_trackers()):
+            self._call(tracker, f"write {kind} samples", lambda t: t.samples(step, kind, tagged))
 
     def offset(self) -> int:
         """Bytes of ``metrics.jsonl`` written so far (0 on a disabled sink): saved with a checkpoint."""
@@ -119,13 +172,16 @@ class MetricsSink:
         return removed
 
     def close(self) -> None:
+        """Close ``metrics.jsonl`` and ``samples.jsonl`` first (nothing of them waits on a
+        tracker), then each tracker (each flushes what it holds; one that fails is warned about)."""
         if self._f is not None:
             self._f.close()
         if self._samples_fd is not None:
             os.close(self._samples_fd)
             self._samples_fd = None
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in list(self.trackers or ()):
+            self._call(tracker, "close", lambda t: t.close())
+        self.trackers = []  # closed: a row written after this goes to metrics.jsonl only
 
 
 def read_metrics(path: str | Path, stage: str | None = None) -> list[dict]:

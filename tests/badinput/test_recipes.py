@@ -7,6 +7,7 @@ that the user's files (the recipe, an existing run folder) are unchanged.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,11 @@ FIELD_CASES = {
     ),
     "empty_stages": ("train:\n  stages: []\n", r"train\.stages is empty: list the stages"),
     "stages_twice": ("train:\n  stages: [rl, sft, rl]\n", r"train\.stages=.*each once, sft first"),
+    "unknown_logger": (
+        "train:\n  loggers: [jsonl, neptune]\n",
+        r"train\.loggers\[1\]='neptune' is unknown: use jsonl, tensorboard, wandb, mlflow",
+    ),
+    "loggers_without_jsonl": ("train:\n  loggers: [wandb]\n", r"train\.loggers=\['wandb'\] leaves out jsonl"),
     "empty_out_dir": ("train:\n  out_dir: ''\n", r"train\.out_dir is empty .*current folder"),
     "negative_weight_decay": ("optim:\n  weight_decay: -0.1\n", r"optim\.weight_decay=-0\.1 must be >= 0"),
     "zero_adam_eps": ("optim:\n  adam_eps: 0\n", r"optim\.adam_eps=0\.0 must be > 0"),
@@ -87,6 +93,29 @@ def test_field_refused_at_load(cli, tmp_path, name):
     before = snapshot(tmp_path)
     cli("check", recipe).one_line(pattern)
     assert_kept(before, tmp_path)
+
+
+@recipe_case
+@pytest.mark.parametrize(("logger", "package"), [("wandb", "wandb"), ("mlflow", "mlflow-skinny")])
+def test_logger_whose_package_is_missing(cli, tmp_path, monkeypatch, logger, package):
+    """A tracker named in train.loggers whose package is not installed is refused at load (not at
+    the first metric, after the model is built), naming the field and the pip package."""
+    monkeypatch.setitem(sys.modules, logger, None)  # as if not installed: import and find_spec fail
+    recipe = _write(tmp_path, f"train:\n  loggers: [jsonl, {logger}]\n")
+    before = snapshot(tmp_path)
+    cli("check", recipe).one_line(
+        rf"configuration error: train\.loggers names {logger}, whose package is not installed: "
+        rf"pip install {package} \(or pip install 'moe-rl\[track\]'\), or take {logger} out of train\.loggers"
+    )
+    assert_kept(before, tmp_path)
+
+
+@override_case
+def test_logger_whose_package_is_missing_by_override(cli, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    cli("check", RECIPE, "train.loggers=[jsonl,tensorboard,wandb]").one_line(
+        r"train\.loggers names wandb, whose package is not installed: pip install wandb"
+    )
 
 
 @recipe_case

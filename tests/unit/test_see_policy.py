@@ -94,13 +94,21 @@ def test_samples_due_every_n_steps_and_at_every_evaluation():
     assert not samples_due(run(3, enabled=False), 0) and not samples_due(run(3, k=0), 0)
 
 
-def test_sink_appends_tagged_sample_rows_and_tensorboard_text(tmp_path):
+def test_sink_appends_tagged_sample_rows_and_tensorboard_text(tmp_path, monkeypatch):
     """Each batch of rows is appended, tagged like metrics rows; a resumed attempt's sink (a new
     one in the same folder) appends after the first attempt's rows, never replacing them; each
     batch is one TensorBoard text entry that holds its responses. Planted bug killed: the file
     opened for writing from its start (the resumed attempt's rows replace the earlier ones)."""
     from moe_rl.trainer.metrics import MetricsSink, read_samples
+    from moe_rl.trainer.trackers import TRACKERS, TensorBoardTracker
 
+    class Recorded(TensorBoardTracker):  # the tracker's own samples(), a writer that records
+        def start(self, run):
+            self.writer = SimpleNamespace(
+                add_text=lambda *a: shown.append(a), flush=lambda: None, close=lambda: None
+            )
+
+    monkeypatch.setitem(TRACKERS, "tensorboard", Recorded)
     row = {"row": 0, "prompt": "1+2=", "response": "3é", "answer": "3", "reward": 1.0, "correct": True}
     row.update(response_tokens=2, finish_reason="stop")
     shown = []
@@ -108,11 +116,9 @@ def test_sink_appends_tagged_sample_rows_and_tensorboard_text(tmp_path):
         (0, 5, "eval", [row]),
         (1, 6, "rollout", [{**row, "advantage": 0.5}, {**row, "row": 1, "advantage": -0.5}]),
     ]:
-        sink = MetricsSink(tmp_path, tensorboard=False)
+        sink = MetricsSink(tmp_path, loggers=("jsonl", "tensorboard"))
         sink.tags = {"run": "abc", "attempt": attempt}
-        sink._tb = SimpleNamespace(add_text=lambda *a: shown.append(a), flush=lambda: None)
         sink.samples(step, kind, rows)
-        sink._tb = None
         sink.close()
     rows = read_samples(tmp_path)
     assert [(r["step"], r["kind"], r["row"], r["attempt"]) for r in rows] == [
