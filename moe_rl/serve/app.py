@@ -13,6 +13,8 @@ in :mod:`.stall`. meta_info keys: ``srt/managers/tokenizer_manager.py``.
 A ``/generate`` over the limits of :class:`~moe_rl.serve.limits.ServeLimits` (prompts, tokens,
 the model's context length, SGLang's message) is refused with 400 before it waits or runs; a
 ``rid`` already in flight too (SGLang's "Duplicate request ID detected").
+With a tokenizer, ``/generate`` takes ``text`` and answers with ``text`` (:mod:`.text`), and the
+OpenAI endpoints of :mod:`.openai` run through :meth:`SGLangProtocolApp.generate`.
 """
 
 from __future__ import annotations
@@ -370,7 +372,7 @@ class SGLangProtocolApp(StallGuard, WeightEndpoints, OpenAIEndpoints):
     def _item(
         self, o: dict | None, rid: str, version: str, want_lp: bool, aborted: bool, params: SamplingParams
     ) -> dict:
-        """One response as SGLang's tokenizer_manager builds it (skip_tokenizer_init: no text).
+        """One response as SGLang's tokenizer_manager builds it (``text`` first when ``o`` has one).
 
         ``o`` None: aborted before it ran (no tokens). An aborted request keeps what it generated
         (this engine cannot stop mid-call, so that is everything) with finish_reason abort.

@@ -92,18 +92,25 @@ def scripted():
 
 @pytest.fixture(scope="module")
 def sglang_openai():
-    """SGLang 0.5.23's OpenAI response models and request fields, from its wheel."""
+    """SGLang 0.5.23's OpenAI response models and request fields, from its wheel; (None, None) where
+    the wheel cannot be fetched (the behaviour is still checked, the shapes by SGLang's models not)."""
     from tests.unit.sglang_wheels import OPENAI_PROTOCOL, openai_models, read, struct_fields, wheel
 
-    src = read(wheel("0.5.23"), OPENAI_PROTOCOL)
+    try:
+        whl = wheel("0.5.23")
+    except pytest.skip.Exception:
+        return None, None
+    src = read(whl, OPENAI_PROTOCOL)
     models = openai_models(
         src, ["ModelList", "CompletionResponse", "ChatCompletionResponse", "ErrorResponse"]
     )
     return models, struct_fields(src)
 
 
-def fits(model: type, body: dict) -> None:
+def fits(model: type | None, body: dict) -> None:
     """``body`` validates as SGLang's ``model`` and has no key that the model lacks (top level, choices)."""
+    if model is None:  # no wheel: see sglang_openai
+        return
     model.model_validate(body)
     assert set(body) <= set(model.model_fields), set(body) - set(model.model_fields)
     if "choices" in body:
@@ -189,12 +196,12 @@ def test_generate_stop_strings_cut_tokens_and_text(scripted):
 # ---------------------------------------------------------------- OpenAI endpoints
 def test_completions_choices_n_max_tokens_and_usage(scripted, sglang_openai):
     c, _ = scripted
-    models, _ = sglang_openai
+    models = sglang_openai[0] or {}
     body = {"model": "m1", "prompt": ["ab", "cde"], "n": 3, "max_tokens": 4, "seed": 1, "temperature": 0.5}
     r = c.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     out = r.json()
-    fits(models["CompletionResponse"], out)
+    fits(models.get("CompletionResponse"), out)
     assert out["object"] == "text_completion" and out["model"] == "m1" and out["id"].startswith("cmpl-")
     # prompt-major: prompt i's choice j is index i * n + j; choice j samples with seed + j
     assert [ch["index"] for ch in out["choices"]] == list(range(6))
@@ -209,7 +216,7 @@ def test_completions_choices_n_max_tokens_and_usage(scripted, sglang_openai):
 
 def test_completions_finish_reason_stop_vs_length(scripted, sglang_openai):
     c, _ = scripted
-    models, _ = sglang_openai
+    models = sglang_openai[0] or {}
     cases = [
         ({"prompt": "why?", "max_tokens": 64}, REPLY_STOP, "stop", TOK.eos_id, len(REPLY_STOP) + 1),
         ({"prompt": "why?", "max_tokens": 5}, REPLY_STOP[:5], "length", None, 5),
@@ -220,7 +227,7 @@ def test_completions_finish_reason_stop_vs_length(scripted, sglang_openai):
     ]
     for body, text, reason, matched, completion in cases:
         out = c.post("/v1/completions", json=body).json()
-        fits(models["CompletionResponse"], out)
+        fits(models.get("CompletionResponse"), out)
         ch = out["choices"][0]
         assert (ch["text"], ch["finish_reason"]) == (text, reason), body
         assert ch["matched_stop"] == matched, body
@@ -230,7 +237,7 @@ def test_completions_finish_reason_stop_vs_length(scripted, sglang_openai):
 
 def test_chat_completions_simple_template(scripted, sglang_openai):
     c, engine = scripted
-    models, _ = sglang_openai
+    models = sglang_openai[0] or {}
     messages = [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "what is 6*7"}, {"type": "text", "text": "?"}]},
@@ -238,7 +245,7 @@ def test_chat_completions_simple_template(scripted, sglang_openai):
     r = c.post("/v1/chat/completions", json={"model": "m", "messages": messages, "n": 2})
     assert r.status_code == 200, r.text
     out = r.json()
-    fits(models["ChatCompletionResponse"], out)
+    fits(models.get("ChatCompletionResponse"), out)
     rendered = "system: be brief\nuser: what is 6*7?\nassistant:"
     assert TOK.decode(engine.prompts[-1]) == rendered
     assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
@@ -281,9 +288,9 @@ def test_chat_uses_the_tokenizers_chat_template(tmp_path):
 
 def test_models_endpoint(scripted, sglang_openai):
     c, _ = scripted
-    models, _ = sglang_openai
+    models = sglang_openai[0] or {}
     out = c.get("/v1/models").json()
-    fits(models["ModelList"], out)
+    fits(models.get("ModelList"), out)
     assert [m["id"] for m in out["data"]] == ["tiny-moe"] and out["data"][0]["max_model_len"] == 4096
 
 
@@ -325,15 +332,17 @@ def test_models_endpoint(scripted, sglang_openai):
 )
 def test_bad_fields_are_400_naming_the_field(scripted, sglang_openai, path, body, field):
     c, _ = scripted
-    models, _ = sglang_openai
+    models = sglang_openai[0] or {}
     r = c.post(path, json=body)
     assert r.status_code == 400, r.text
     assert field in r.json()["message"], r.json()
-    fits(models["ErrorResponse"], r.json())
+    fits(models.get("ErrorResponse"), r.json())
 
 
 def test_the_fields_we_read_are_sglangs(sglang_openai):
     _, fields = sglang_openai
+    if fields is None:
+        pytest.skip("the sglang 0.5.23 wheel could not be fetched")
     assert set(COMPLETION_FIELDS) <= fields["CompletionRequest"], (
         set(COMPLETION_FIELDS) - fields["CompletionRequest"]
     )
