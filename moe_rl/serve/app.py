@@ -13,6 +13,8 @@ in :mod:`.stall`. meta_info keys: ``srt/managers/tokenizer_manager.py``.
 A ``/generate`` over the limits of :class:`~moe_rl.serve.limits.ServeLimits` (prompts, tokens,
 the model's context length, SGLang's message) is refused with 400 before it waits or runs; a
 ``rid`` already in flight too (SGLang's "Duplicate request ID detected").
+With a tokenizer, ``/generate`` takes ``text`` and answers with ``text`` (:mod:`.text`), and the
+OpenAI endpoints of :mod:`.openai` run through :meth:`SGLangProtocolApp.generate`.
 """
 
 from __future__ import annotations
@@ -29,8 +31,17 @@ from moe_rl.rollout.types import SamplingParams
 from moe_rl.routing.codec import decode_routes, encode_sglang_routes
 from moe_rl.serve.batcher import Batcher
 from moe_rl.serve.limits import FLAGS, ServeLimits, limit_message
-from moe_rl.serve.protocol import BadRequest, check_kind, error_response, get_field, to_sampling
+from moe_rl.serve.openai import OpenAIEndpoints
+from moe_rl.serve.protocol import (
+    BadRequest,
+    check_kind,
+    error_response,
+    get_field,
+    text_options,
+    to_sampling,
+)
 from moe_rl.serve.stall import STALL_PATHS, StallGuard
+from moe_rl.serve.text import ServeTokenizer
 from moe_rl.serve.weights import WeightEndpoints, error_body
 
 logger = logging.getLogger(__name__)
@@ -41,8 +52,12 @@ DEPRECATED_WEIGHT_VERSION = (
 "SGLang's 404 detail for the removed weight-version endpoints (http_server.py, 0.5.11 on)."
 
 
-class SGLangProtocolApp(StallGuard, WeightEndpoints):
-    """The endpoints; ``handle()`` maps (method, path, JSON body) to (status, body)."""
+class SGLangProtocolApp(StallGuard, WeightEndpoints, OpenAIEndpoints):
+    """The endpoints; ``handle()`` maps (method, path, JSON body) to (status, body).
+
+    ``tokenizer`` (a :class:`~moe_rl.tasks.tokenizer.Tokenizer`, or None as with SGLang's
+    ``--skip-tokenizer-init``): with one, ``/generate`` takes ``text`` and answers with ``text``,
+    ``sampling_params.stop`` strings work, and the OpenAI endpoints (:mod:`.openai`) serve."""
 
     def __init__(
         self,
@@ -56,8 +71,10 @@ class SGLangProtocolApp(StallGuard, WeightEndpoints):
         group_timeout_s: float = 600.0,
         batch_window_s: float = 0.005,
         limits: ServeLimits | None = None,
+        tokenizer: Any = None,
     ):
         self.engine, self.model_path = engine, model_path
+        self.text = ServeTokenizer(tokenizer) if tokenizer is not None else None
         self.limits = limits or ServeLimits()
         self.enable_routes, self.enable_memory_saver = enable_return_routed_experts, enable_memory_saver
         self.server_args = dict(server_args or {})
@@ -106,6 +123,9 @@ class SGLangProtocolApp(StallGuard, WeightEndpoints):
             "/get_weights_by_name": (("GET", "POST"), self.get_weights_by_name),
             "/release_memory_occupation": (("GET", "POST"), self.release_memory_occupation),
             "/resume_memory_occupation": (("GET", "POST"), self.resume_memory_occupation),
+            "/v1/models": (("GET",), self.v1_models),
+            "/v1/completions": (("POST",), self.v1_completions),
+            "/v1/chat/completions": (("POST",), self.v1_chat_completions),
         }
 
     def handle(self, method: str, path: str, body: Any) -> tuple[int, Any]:
@@ -170,7 +190,7 @@ class SGLangProtocolApp(StallGuard, WeightEndpoints):
 
     # ----------------------------------------------------------------- generation
     def generate(self, body: Any) -> tuple[int, Any]:
-        single, batch, parsed, want_lp, want_routes, rids = self._parse_generate(body)
+        single, batch, parsed, want_lp, want_routes, rids, opts = self._parse_generate(body)
         refused = self._over_limits(batch, parsed)
         if refused:
             return 400, error_body(refused)
@@ -191,34 +211,65 @@ class SGLangProtocolApp(StallGuard, WeightEndpoints):
             aborted = self._leave_generation(rids)
             self.served += 1
         items = [
-            self._item(outs[i] if outs else None, rids[i], version, want_lp[i], aborted[i], parsed[i][0])
+            self._item(
+                self._with_text(outs[i] if outs else None, opts[i]),
+                rids[i],
+                version,
+                want_lp[i],
+                aborted[i],
+                parsed[i][0],
+            )
             for i in range(len(batch))
         ]
         return 200, items[0] if single else items
 
+    def _prompts(self, body: dict) -> tuple[bool, list[list[int]]]:
+        """(single, token ids of each prompt) of ``input_ids`` or, with a tokenizer, ``text``."""
+        text, ids = body.get("text"), body.get("input_ids")
+        if text is not None and ids is not None:
+            raise BadRequest("body.text: send either text or input_ids, not both")
+        if text is None:
+            if ids is None:
+                need = "input_ids or text" if self.text else "input_ids"
+                raise BadRequest(f"body.{need.split()[0]}: field required (send {need})")
+            single = check_kind(ids, "list[int]")
+            batch = [ids] if single else ids
+            if not batch or not check_kind(batch, "list[list[int]]") or not all(batch):
+                raise BadRequest("body.input_ids: expected a non-empty list of token ids or a batch of them")
+            return single, batch
+        if self.text is None:
+            raise BadRequest(
+                "body.text: this server has no tokenizer (started with --skip-tokenizer-init, or its "
+                "engine has none): send token ids in body.input_ids"
+            )
+        single = isinstance(text, str)
+        texts = [text] if single else text
+        if not texts or not check_kind(texts, "list[str]"):
+            raise BadRequest("body.text: expected a string or a non-empty list of strings")
+        batch = [self.text.encode(t) for t in texts]
+        for i, p in enumerate(batch):
+            if not p:
+                raise BadRequest(f"body.text{'' if single else f'[{i}]'}: encodes to no tokens")
+        return single, batch
+
     def _parse_generate(self, body: Any) -> tuple:
-        """(single, prompts, [(params, seed)], [want logprobs], want routes, rids) of a /generate body."""
+        """(single, prompts, [(params, seed)], [want logprobs], want routes, rids,
+        [(stop strings, trim, skip special tokens)]) of a /generate body."""
         if not isinstance(body, dict):
             raise BadRequest("body: expected a JSON object")
-        if body.get("text") is not None or body.get("input_ids") is None:
-            raise BadRequest(
-                "body.input_ids: field required (moe-rl serve runs like "
-                "--skip-tokenizer-init: send token ids, not text)"
-            )
         if body.get("stream"):
             raise BadRequest("body.stream: streaming is not supported by moe-rl serve")
-        ids = body["input_ids"]
-        single = check_kind(ids, "list[int]")
-        batch = [ids] if single else ids
-        if not batch or not check_kind(batch, "list[list[int]]") or not all(batch):
-            raise BadRequest("body.input_ids: expected a non-empty list of token ids or a batch of them")
+        single, batch = self._prompts(body)
         sps = body.get("sampling_params") or {}
+        with_text = self.text is not None
         if isinstance(sps, list):
             if len(sps) != len(batch):
                 raise BadRequest(f"body.sampling_params: {len(sps)} entries for {len(batch)} prompts")
-            parsed = [to_sampling(sp, f"body.sampling_params[{i}]") for i, sp in enumerate(sps)]
+            wheres = [f"body.sampling_params[{i}]" for i in range(len(sps))]
         else:
-            parsed = [to_sampling(sps, "body.sampling_params")] * len(batch)
+            sps, wheres = [sps] * len(batch), ["body.sampling_params"] * len(batch)
+        parsed = [to_sampling(sp, w, with_text) for sp, w in zip(sps, wheres)]
+        opts = [text_options(sp, w) for sp, w in zip(sps, wheres)]
         want_lp = body.get("return_logprob") or False
         want_lp = want_lp if isinstance(want_lp, list) else [bool(want_lp)] * len(batch)
         if len(want_lp) != len(batch):
@@ -228,7 +279,30 @@ class SGLangProtocolApp(StallGuard, WeightEndpoints):
         rids = [rids] if isinstance(rids, str) else rids
         if not check_kind(rids, "list[str]") or len(rids) != len(batch):
             raise BadRequest(f"body.rid: expected a string per prompt ({len(batch)}), got {str(rids)[:80]}")
-        return single, batch, parsed, want_lp, want_routes, rids
+        if want_routes and any(o[0] for o in opts):
+            raise BadRequest(
+                "body.sampling_params.stop: stop strings cannot be combined with return_routed_experts "
+                "(the routes would cover the dropped tokens); use stop_token_ids"
+            )
+        return single, batch, parsed, want_lp, want_routes, rids, opts
+
+    def _with_text(self, o: dict | None, opts: tuple[tuple[str, ...], bool, bool]) -> dict | None:
+        """``o`` with ``text`` (and cut at its first stop string) when the server has a tokenizer."""
+        if self.text is None or o is None:
+            return o
+        stops, trim, skip = opts
+        keep, text, matched = self.text.cut_at_stop(o["output_ids"], stops, skip, trim)
+        if matched is None and o["finish"] == "stop" and trim and o["output_ids"]:
+            text = self.text.decode(o["output_ids"][:-1], skip)  # SGLang trims the stop token too
+        o = {**o, "text": text}
+        if matched is not None:
+            o.update(
+                output_ids=o["output_ids"][:keep],
+                logprobs=o["logprobs"][:keep],
+                finish="stop",
+                matched=matched,
+            )
+        return o
 
     def _over_limits(
         self, batch: list[list[int]], parsed: list[tuple[SamplingParams, int | None]]
@@ -298,12 +372,14 @@ class SGLangProtocolApp(StallGuard, WeightEndpoints):
     def _item(
         self, o: dict | None, rid: str, version: str, want_lp: bool, aborted: bool, params: SamplingParams
     ) -> dict:
-        """One response as SGLang's tokenizer_manager builds it (skip_tokenizer_init: no text).
+        """One response as SGLang's tokenizer_manager builds it (``text`` first when ``o`` has one).
 
         ``o`` None: aborted before it ran (no tokens). An aborted request keeps what it generated
         (this engine cannot stop mid-call, so that is everything) with finish_reason abort.
         """
         o = o or {"output_ids": [], "logprobs": [], "finish": "abort", "prompt_tokens": 0, "latency": 0.0}
+        if self.text is not None:
+            o.setdefault("text", "")
         ids = o["output_ids"]
         if aborted:
             fr = {
@@ -312,7 +388,7 @@ class SGLangProtocolApp(StallGuard, WeightEndpoints):
                 "status_code": 200,
             }
         elif o["finish"] == "stop":
-            fr = {"type": "stop", "matched": ids[-1] if ids else None}
+            fr = {"type": "stop", "matched": o.get("matched", ids[-1] if ids else None)}
         else:
             fr = {"type": "length", "length": params.max_new_tokens}
         meta = {
@@ -328,6 +404,8 @@ class SGLangProtocolApp(StallGuard, WeightEndpoints):
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(o["logprobs"], ids)]
         if "routes" in o:
             meta["routed_experts"] = o["routes"]
+        if "text" in o:  # SGLang's order: text, output_ids, meta_info
+            return {"text": o["text"], "output_ids": ids, "meta_info": meta}
         return {"output_ids": ids, "meta_info": meta}
 
     # ----------------------------------------------------------------- info
@@ -358,7 +436,7 @@ class SGLangProtocolApp(StallGuard, WeightEndpoints):
             "model_path": self.model_path,
             "served_model_name": self.model_path,
             "tokenizer_path": self.model_path,
-            "skip_tokenizer_init": True,
+            "skip_tokenizer_init": self.text is None,
             "weight_version": self.version,
             "enable_return_routed_experts": self.enable_routes,
             "enable_memory_saver": self.enable_memory_saver,

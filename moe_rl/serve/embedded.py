@@ -6,6 +6,9 @@ init, or its ``checkpoint.load``). The server runs one process (TP 1, the embedd
 limit: ``--tp-size`` / ``--ep-size`` other than 1 are refused, not ignored) and binds 127.0.0.1
 unless ``--host`` says otherwise. Weights with a NaN or an infinity are refused at start, as
 pushed ones are: a server on them would answer every request with token 0.
+The model's tokenizer (``model.tokenizer`` of the recipe, the checkpoint directory's
+``tokenizer.json``) rides on the engine as ``engine.tokenizer``: the server takes text with it
+unless ``--skip-tokenizer-init`` is given.
 """
 
 from __future__ import annotations
@@ -52,9 +55,11 @@ def build_engine(args):
     policy.eval()
     tok = load_tokenizer(model_cfg.tokenizer)
     dtype = serve_dtype(args.dtype)
-    return EmbeddedEngine(
+    engine = EmbeddedEngine(
         policy, pad_id=tok.pad_id, eos_id=tok.eos_id, dtype=dtype, router_dtype=args.router_dtype
     )
+    engine.tokenizer = tok  # text in /generate and the OpenAI endpoints (moe_rl.serve.text)
+    return engine
 
 
 def check_finite(model, source: str) -> None:

@@ -248,7 +248,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--router-dtype", default="same", choices=("same", "fp32"), help="router logits' dtype")
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--base-gpu-id", type=int, default=0)
-    p.add_argument("--skip-tokenizer-init", action="store_true")
+    p.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="token ids only, as SGLang: no text in /generate, no /v1 completions",
+    )
     p.add_argument("--enable-return-routed-experts", action="store_true")
     p.add_argument("--enable-deterministic-inference", action="store_true")
     p.add_argument("--enable-memory-saver", action="store_true")
@@ -292,7 +296,10 @@ def check_args(args: argparse.Namespace) -> ServeLimits:
 
 
 def main(argv: list[str] | None = None, factory: Any = None) -> int:
-    """CLI entry: parse SGLang-style args, build the engine with ``factory(args)``, serve."""
+    """CLI entry: parse SGLang-style args, build the engine with ``factory(args)``, serve.
+
+    The engine's ``tokenizer`` attribute, when it has one, is the server's tokenizer (text and
+    the OpenAI endpoints) unless ``--skip-tokenizer-init``."""
     args, unknown = build_arg_parser().parse_known_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -318,6 +325,7 @@ def main(argv: list[str] | None = None, factory: Any = None) -> int:
         enable_return_routed_experts=args.enable_return_routed_experts,
         enable_memory_saver=args.enable_memory_saver,
         limits=limits,
+        tokenizer=None if args.skip_tokenizer_init else getattr(engine, "tokenizer", None),
         server_args={
             "tp_size": args.tp_size,
             "ep_size": args.ep_size,

@@ -43,7 +43,7 @@ _SAMPLING_FIELDS = (
     "custom_params",
     "beam_width",
 )
-# Accepted only at their neutral value (we have no tokenizer, penalties or grammars).
+# Accepted only at their neutral value (no penalties or grammars; ``stop`` needs the tokenizer).
 _NEUTRAL = {
     "stop": None,
     "stop_regex": None,
@@ -107,8 +107,10 @@ def update_result(ok: bool, message: str, **extra: Any) -> tuple[int, dict]:
     return (200 if ok else 400), {"success": ok, "message": message, **extra}
 
 
-def to_sampling(sp: dict, where: str) -> tuple[SamplingParams, int | None]:
-    """One SGLang ``sampling_params`` dict -> (our SamplingParams without seed, sampling_seed)."""
+def to_sampling(sp: dict, where: str, with_text: bool = False) -> tuple[SamplingParams, int | None]:
+    """One SGLang ``sampling_params`` dict -> (our SamplingParams without seed, sampling_seed).
+
+    ``with_text``: the server has a tokenizer, so ``stop`` strings are allowed (:func:`text_options`)."""
     if not isinstance(sp, dict):
         raise BadRequest(f"{where}: expected an object")
     for key, value in sp.items():
@@ -116,8 +118,11 @@ def to_sampling(sp: dict, where: str) -> tuple[SamplingParams, int | None]:
             raise BadRequest(
                 f"{where}.{key}: unknown sampling parameter (SGLang's are: {', '.join(_SAMPLING_FIELDS)})"
             )
+        if key == "stop" and with_text:
+            continue
         if key in _NEUTRAL and value not in (_NEUTRAL[key], None) and value not in ([], {}):
-            raise BadRequest(f"{where}.{key}={value!r} is not supported by moe-rl serve")
+            why = " without a tokenizer (--skip-tokenizer-init)" if key == "stop" else ""
+            raise BadRequest(f"{where}.{key}={value!r} is not supported by moe-rl serve{why}")
     top_k = get_field(sp, "top_k", "int", -1, where)
     try:
         params = SamplingParams(
@@ -131,6 +136,20 @@ def to_sampling(sp: dict, where: str) -> tuple[SamplingParams, int | None]:
     except ValueError as e:
         raise BadRequest(f"{where}: {e}") from e
     return params, get_field(sp, "sampling_seed", "int", None, where)
+
+
+def text_options(sp: Any, where: str) -> tuple[tuple[str, ...], bool, bool]:
+    """(stop strings, trim the matched one from the text, skip special tokens) of ``sampling_params``."""
+    if not isinstance(sp, dict):
+        return (), True, True
+    stop = sp.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not check_kind(stop, "list[str]"):
+        raise BadRequest(f"{where}.stop: expected a string or a list of strings, got {json.dumps(stop)[:80]}")
+    trim = not get_field(sp, "no_stop_trim", "bool", False, where)
+    skip = get_field(sp, "skip_special_tokens", "bool", True, where)
+    return tuple(s for s in stop or () if s), trim, skip
 
 
 def validate_hf_tensors(

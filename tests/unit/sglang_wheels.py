@@ -9,6 +9,10 @@
   in 0.5.11, msgspec Structs in 0.5.23) with their inherited fields.
 - :func:`load_api_types` imports ``sglang/api/v1/api_types.py`` by path (it needs only msgspec);
   None where the wheel has no such file (0.5.11).
+- :func:`openai_models` builds SGLang's own pydantic response models of the OpenAI endpoints from
+  ``sglang/srt/entrypoints/openai/protocol.py``: the module itself imports ``openai`` and ``zmq``
+  (through ``sglang/__init__``), which the dev environment lacks, so only the class definitions
+  the named models need are executed, as written, with pydantic.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ API_TYPES = "sglang/api/v1/api_types.py"
 SAMPLING = "sglang/srt/sampling/sampling_params.py"
 TOKENIZER_MANAGER = "sglang/srt/managers/tokenizer_manager.py"
 SERVER_ARGS = "sglang/srt/server_args.py"
+OPENAI_PROTOCOL = "sglang/srt/entrypoints/openai/protocol.py"
 WEIGHT_UPDATER = "sglang/srt/managers/scheduler_components/weight_updater.py"
 
 
@@ -197,3 +202,48 @@ def load_api_types(whl: zipfile.ZipFile, tmp: Path, version: str) -> ModuleType 
     sys.modules[path.stem] = module  # msgspec resolves the Structs' annotations through sys.modules
     spec.loader.exec_module(module)
     return module
+
+
+def openai_models(src: str, names: list[str]) -> dict[str, type]:
+    """The pydantic classes ``names`` of SGLang's ``openai/protocol.py`` source, with the classes and
+    module-level names they reference (transitively), executed as written; name -> class."""
+    import __future__
+
+    tree = ast.parse(src)
+    defs: dict[str, ast.stmt] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            defs[node.name] = node
+        elif isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Name):
+                    defs[t.id] = node
+    need: set[str] = set()
+    stack = list(names)
+    while stack:
+        name = stack.pop()
+        if name in need or name not in defs:
+            continue
+        need.add(name)
+        for n in ast.walk(defs[name]):
+            if isinstance(n, ast.Name):
+                stack.append(n.id)
+            elif isinstance(n, ast.Constant) and isinstance(n.value, str):  # forward references
+                stack.append(n.value)
+    body = [n for n in tree.body if any(n is defs[name] for name in need)]
+    ns: dict = {"__name__": "sglang_openai_protocol"}
+    exec(
+        "import time, uuid\nfrom typing import *\nfrom typing_extensions import Literal\nfrom pydantic import *\n",
+        ns,
+    )
+    code = compile(
+        ast.Module(body=body, type_ignores=[]),
+        OPENAI_PROTOCOL,
+        "exec",
+        flags=__future__.annotations.compiler_flag,
+        dont_inherit=True,
+    )
+    exec(code, ns)
+    for name in names:
+        ns[name].model_rebuild(_types_namespace=ns)
+    return {name: ns[name] for name in names}
