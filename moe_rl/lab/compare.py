@@ -44,9 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_rl.config import ConfigError, load_recipe
-from moe_rl.errors import UserError
+from moe_rl.errors import PathError, UserError
 from moe_rl.lab.arms import COMPARE_ARMS, DEMO_ARMS, arm_dir, arm_overrides
-from moe_rl.lab.demo import check_out, claim_out
 from moe_rl.lab.report import series, summarize
 from moe_rl.lab.results import csv_text, json_safe, write_json, write_text
 from moe_rl.lab.runner import (
@@ -77,6 +76,28 @@ METRICS: dict[str, str] = {
 "The table's per-run values, each averaged over an arm's seeds and paired by seed against the first arm."
 FINISHED = ("done", "stopped")
 "A run's end that has results (``stopped``: the trainer ended it on purpose, e.g. non-finite steps)."
+
+
+# -- the output folder ------------------------------------------------------------------------------
+def check_out(out: Path, *, command: str, marker: str, writes: str) -> None:
+    """Refuse an ``out`` holding anything ``command`` did not write (a user's folders or files):
+    one without ``command``'s ``marker`` (:func:`claim_out`) that is not empty."""
+    if out.exists() and not out.is_dir():
+        raise PathError(f"{command} --out {out} is a file: give a new or empty folder")
+    if out.is_dir() and not (out / marker).exists():
+        theirs = sorted(p.name for p in out.iterdir())
+        if theirs:
+            shown = ", ".join(theirs[:3]) + (f" and {len(theirs) - 3} more" if len(theirs) > 3 else "")
+            raise PathError(
+                f"{command} --out {out} holds files the {command} did not write ({shown}): give a new or "
+                f"empty folder (the {command} writes {writes} there)"
+            )
+
+
+def claim_out(out: Path, recipe: Path, overrides: list[str], *, marker: str) -> None:
+    """Mark ``out`` (checked by :func:`check_out`) as its command's (``marker``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / marker, {"recipe": str(recipe), "overrides": overrides})
 
 
 # -- the command line's values -----------------------------------------------------------------------
@@ -542,7 +563,6 @@ def run_compare(
     (:func:`moe_rl.lab.runner.stop_cleanly` turns it into 128 + the signal)."""
     import signal
 
-    from moe_rl.errors import PathError
     from moe_rl.trainer.signals import StopRequested
 
     recipe, overrides = Path(recipe), list(overrides)
