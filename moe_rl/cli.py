@@ -111,10 +111,11 @@ def cmd_check(args) -> int:
     import yaml
 
     from moe_rl.config import load_recipe, to_dict
-    from moe_rl.preflight import preflight
+    from moe_rl.preflight import check_hf_path, preflight
 
     recipe = load_recipe(args.recipe, args.overrides)
     tokenizer = recipe.model.tokenizer
+    check_hf_path(recipe)  # the folder it starts from: here, with config.json and weights
     if tokenizer == "char" or Path(tokenizer).is_dir():
         preflight(recipe)
     else:  # a cluster recipe checked on another machine: its fields are checked, its data cannot be
@@ -232,20 +233,23 @@ def cmd_report(args) -> int:
 
 def cmd_export(args) -> int:
     """Export a recipe's policy as an HF Qwen3-MoE checkpoint: from ``--checkpoint``, else the
-    recipe's ``checkpoint.load``, else its ``model.hf_path``; a randomly initialised policy only
-    with ``--random-init``.
+    newest intact checkpoint of the recipe's run (``checkpoint.dir``, else
+    ``train.out_dir/checkpoints``), else the recipe's ``checkpoint.load``, else its
+    ``model.hf_path``; a randomly initialised policy only with ``--random-init``. A run folder
+    holding checkpoints none of which is intact is refused (naming why each was skipped), not
+    passed over for the recipe's start.
 
     The destination is checked first (:func:`moe_rl.megatron.hf.check_export_target`): a new or
     empty directory, anything else only with ``--overwrite``, and never one of the inputs it
-    reads (``--checkpoint``, ``checkpoint.load``, ``model.hf_path``). The export is written beside
-    it and renamed into place; a non-finite policy is refused.
+    reads (``--checkpoint``, the run's checkpoints, ``checkpoint.load``, ``model.hf_path``). The
+    export is written beside it and renamed into place; a non-finite policy is refused.
     """
     from pathlib import Path
 
     import torch
 
     from moe_rl.config import load_recipe
-    from moe_rl.errors import PathError, UserError
+    from moe_rl.errors import PathError
     from moe_rl.megatron.checkpoint import CheckpointError, NonFiniteWeights, load_checkpoint
     from moe_rl.megatron.hf import check_export_target, export_hf
     from moe_rl.megatron.parallel import destroy_parallel, init_parallel
@@ -255,33 +259,65 @@ def cmd_export(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     if args.checkpoint and not Path(args.checkpoint).exists():
         raise PathError(
-            f"--checkpoint {args.checkpoint} does not exist: give a checkpoint root or step-N directory"
+            f"--checkpoint {args.checkpoint} does not exist: give a checkpoint root or a checkpoint "
+            "directory (e.g. checkpoints/0003-sft-step-000060)"
         )
+    source, what = _export_source(args, recipe)
     reads = {"--checkpoint": args.checkpoint, "checkpoint.load": recipe.checkpoint.load}
     reads["model.hf_path"] = recipe.model.hf_path
+    if what == "the run's newest checkpoint":
+        reads[what] = source
     check_export_target(args.out, overwrite=args.overwrite, reads={k: v for k, v in reads.items() if v})
-    source = args.checkpoint or recipe.checkpoint.load
-    if not source and not recipe.model.hf_path and not args.random_init:
-        raise UserError(
-            f"{args.recipe}: nothing to export but the randomly initialised policy: give --checkpoint DIR "
-            "(or checkpoint.load / model.hf_path in the recipe), or --random-init to export it anyway"
-        )
     owns_dist = not torch.distributed.is_initialized()  # in-process callers keep their groups
     info = init_parallel(recipe.parallel, seed=recipe.train.seed)
     try:
         policy = build_policy(recipe.model, recipe.parallel, info)
-        if source:
+        if source and what != "model.hf_path":  # build_policy imported model.hf_path
             load_checkpoint(source, policy.model, load_rng=False)
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
         with _replacing_file(Path(args.out)):
             export_hf(policy, args.out, tokenizer=load_tokenizer(recipe.model.tokenizer), dtype=dtype)
     except NonFiniteWeights as e:
-        raise CheckpointError(f"{source or recipe.model.hf_path or 'the initial policy'}: {e}") from None
+        raise CheckpointError(f"{source or 'the initial policy'}: {e}") from None
     finally:
         if owns_dist:
             destroy_parallel()
-    print(f"exported to {args.out}" + (f" from {source}" if source else ""))
+    print(f"exported to {args.out} from " + (f"{source} ({what})" if source else what))
     return 0
+
+
+def _export_source(args, recipe) -> tuple[str | None, str]:
+    """What ``moe-rl export`` reads (see :func:`cmd_export`): (path, what it is); (None, "the
+    randomly initialised policy") only with ``--random-init``."""
+    from moe_rl.errors import UserError
+    from moe_rl.megatron.checkpoint import CheckpointError, find_checkpoint
+    from moe_rl.trainer.context import checkpoint_root
+    from moe_rl.trainer.state import Checkpointer
+
+    if args.checkpoint:
+        return str(args.checkpoint), "--checkpoint"
+    root = checkpoint_root(recipe)
+    entries = Checkpointer(root, None, keep=1).any_written()
+    if entries:
+        newest, skipped = find_checkpoint(root)
+        if newest is None:
+            raise CheckpointError(
+                f"the run's checkpoints in {root} are none of them intact (skipped: {'; '.join(skipped)}): "
+                "give --checkpoint DIR to export another one"
+            )
+        return str(newest), "the run's newest checkpoint"
+    if recipe.checkpoint.load:
+        return recipe.checkpoint.load, "checkpoint.load"
+    if recipe.model.hf_path:
+        return recipe.model.hf_path, "model.hf_path"
+    if args.random_init:
+        return None, "the randomly initialised policy"
+    raise UserError(
+        f"{args.recipe}: nothing to export but the randomly initialised policy: {root} holds no checkpoint "
+        "of this recipe's run (train it first, or point train.out_dir / checkpoint.dir at the run); give "
+        "--checkpoint DIR (or checkpoint.load / model.hf_path in the recipe), or --random-init to export "
+        "it anyway"
+    )
 
 
 @contextlib.contextmanager
@@ -358,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--checkpoint",
         default=None,
-        help="moe-rl checkpoint to export (default: the recipe's checkpoint.load, else its model.hf_path)",
+        help="moe-rl checkpoint to export (a checkpoint root or one checkpoint directory; default: the "
+        "newest checkpoint of the recipe's run, else its checkpoint.load, else its model.hf_path)",
     )
     e.add_argument(
         "--random-init",

@@ -25,14 +25,17 @@ from moe_rl.configlib import ConfigError as ConfigError  # re-exported with to_d
 from moe_rl.configlib import build_dataclass as build_dataclass
 from moe_rl.configlib import (
     check_choices,
-    dataclass_from_dict,
+    check_type,
+    parse_overrides,
     require,
     require_in,
     require_positive,
     require_registered,
+    set_path,
 )
 from moe_rl.configlib import read_yaml_with_includes as read_recipe_data
 from moe_rl.configlib import to_dict as to_dict
+from moe_rl.hf_arch import with_hf_architecture
 from moe_rl.names import (
     DEFAULT_BOUNDS,
     DEFAULT_LOGGERS,
@@ -710,8 +713,22 @@ class Recipe:
 
 
 def recipe_from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Build a :class:`Recipe` from a parsed YAML mapping plus overrides."""
-    return dataclass_from_dict(Recipe, data, overrides)
+    """Build a :class:`Recipe` from a parsed YAML mapping plus overrides.
+
+    With ``model.hf_path``, the model's architecture fields the recipe leaves unset are read from
+    that folder's ``config.json``, and one it sets that disagrees is refused
+    (:func:`moe_rl.hf_arch.with_hf_architecture`)."""
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (data or {}).items()}
+    for k, v in parse_overrides(overrides):
+        set_path(data, k, v)
+    if isinstance(data.get("model"), dict):
+        data["model"] = with_hf_architecture(data["model"], _model_field)
+    return build_dataclass(Recipe, data)
+
+
+def _model_field(name: str, value: object) -> object:
+    """``value`` as ModelConfig's field ``name`` holds it (a YAML ``1e-6`` string as a float)."""
+    return check_type(value, typing.get_type_hints(ModelConfig)[name], f"model.{name}")
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:

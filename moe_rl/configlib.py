@@ -169,6 +169,12 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
     return _check_scalar(value, tp, where)
 
 
+def check_type(value: Any, tp: Any, where: str) -> Any:
+    """``value`` coerced to annotation ``tp`` (as a recipe field of that type holds it), or
+    ConfigError naming ``where``."""
+    return _check_type(value, tp, where)
+
+
 def build_dataclass(cls: type, data: dict, where: str = "") -> Any:
     """Build dataclass ``cls`` from ``data``; unknown or moved keys and wrong types raise ConfigError."""
     hints = typing.get_type_hints(cls)

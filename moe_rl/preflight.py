@@ -1,7 +1,8 @@
 """Checks of a recipe against what it will meet, run before any process group or stage starts.
 
 :func:`moe_rl.config.load_recipe` checks every field on its own and across sections. What
-needs the tokenizer and the task's data is checked here: the vocabulary holds the tokenizer,
+needs the tokenizer, the task's data or the files it starts from is checked here:
+``model.hf_path`` is a checkpoint directory with ``config.json`` and its weights, the vocabulary holds the tokenizer,
 the longest prompt plus ``train.max_new_tokens`` fits ``model.max_seq_len``, and evaluation
 has held-out prompts for every data-parallel rank, prompts hold no characters the tokenizer lacks
 (a warning: they would become ``<unk>``), an attached SGLang server returns routed
@@ -136,10 +137,53 @@ def check_routes_served(recipe: Recipe) -> None:
         )
 
 
+def check_hf_path(recipe: Recipe) -> None:
+    """``model.hf_path``, when set, is a Hugging Face Qwen3-MoE checkpoint directory: it exists,
+    its ``config.json`` reads as a supported config, and its safetensors weights are there (the
+    shards ``model.safetensors.index.json`` lists, else ``*.safetensors``). Whether every tensor
+    fits the model is checked when the policy is built (from the files' headers)."""
+    import json
+    from pathlib import Path
+
+    from moe_rl.configlib import ConfigError
+    from moe_rl.hf_arch import fields_from_hf, read_config_json
+
+    path = recipe.model.hf_path
+    if not path:
+        return
+    try:
+        fields_from_hf(read_config_json(path))
+    except ConfigError as e:
+        msg = str(e)
+        raise ConfigError(
+            msg if msg.startswith("model.hf_path=") else f"model.hf_path={path}: {msg}"
+        ) from None
+    folder, index = Path(path), Path(path) / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"model.hf_path={path}: {index.name} is unreadable ({e!r})") from None
+        missing = [s for s in shards if not (folder / s).is_file()]
+        require(
+            not missing,
+            f"model.hf_path={path}: {len(missing)} of the {len(shards)} weight files {index.name} lists "
+            f"are missing ({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}): copy the whole "
+            "checkpoint directory",
+        )
+        return
+    require(
+        any(folder.glob("*.safetensors")),
+        f"model.hf_path={path} has config.json but no weights (no {index.name}, no *.safetensors): "
+        "copy the whole checkpoint directory (moe-rl reads safetensors only)",
+    )
+
+
 def preflight(recipe: Recipe) -> tuple[Tokenizer, Task]:
     """The tokenizer and task of ``recipe``, after every check that needs them (see the module)."""
     from moe_rl.tasks import build_task, load_tokenizer
 
+    check_hf_path(recipe)
     tok = load_tokenizer(recipe.model.tokenizer)
     check_vocab(recipe, tok)
     task = build_task(recipe.task)

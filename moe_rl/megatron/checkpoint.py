@@ -2,13 +2,20 @@
 
 Layout of ``root/``::
 
-    step-00000012/        one checkpoint: dist_checkpointing files (model + optimizer),
-                          meta.json (step, extra state, owner, ``finite``, every file's
-                          sha256), rng-<rank>.pt per rank
+    0003-sft-step-000060/ one checkpoint: dist_checkpointing files (model + optimizer),
+                          meta.json (its number as ``step``, extra state, owner, ``finite``,
+                          every file's sha256), rng-<rank>.pt per rank
     latest                name of the newest complete checkpoint (written last, atomically)
 
-Every rank writes into ``root/.tmp-step-N``; after a barrier rank 0 renames it to
-``step-N`` and then replaces ``latest``. A crash mid-save leaves only a ``.tmp-*``
+A checkpoint's name is ``<number>-<label>``: the number counts this directory's saves (it
+orders them: the newest has the highest) and the label says what it holds, for a run's
+checkpoints ``<stage>-step-<steps of that stage done>`` (``0003-sft-step-000060``: the third
+save, after SFT step 60; ``0004-rl-step-000040``). Directories of the older scheme,
+``step-<number>`` (``step-00000002``), are read as before and ordered by the same number, so
+an old run resumes and its next checkpoint is numbered after them.
+
+Every rank writes into ``root/.tmp-<name>``; after a barrier rank 0 renames it to
+``<name>`` and then replaces ``latest``. A crash mid-save leaves only a ``.tmp-*``
 directory behind, which the next save removes; ``latest`` still names the previous
 checkpoint. Weights, Adam moments and fp32 main weights are ShardedTensors (megatron-core's
 ``optimizer.sharded_state_dict``; the distributed optimizer's ``fully_sharded_model_space``
@@ -249,16 +256,34 @@ def _checksums(ckpt: Path) -> dict[str, str]:
     }
 
 
+_NAME = re.compile(r"step-(\d+)|(\d+)-([a-z][a-z0-9_]*(?:-[a-z0-9_]+)*)")
+"A checkpoint directory's name: ``step-<number>`` (the older scheme) or ``<number>-<label>``."
+
+
+def checkpoint_name(number: int, label: str | None = None) -> str:
+    """The directory name of checkpoint ``number``: ``<number, 4 digits>-<label>`` (``checkpoint``
+    when no label is given); ``label`` is lower-case words joined by ``-``, e.g. ``sft-step-000060``."""
+    name = f"{number:04d}-{label or 'checkpoint'}"
+    if number < 0 or not _NAME.fullmatch(name):
+        raise ValueError(f"checkpoint {number} {label!r}: a label is lower-case words joined by '-'")
+    return name
+
+
 def step_number(path: Path) -> int | None:
-    """The number of a ``step-N`` checkpoint directory (None for any other name)."""
-    m = re.fullmatch(r"step-(\d+)", path.name)
-    return int(m.group(1)) if m else None
+    """The number of a checkpoint directory (``0003-sft-step-000060``: 3; the older ``step-N``: N),
+    None for any other name. It orders a directory's checkpoints."""
+    m = _NAME.fullmatch(path.name)
+    return None if m is None else int(m.group(1) or m.group(2))
 
 
 def checkpoint_dirs(root: str | Path) -> list[Path]:
-    """The ``step-N`` directories under ``root``, oldest first by their number (not by name)."""
-    found = [p for p in Path(root).glob("step-*") if p.is_dir() and step_number(p) is not None]
-    return sorted(found, key=step_number)
+    """The checkpoint directories under ``root`` (both naming schemes), oldest first by their
+    number (not by name)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if step_number(p) is not None and p.is_dir()]
+    return sorted(found, key=lambda p: (step_number(p), p.name))
 
 
 def _prune(root: Path, newest: Path, keep: int, owner: str | None) -> None:
@@ -329,8 +354,10 @@ def save_checkpoint(
     extra: dict | None = None,
     keep: int = 2,
     owner: str | None = None,
+    label: str | None = None,
 ) -> Path:
-    """Save model, optimizer, RNG and ``extra`` (JSON-able) as ``root/step-N``; return its path.
+    """Save model, optimizer, RNG and ``extra`` (JSON-able) as checkpoint number ``step`` of
+    ``root`` (``root/<step>-<label>``, :func:`checkpoint_name`); return its path.
 
     Refuses (:class:`NonFiniteWeights`, nothing written) a model with a non-finite weight. The
     meta records every file's sha256 and ``finite: true``; it is written last, atomically.
@@ -342,7 +369,7 @@ def save_checkpoint(
     if not weights_finite(model):
         raise NonFiniteWeights(f"the model has non-finite weights: checkpoint {step} not written")
     root = Path(root)
-    name = f"step-{step:08d}"
+    name = checkpoint_name(step, label)
     tmp = root / f".tmp-{name}"
     if dist.rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -423,7 +450,7 @@ def find_checkpoint(root: str | Path) -> tuple[Path | None, list[str]]:
     """The newest intact checkpoint under ``root`` (or ``root`` itself if it is one) and what was
     skipped on the way (``"<name>: <why>"``): a dangling ``latest``, a truncated or corrupt one.
 
-    Candidates: the one ``latest`` names, then every ``step-N`` newest first. Rank 0 decides and
+    Candidates: the one ``latest`` names, then every checkpoint directory newest first. Rank 0 decides and
     every rank gets its answer.
     """
     root = Path(root)
@@ -510,7 +537,7 @@ def _read_checkpoint(ckpt: Path, model, optimizer):
 
 
 def load_checkpoint(path: str | Path, model, optimizer=None, *, load_rng: bool = True) -> dict:
-    """Load a checkpoint (a ``step-N`` dir, or a root with ``latest``) into this layout.
+    """Load a checkpoint (a checkpoint directory, or a root with ``latest``) into this layout.
 
     From a root, the newest intact checkpoint is loaded (:func:`find_checkpoint`; a warning names
     what was skipped); :class:`CheckpointError` when there is none. Returns the meta dict
@@ -525,7 +552,7 @@ def load_checkpoint(path: str | Path, model, optimizer=None, *, load_rng: bool =
         if ckpt is None:
             why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
             raise NoCheckpoint(
-                f"no complete checkpoint at {path}{why}: give a step-N directory or a checkpoint root "
+                f"no complete checkpoint at {path}{why}: give a checkpoint directory or a checkpoint root "
                 "with one (checkpoint.load, --checkpoint, --resume)"
             )
         try:

@@ -29,7 +29,7 @@ import torch
 from moe_rl import dist
 from moe_rl.config import ModelConfig
 from moe_rl.hf_io import ShardWriter, atomic_dir, scan_headers
-from moe_rl.megatron.checkpoint import NonFiniteWeights, weights_finite
+from moe_rl.megatron.checkpoint import NonFiniteWeights, checkpoint_dirs, weights_finite
 from moe_rl.megatron.hf_mapping import (
     Layout,
     Piece,
@@ -284,6 +284,32 @@ def _special_ids(tokenizer) -> dict:
     return {k: int(v) for k, v in ids.items() if v is not None}
 
 
+def _generation_config(tokenizer) -> dict:
+    """``generation_config.json`` of an export: the tokenizer's ``bos/eos/pad_token_id``, over the
+    ``generation_config.json`` of the tokenizer's directory when it has one (a Hugging Face model's
+    sampling defaults and further stop ids, e.g. Qwen3's ``[<|im_end|>, <|endoftext|>]``, are
+    kept; the tokenizer's EOS is always among the stop ids)."""
+    special = _special_ids(tokenizer)
+    src = getattr(tokenizer, "path", None)
+    gen = {}
+    if src is not None and (Path(src) / "generation_config.json").is_file():
+        try:
+            gen = json.loads((Path(src) / "generation_config.json").read_text())
+        except ValueError:
+            log.warning("%s/generation_config.json is unreadable: the export writes its own", src)
+        gen = gen if isinstance(gen, dict) else {}
+    for key in ("bos_token_id", "pad_token_id"):
+        if key in special and gen.get(key) is None:
+            gen[key] = special[key]
+    eos = gen.get("eos_token_id")
+    stops = list(eos) if isinstance(eos, list) else [] if eos is None else [eos]
+    if "eos_token_id" in special and special["eos_token_id"] not in stops:
+        stops.insert(0, special["eos_token_id"])
+    if stops:
+        gen["eos_token_id"] = stops[0] if len(stops) == 1 else stops
+    return gen
+
+
 def _readable(root: Path) -> None:
     """Every file under ``root`` readable as an ordinary new file is (0666 less the umask): the
     safetensors writer leaves its shards 0600, which other users of a shared checkpoint folder and
@@ -311,10 +337,10 @@ def _write(source: PolicyHFSource, out: Path, tokenizer, max_shard_bytes: int) -
             dtype = source.dtype or next(source.policy.model.parameters()).dtype
             cfg_json = hf_config(source.policy.cfg, dtype=dtype)
             if tokenizer is not None:
-                special = _special_ids(tokenizer)
-                cfg_json.update(special)
+                cfg_json.update(_special_ids(tokenizer))
                 # transformers' generate() reads eos_token_id from here: without it it never stops
-                (tmp / "generation_config.json").write_text(json.dumps(special, indent=2) + "\n")
+                gen = _generation_config(tokenizer)
+                (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
             (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
             if tokenizer is not None:
                 _save_tokenizer(tokenizer, tmp)
@@ -397,9 +423,7 @@ def check_export_target(
         return
     if not out.is_dir():
         raise PathError(f"export destination {out} is an existing file: give a new path, or --overwrite")
-    marks = (
-        sorted(m for m in RUN_MARKERS if (out / m).exists()) + sorted(p.name for p in out.glob("step-*"))[:1]
-    )
+    marks = sorted(m for m in RUN_MARKERS if (out / m).exists()) + [p.name for p in checkpoint_dirs(out)][:1]
     if marks:
         raise PathError(
             f"export destination {out} is a run or checkpoint directory (has {', '.join(marks)}): "

@@ -30,103 +30,23 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.config import ConfigError, ModelConfig
+from moe_rl.hf_arch import ARCH_FIELDS as ARCH_FIELDS  # the config.json side lives there (no torch)
+from moe_rl.hf_arch import HF_ARCH, fields_from_hf
+from moe_rl.hf_arch import unsupported as unsupported
 
-HF_ARCH = "Qwen3MoeForCausalLM"
 ALL = (slice(None),)
 "Index of a whole tensor."
 
-# ModelConfig fields that decide the weights' shapes and the forward (compared on import).
-ARCH_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "num_layers",
-    "num_attention_heads",
-    "num_query_groups",
-    "head_dim",
-    "moe_ffn_hidden_size",
-    "num_experts",
-    "moe_router_topk",
-    "moe_norm_topk_prob",
-    "rope_theta",
-    "norm_eps",
-    "qk_norm",
-    "tie_embeddings",
-)
-
 
 # -- config ------------------------------------------------------------------------------------
-def _rope_theta(hf: dict, problems: list[str]) -> float:
-    """RoPE base from transformers 5 ``rope_parameters`` or 4.x ``rope_theta``/``rope_scaling``."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
-        params = params["full_attention"]
-    scaling = hf.get("rope_scaling")
-    for name, rope in (("rope_parameters", params), ("rope_scaling", scaling)):
-        kind = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
-        if kind != "default":
-            problems.append(f"{name}={rope!r} (only plain RoPE without scaling is supported)")
-    theta = (params or {}).get("rope_theta", hf.get("rope_theta"))
-    if theta is None:
-        problems.append("rope_theta is missing (set rope_theta or rope_parameters.rope_theta)")
-        return 0.0
-    return float(theta)
-
-
-def unsupported(hf: dict) -> list[str]:
-    """What in an HF ``config.json`` dict this port cannot represent (empty: supported)."""
-    problems = []
-    archs = hf.get("architectures") or []
-    if (archs and HF_ARCH not in archs) or hf.get("model_type", "qwen3_moe") != "qwen3_moe":
-        problems.append(f"architectures={archs} model_type={hf.get('model_type')!r} (only {HF_ARCH})")
-    if (hf.get("shared_expert_intermediate_size") or 0) > 0 or (hf.get("n_shared_experts") or 0) > 0:
-        problems.append(
-            f"shared_expert_intermediate_size={hf.get('shared_expert_intermediate_size')} "
-            "(shared experts are not supported)"
-        )
-    if hf.get("mlp_only_layers"):
-        problems.append(f"mlp_only_layers={hf['mlp_only_layers']} (every layer must be an MoE layer)")
-    if hf.get("decoder_sparse_step", 1) != 1:
-        problems.append(f"decoder_sparse_step={hf['decoder_sparse_step']} (every layer must be MoE: 1)")
-    if hf.get("attention_bias"):
-        problems.append("attention_bias=true (no biases are supported)")
-    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or ()):
-        problems.append("use_sliding_window/layer_types: sliding-window attention is not supported")
-    if hf.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={hf['hidden_act']!r} (only silu)")
-    if not hf.get("num_experts", hf.get("num_local_experts")):
-        problems.append("num_experts is missing or 0 (a dense model)")
-    return problems
-
-
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     """ModelConfig of an HF Qwen3-MoE ``config.json`` dict; ``overrides`` set other fields.
 
     Fields HF does not describe (dtype, seed, tokenizer, max_seq_len...) keep ModelConfig's
     defaults unless overridden, except ``max_seq_len`` = ``max_position_embeddings``.
-    Raises ConfigError naming every unsupported field.
+    Raises ConfigError naming every unsupported field (:func:`moe_rl.hf_arch.fields_from_hf`).
     """
-    problems = unsupported(hf)
-    theta = _rope_theta(hf, problems)
-    if problems:
-        raise ConfigError("unsupported Hugging Face config: " + "; ".join(problems))
-    heads = hf["num_attention_heads"]
-    fields = dict(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        moe_ffn_hidden_size=hf["moe_intermediate_size"],
-        num_experts=hf.get("num_experts", hf.get("num_local_experts")),
-        moe_router_topk=hf["num_experts_per_tok"],
-        moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-        max_seq_len=hf.get("max_position_embeddings", 4096),
-        rope_theta=theta,
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        qk_norm=True,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    )
+    fields = fields_from_hf(hf)
     fields.update(overrides)
     return ModelConfig(**fields)
 

@@ -35,8 +35,10 @@ class RunState:
     - ``step``: the next step of ``stage`` to run. In SFT one step is one optimizer step; in RL
       one step (an *RL step*) is one rollout batch: generate, score, pi_old, then
       ``train.minibatches`` optimizer steps, then a weight sync. Reset to 0 when a stage finishes.
-    - ``checkpoint_seq``: the number of the newest checkpoint written (``checkpoints/step-N``),
-      increasing across stages and rollbacks; it counts saves, not training.
+    - ``checkpoint_seq``: the number of the newest checkpoint written, increasing across stages
+      and rollbacks; it counts saves, not training. The checkpoint's name carries both:
+      ``checkpoints/<checkpoint_seq>-<stage>-step-<steps of the stage done>``
+      (:meth:`checkpoint_label`), e.g. ``0003-sft-step-000060``.
     - the *optimizer step* is ``Optimizer.step_count`` (saved with the optimizer, not here): it
       counts every applied update of every stage and drives the LR schedule.
     - the *weight version* the rollout engine reports is ``str(optimizer step)`` at the last sync.
@@ -94,6 +96,16 @@ class RunState:
             attempt=int(meta.get("attempt", 0)),
         )
 
+    def checkpoint_label(self) -> str:
+        """What a checkpoint saved now holds: ``<stage>-step-<steps of the stage done>``
+        (``sft-step-000060``; ``init-step-000000`` before any stage). At the end of a stage,
+        where ``step`` is back to 0, the steps it ran (``completed``)."""
+        stage = self.stage or "init"
+        done = self.step
+        if stage in self.finished and done == 0:
+            done = self.completed.get(stage, 0)
+        return f"{stage}-step-{done:06d}"
+
     def step_of(self, stage: str) -> int:
         """Where ``stage`` starts: the saved step if the run stopped inside it, else 0."""
         return self.step if self.stage == stage else 0
@@ -103,13 +115,13 @@ class Checkpointer:
     """Save, resume and roll back one run's checkpoints (policy, optimizer, RNG and RunState), and
     warm-start the policy from another run's.
 
-    Every checkpoint it writes has a number above every ``step-N`` already in the directory, so
-    the newest is the one written last; retention removes only this run's (``RunState.run_id``).
+    Every checkpoint it writes has a number above every checkpoint already in the directory
+    (either naming scheme, :mod:`moe_rl.megatron.checkpoint`), so the newest is the one written last; retention removes only this run's (``RunState.run_id``).
     """
 
     def __init__(self, root: str | Path, model: torch.nn.Module, *, keep: int):
         self.root = Path(root)
-        "Directory of ``step-N`` checkpoints and the ``latest`` pointer."
+        "Directory of the checkpoints (``0003-sft-step-000060``, ...) and the ``latest`` pointer."
         self.model = model
         "The policy's module (its sharded state is saved)."
         self.keep = keep
@@ -124,7 +136,7 @@ class Checkpointer:
         return latest_checkpoint(self.root) is not None
 
     def any_written(self) -> list[str]:
-        """Names of every checkpoint entry in the directory, intact or not (``step-N``, ``latest``)."""
+        """Names of every checkpoint entry in the directory, intact or not (checkpoints, ``latest``)."""
         from moe_rl.megatron.checkpoint import checkpoint_dirs
 
         if not self.root.is_dir():
@@ -137,9 +149,7 @@ class Checkpointer:
         written, ``state`` unchanged) when the policy has a non-finite weight."""
         from moe_rl.megatron.checkpoint import checkpoint_dirs, save_checkpoint, step_number
 
-        highest = (
-            max((step_number(p) for p in checkpoint_dirs(self.root)), default=0) if self.root.is_dir() else 0
-        )
+        highest = max((step_number(p) for p in checkpoint_dirs(self.root)), default=0)
         seq = max(state.checkpoint_seq, highest) + 1
         previous, state.checkpoint_seq = state.checkpoint_seq, seq
         try:
@@ -151,6 +161,7 @@ class Checkpointer:
                 extra=state.to_meta(),
                 keep=self.keep,
                 owner=state.run_id,
+                label=state.checkpoint_label(),
             )
         except BaseException:
             state.checkpoint_seq = previous

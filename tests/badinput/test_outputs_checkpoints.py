@@ -38,7 +38,7 @@ def recipe(folder: Path, name: str = "r.yaml", *, checkpoint=None, **train) -> P
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
-    """A finished 4-step SFT run: checkpoints step-1 (SFT step 2) and step-2 (the end)."""
+    """A finished 4-step SFT run: checkpoints 0001-sft-step-000002 and 0002-sft-step-000004 (the end)."""
     folder = tmp_path_factory.mktemp("finished")
     res = run_cli("train", recipe(folder), cwd=folder)
     assert res.code == 0, res.err[-3000:]
@@ -96,7 +96,9 @@ def test_export_refuses_another_run_directory(cli, run_copy, finished):
 
 
 @pytest.mark.bad_input("output")
-@pytest.mark.parametrize("where", ["run", "run/checkpoints", "run/checkpoints/step-00000002", "inside"])
+@pytest.mark.parametrize(
+    "where", ["run", "run/checkpoints", "run/checkpoints/0002-sft-step-000004", "inside"]
+)
 def test_export_never_replaces_the_checkpoint_it_reads_even_with_overwrite(cli, run_copy, where):
     out = run_copy / "run/checkpoints/hf" if where == "inside" else run_copy / where
     before = snapshot(run_copy)
@@ -132,20 +134,70 @@ def test_export_reads_the_recipes_checkpoint_load(cli, run_copy):
 
     ckpt = run_copy / "run/checkpoints"
     assert cli("export", run_copy / "r.yaml", run_copy / "a", "--checkpoint", ckpt).code == 0
-    res = cli("export", run_copy / "r.yaml", run_copy / "b", f"checkpoint.load={ckpt}")
+    # a recipe whose own run has no checkpoints yet (a new out_dir): its start is exported
+    res = cli(
+        "export",
+        run_copy / "r.yaml",
+        run_copy / "b",
+        f"checkpoint.load={ckpt}",
+        f"train.out_dir={run_copy}/new",
+    )
     assert res.code == 0, res.err[-2000:]
     a, b = tensors(run_copy / "a"), tensors(run_copy / "b")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
 @pytest.mark.bad_input("output")
-def test_export_with_nothing_but_random_weights_names_the_flags(cli, run_copy):
+def test_export_without_checkpoint_takes_the_runs_newest(cli, run_copy, capsys):
+    """Without --checkpoint the recipe's run's newest checkpoint is exported: weights equal to that
+    checkpoint's (given by name), not the older one's. It used to be refused (or, before that, the
+    random initial weights exported)."""
+    ckpts = run_copy / "run/checkpoints"
+    newest, older = ckpts / "0002-sft-step-000004", ckpts / "0001-sft-step-000002"
+    for name, ckpt in (("newest", newest), ("older", older)):
+        res = cli("export", run_copy / "r.yaml", run_copy / name, "--checkpoint", ckpt, "--dtype", "float32")
+        assert res.code == 0, res.err[-2000:]
+    res = cli("export", run_copy / "r.yaml", run_copy / "hf", "--dtype", "float32")
+    assert res.code == 0, res.err[-2000:]
+    assert f"from {newest} (the run's newest checkpoint)" in res.out
+    got, want, old = _tensors(run_copy / "hf"), _tensors(run_copy / "newest"), _tensors(run_copy / "older")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert not all(torch.equal(got[k], old[k]) for k in old)  # SFT changed the weights in between
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_export_without_checkpoint_refuses_when_the_run_has_none(cli, tmp_path):
+    """No run yet, no checkpoint.load, no model.hf_path: one line saying where it looked."""
+    path = recipe(tmp_path)
+    before = snapshot(tmp_path)
+    res = cli("export", path, tmp_path / "hf")
+    res.one_line(
+        r"nothing to export but the randomly initialised policy: .*run/checkpoints holds no checkpoint of "
+        r"this recipe's run .*give --checkpoint .*--random-init"
+    )
+    assert_kept(before, tmp_path)
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "run").exists()
+    assert cli("export", path, tmp_path / "hf", "--random-init").code == 0
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_export_of_a_run_with_no_intact_checkpoint_is_refused(cli, run_copy):
+    """Not passed over for the recipe's start (or random weights): its checkpoints are damaged."""
+    for ckpt in checkpoint_dirs(run_copy / "run/checkpoints"):
+        (ckpt / "rng-0.pt").write_bytes(b"\0" * 10)
     before = snapshot(run_copy)
-    res = cli("export", run_copy / "r.yaml", run_copy / "hf")
-    res.one_line(r"nothing to export but the randomly initialised policy: give --checkpoint .*--random-init")
+    cli("export", run_copy / "r.yaml", run_copy / "hf", "--random-init").one_line(
+        r"checkpoint error: the run's checkpoints in .*run/checkpoints are none of them intact "
+        r"\(skipped: 0002-sft-step-000004: rng-0\.pt is truncated.*give --checkpoint DIR"
+    )
     assert_kept(before, run_copy)
     assert not (run_copy / "hf").exists()
-    assert cli("export", run_copy / "r.yaml", run_copy / "hf", "--random-init").code == 0
 
 
 @pytest.mark.bad_input("output")
@@ -236,33 +288,33 @@ def test_fresh_keeps_the_old_checkpoints_and_prunes_only_its_own(cli, run_copy):
     assert res.code == 0, res.err[-2000:]
     assert_kept({k: v for k, v in old.items() if k != "latest"}, run_copy / "run/checkpoints")
     # the old run's two and the fresh run's newest (numbered after them); latest names it
-    assert ckpts(run_copy) == ["step-00000001", "step-00000002", "step-00000006"]
-    assert (run_copy / "run/checkpoints/latest").read_text() == "step-00000006"
+    assert ckpts(run_copy) == ["0001-sft-step-000002", "0002-sft-step-000004", "0006-sft-step-000004"]
+    assert (run_copy / "run/checkpoints/latest").read_text() == "0006-sft-step-000004"
     assert (run_copy / "run/metrics.jsonl").read_bytes().startswith(old_rows)
     assert sft_steps(run_copy) == [0, 1, 2, 3] * 2
 
 
 # -- checkpoints: fall back to the newest intact one ------------------------------------------------
 def _break_newest(folder: Path, how: str) -> str:
-    """Damage the newest checkpoint (step-2) as ``how`` says; the name of the damaged entry."""
+    """Damage the newest checkpoint (0002-sft-step-000004) as ``how`` says; the name of the damaged entry."""
     root = folder / "run/checkpoints"
     if how == "dangling":
-        shutil.rmtree(root / "step-00000002")
-        return "latest -> step-00000002"
+        shutil.rmtree(root / "0002-sft-step-000004")
+        return "latest -> 0002-sft-step-000004"
     victim = max(
-        (p for p in (root / "step-00000002").rglob("*") if p.is_file() and p.name != "meta.json"),
+        (p for p in (root / "0002-sft-step-000004").rglob("*") if p.is_file() and p.name != "meta.json"),
         key=lambda p: p.stat().st_size,
     )
     data = victim.read_bytes()
     victim.write_bytes(data[: len(data) // 2] if how == "truncated" else bytes(len(data)))
-    return "step-00000002"
+    return "0002-sft-step-000004"
 
 
 @pytest.mark.bad_input("checkpoint")
 @pytest.mark.parametrize("how", ["dangling", "truncated", "corrupt"])
 def test_resume_falls_back_to_the_newest_intact_checkpoint(cli, run_copy, caplog, how):
     skipped = _break_newest(run_copy, how)
-    kept = snapshot(run_copy / "run/checkpoints/step-00000001")
+    kept = snapshot(run_copy / "run/checkpoints/0001-sft-step-000002")
     with caplog.at_level(logging.WARNING):
         res = cli("train", run_copy / "r.yaml", "--resume")
     assert res.code == 0, res.err[-2000:]
@@ -270,7 +322,7 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(cli, run_copy, caplog
     assert warned and skipped in warned[0], warned
     if how != "dangling":
         assert "truncated or corrupt" in warned[0]
-    assert_kept(kept, run_copy / "run/checkpoints/step-00000001")
+    assert_kept(kept, run_copy / "run/checkpoints/0001-sft-step-000002")
     # resumed at SFT step 2, not from scratch: steps 2 and 3 ran again, each row once
     assert sft_steps(run_copy) == [0, 1, 2, 3]
     newest = checkpoint_dirs(run_copy / "run/checkpoints")[-1]
@@ -283,7 +335,7 @@ def test_resume_with_every_checkpoint_corrupt_is_one_line(cli, run_copy):
         (ckpt / "rng-0.pt").write_bytes(b"\0" * 10)
     before = snapshot(run_copy)
     cli("train", run_copy / "r.yaml", "--resume").one_line(
-        r"nothing to resume: no complete checkpoint .*step-00000002: rng-0\.pt is truncated or corrupt"
+        r"nothing to resume: no complete checkpoint .*0002-sft-step-000004: rng-0\.pt is truncated or corrupt"
     )
     assert_kept(before, run_copy)
 
@@ -297,7 +349,7 @@ def test_export_of_a_corrupt_checkpoint_is_one_line(cli, run_copy):
         run_copy / "r.yaml",
         run_copy / "hf",
         "--checkpoint",
-        run_copy / "run/checkpoints/step-00000002",
+        run_copy / "run/checkpoints/0002-sft-step-000004",
     )
     res.one_line(r"checkpoint error: no complete checkpoint .*sha256 mismatch")
     assert_kept(before, run_copy)
@@ -322,8 +374,8 @@ def test_resume_cuts_metrics_rows_after_the_checkpoint(cli, run_copy):
     at step 2; the resumed run writes them once. The cut rows are moved to
     ``metrics.abandoned.jsonl``, not deleted, and the resumed run's rows carry the next attempt."""
     root = run_copy / "run/checkpoints"
-    shutil.rmtree(root / "step-00000002")
-    (root / "latest").write_text("step-00000001")
+    shutil.rmtree(root / "0002-sft-step-000004")
+    (root / "latest").write_text("0001-sft-step-000002")
     res = cli("train", run_copy / "r.yaml", "--resume")
     assert res.code == 0, res.err[-2000:]
     assert sft_steps(run_copy) == [0, 1, 2, 3]
@@ -353,6 +405,23 @@ def test_resume_of_a_finished_run_with_more_steps_continues(cli, run_copy):
     assert sft_steps(run_copy) == [0, 1, 2, 3, 4, 5]
     meta = json.loads((checkpoint_dirs(run_copy / "run/checkpoints")[-1] / "meta.json").read_text())
     assert meta["extra"]["completed"] == {"sft": 6}
+    # the checkpoint after SFT step 6, numbered after the run's two: the name says stage and step
+    assert ckpts(run_copy) == ["0001-sft-step-000002", "0002-sft-step-000004", "0003-sft-step-000006"]
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_a_run_of_the_older_step_n_names_resumes(cli, run_copy):
+    """A run written before checkpoints were named by stage and step (``step-00000002`` was its SFT
+    step 4) resumes from its newest; the next checkpoint is named the new way, numbered after them."""
+    root = run_copy / "run/checkpoints"
+    for new, old in (("0001-sft-step-000002", "step-00000001"), ("0002-sft-step-000004", "step-00000002")):
+        (root / new).rename(root / old)
+    (root / "latest").write_text("step-00000002")
+    res = cli("train", run_copy / "r.yaml", "train.sft_steps=6", "--resume")
+    assert res.code == 0, res.err[-2000:]
+    assert sft_steps(run_copy) == [0, 1, 2, 3, 4, 5]  # steps 4 and 5 only were run again
+    assert ckpts(run_copy) == ["step-00000001", "step-00000002", "0003-sft-step-000006"]
+    assert (root / "latest").read_text() == "0003-sft-step-000006"
 
 
 # -- only good weights are saved -------------------------------------------------------------------
@@ -383,11 +452,11 @@ def test_non_finite_sft_stops_and_never_saves_nan(cli, tmp_path, monkeypatch):
     _poison_after(monkeypatch, 2, "nan")
     path = recipe(tmp_path, sft_steps=8, max_bad_steps=2)
     line = cli("train", path).one_line(
-        r"training stopped: 2 consecutive SFT steps had non-finite .* the last good checkpoint is .*step-00000001"
+        r"training stopped: 2 consecutive SFT steps had non-finite .* the last good checkpoint is .*0001-sft-step-000002"
     )
     assert "nothing saved" in line
-    assert ckpts(tmp_path) == ["step-00000001"]
-    assert verify_checkpoint(tmp_path / "run/checkpoints/step-00000001") is None
+    assert ckpts(tmp_path) == ["0001-sft-step-000002"]
+    assert verify_checkpoint(tmp_path / "run/checkpoints/0001-sft-step-000002") is None
 
 
 @pytest.mark.bad_input("checkpoint")
@@ -421,7 +490,7 @@ def test_retention_never_deletes_the_checkpoint_just_written(tmp_path, parallel_
     save_checkpoint(tmp_path, 7, model, keep=1, owner="other")
     save_checkpoint(tmp_path, 12, model, keep=1, owner="me")
     new = save_checkpoint(tmp_path, 3, model, keep=1, owner="me")
-    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step-00000003", "step-00000007"]
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["0003-checkpoint", "0007-checkpoint"]
     assert latest_checkpoint(tmp_path) == new and verify_checkpoint(new) is None
 
 
@@ -470,10 +539,10 @@ def test_dead_policy_at_an_rl_checkpoint_is_not_saved(cli, tmp_path, monkeypatch
     line = cli("train", path, "checkpoint.every=1").one_line(
         r"training stopped: rl step 1: the policy is dead \(output uniform.*not saved; the last good checkpoint is"
     )
-    assert "step-00000002" in line  # the end of SFT, the newest that passed the checks
+    assert "0002-sft-step-000002" in line  # the end of SFT, the newest that passed the checks
     assert [p.name for p in checkpoint_dirs(tmp_path / "run/checkpoints")] == [
-        "step-00000001",
-        "step-00000002",
+        "0001-sft-step-000001",
+        "0002-sft-step-000002",
     ]
     assert_kept(before, tmp_path)
 
@@ -550,11 +619,11 @@ def test_a_checkpoint_pruned_while_it_is_read_loads_the_newest_again(run_copy, m
 
     monkeypatch.setattr(ck, "find_checkpoint", choose_then_prune)
     meta = _load_meta(ck, ckpts)
-    assert pruned == ["step-00000002"] and Path(meta["path"]).name == "step-00000001"
+    assert pruned == ["0002-sft-step-000004"] and Path(meta["path"]).name == "0001-sft-step-000002"
     assert "was removed while it was read" in caplog.text
     pruned.clear()
-    with pytest.raises(ck.CheckpointError, match=r"step-00000001 was removed while it was read"):
-        _load_meta(ck, ckpts / "step-00000001")
+    with pytest.raises(ck.CheckpointError, match=r"0001-sft-step-000002 was removed while it was read"):
+        _load_meta(ck, ckpts / "0001-sft-step-000002")
 
 
 def _load_meta(ck, path) -> dict:
@@ -562,6 +631,6 @@ def _load_meta(ck, path) -> dict:
     from moe_rl.megatron.parallel import init_parallel
     from moe_rl.megatron.policy import build_policy
 
-    r = load_recipe(path.parents[2 if path.name.startswith("step-") else 1] / "r.yaml")
+    r = load_recipe(path.parents[2 if ck.step_number(path) is not None else 1] / "r.yaml")
     policy = build_policy(r.model, r.parallel, init_parallel(r.parallel, seed=1))
     return ck.load_checkpoint(path, policy.model, load_rng=False)

@@ -305,3 +305,71 @@ def test_export_says_where_generation_stops_and_is_readable(hf_ckpt, parallel_in
     os.umask(umask)
     for f in out.iterdir():
         assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f.name
+
+
+def test_an_exported_model_generates_and_stops_at_eos(hf_ckpt, parallel_info, tmp_path):
+    """transformers' ``generate()`` on the export stops at the tokenizer's EOS, and only because the
+    export says which id that is: the same model without that stop id runs to ``max_new_tokens``.
+    The weights are set (after loading) so that every next token is EOS: the last hidden state's
+    first coordinate is large and positive (embeddings), the final norm keeps only it, and only
+    EOS's row of the output layer reads it. Files are written 0644 under the usual umask 022
+    (the shards used to be 0600)."""
+    import os
+    import stat
+
+    from moe_rl.tasks.tokenizer import CharTokenizer
+
+    _, path = hf_ckpt
+    policy = policy_for(path, parallel_info)
+    import_hf(policy, path)
+    tok = CharTokenizer()
+    umask = os.umask(0o022)
+    try:
+        out = export_hf(policy, tmp_path / "out", tokenizer=tok)
+    finally:
+        os.umask(umask)
+    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()} == {
+        f.name: 0o644 for f in out.iterdir()
+    }
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 100.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[tok.eos_id, 0] = 1.0
+    prompt = torch.tensor([[tok.bos_id, *tok.encode("1+2=")]])
+    n = prompt.shape[1]
+    with torch.no_grad():
+        assert int(model(prompt).logits[0, -1].argmax()) == tok.eos_id
+        stopped = model.generate(prompt, max_new_tokens=6, do_sample=False)
+        assert stopped[0, n:].tolist() == [tok.eos_id]  # one token: the EOS, then it stopped
+        model.generation_config.eos_token_id = None  # as an export without generation_config.json
+        ran_on = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_id)
+        assert ran_on[0, n:].tolist() == [tok.eos_id] * 6
+
+
+def test_an_export_keeps_the_source_models_generation_config(tmp_path):
+    """A Hugging Face tokenizer directory's generation_config.json (a model's sampling defaults and
+    its further stop ids, Qwen3's two) is kept, with the tokenizer's EOS among the stop ids."""
+    from moe_rl.megatron.hf import _generation_config
+
+    src = tmp_path / "qwen"
+    src.mkdir()
+    (src / "generation_config.json").write_text(
+        json.dumps(
+            {"eos_token_id": [151645, 151643], "pad_token_id": 151643, "temperature": 0.6, "top_p": 0.95}
+        )
+    )
+
+    class Tok:
+        path, eos_id, bos_id, pad_id = src, 151645, None, 151643
+
+    assert _generation_config(Tok()) == {
+        "eos_token_id": [151645, 151643],
+        "pad_token_id": 151643,
+        "temperature": 0.6,
+        "top_p": 0.95,
+    }
+    Tok.eos_id = 7  # a tokenizer whose EOS the source's list lacks: it stops there first
+    assert _generation_config(Tok())["eos_token_id"] == [7, 151645, 151643]

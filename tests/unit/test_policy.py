@@ -141,8 +141,8 @@ def test_retention_keeps_the_newest_checkpoints_and_never_another_runs(policy, t
     for step in range(2, 8):
         save_checkpoint(tmp_path, step, policy.model, keep=3, owner="this-run")
     assert [p.name for p in checkpoint_dirs(tmp_path)] == [
-        "step-00000001",  # another run's: never this run's to remove
-        "step-00000005",
-        "step-00000006",
-        "step-00000007",
+        "0001-checkpoint",  # another run's: never this run's to remove
+        "0005-checkpoint",
+        "0006-checkpoint",
+        "0007-checkpoint",
     ]
