@@ -543,31 +543,14 @@ def final_weights(recipe, ckpts: list[Path]) -> list[dict]:
 def section_rl_step(ck: Check, cap: float) -> dict:
     t_end = time.perf_counter() + cap
     modes, failed = {}, []
-    for algo in ALGOS:
-        for routing in ROUTINGS:
-            name = f"{algo}/{routing}"
-            if time.perf_counter() > t_end:
-                modes[name] = {"ok": None, "skipped": "section budget"}
-                continue
-            t0 = time.perf_counter()
-            try:
-                modes[name] = one_rl_step(ck.work / "rl" / f"{algo}-{routing}", algo, routing)
-            except Exception as e:
-                modes[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
-                modes[name]["traceback"] = traceback.format_exc().splitlines()[-8:]
-            modes[name]["seconds"] = time.perf_counter() - t0
-            if modes[name]["ok"] is False:
-                failed.append(name)
-            print(f"rl_step {name}: {modes[name]}", flush=True)
-    for name, extra in EXTRA_MODES.items():
+
+    def one(name: str, fn) -> None:
         if time.perf_counter() > t_end:
             modes[name] = {"ok": None, "skipped": "section budget"}
-            continue
+            return
         t0 = time.perf_counter()
         try:
-            modes[name] = one_rl_step(ck.work / "rl" / name.replace("/", "-"), **extra)
-            ok, why = extra_effect(name, modes[name], modes)
-            modes[name].update(effect_ok=ok, effect=why, ok=modes[name]["ok"] and ok)
+            modes[name] = fn()
         except Exception as e:
             modes[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
             modes[name]["traceback"] = traceback.format_exc().splitlines()[-8:]
@@ -575,6 +558,17 @@ def section_rl_step(ck: Check, cap: float) -> dict:
         if modes[name]["ok"] is False:
             failed.append(name)
         print(f"rl_step {name}: {modes[name]}", flush=True)
+
+    def extra_mode(name: str, extra: dict) -> dict:
+        res = one_rl_step(ck.work / "rl" / name.replace("/", "-"), **extra)
+        ok, why = extra_effect(name, res, modes)
+        return {**res, "effect_ok": ok, "effect": why, "ok": res["ok"] and ok}
+
+    for algo in ALGOS:
+        for routing in ROUTINGS:
+            one(f"{algo}/{routing}", lambda a=algo, r=routing: one_rl_step(ck.work / "rl" / f"{a}-{r}", a, r))
+    for name, extra in EXTRA_MODES.items():
+        one(name, lambda n=name, x=extra: extra_mode(n, x))
     out = {"modes": modes}
     if time.perf_counter() < t_end:
         try:

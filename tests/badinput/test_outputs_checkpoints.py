@@ -580,7 +580,7 @@ def test_demo_out_holding_a_users_files_is_refused(cli, tmp_path):
     (out / "report.png").write_bytes(b"my picture")
     before = snapshot(out)
     cli("demo", "--out", out, "train.rl_steps=1").one_line(
-        r"path error: demo --out .*mine holds files the demo did not write \(grpo, report\.png\): give a new or empty"
+        r"path error: compare --out .*mine holds files the compare did not write \(grpo, report\.png\): give a new or empty"
     )
     assert_kept(before, out)
     assert sorted(p.name for p in out.iterdir()) == ["grpo", "report.png"]
@@ -588,11 +588,11 @@ def test_demo_out_holding_a_users_files_is_refused(cli, tmp_path):
 
 @pytest.mark.bad_input("output")
 def test_demo_arm_config_error_is_named_before_any_arm_starts(cli, tmp_path):
-    """An override one arm cannot take (a token-level correction on GSPO's sequence ratio) used to
-    show only in that arm's log, after SFT and the arms before it had run."""
+    """An override one arm cannot take (replayed gate weights on an arm that replays no routes) used
+    to show only in that arm's log, after SFT and the arms before it had run."""
     out = tmp_path / "demo"
-    cli("demo", "--out", out, "algo.rollout_correction=icepop").one_line(
-        r"configuration error: demo arm GSPO: "
+    cli("demo", "--out", out, "algo.replay_gate_weights=true").one_line(
+        r"configuration error: compare arm GRPO: .*algo.replay_gate_weights=true"
     )
     assert not out.exists()
 
