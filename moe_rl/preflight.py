@@ -186,7 +186,7 @@ def preflight(recipe: Recipe) -> tuple[Tokenizer, Task]:
     check_hf_path(recipe)
     tok = load_tokenizer(recipe.model.tokenizer)
     check_vocab(recipe, tok)
-    task = build_task(recipe.task)
+    task = build_task(recipe.task, tok)
     check_lengths(recipe, task, tok)
     check_unknown_chars(recipe, task, tok)
     check_heldout(recipe, task)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from moe_rl.configlib import require_registered
 from moe_rl.tasks.arithmetic import ArithmeticTask
-from moe_rl.tasks.base import Prompt, Task
+from moe_rl.tasks.base import Prompt, Task, batch_rewards
 from moe_rl.tasks.config import ArithmeticConfig, CountdownConfig, JsonlConfig, TaskConfig
 from moe_rl.tasks.countdown import CountdownTask
 from moe_rl.tasks.jsonl import JsonlTask
@@ -22,10 +22,12 @@ TASKS: dict[str, type] = {
 }
 
 
-def build_task(cfg: TaskConfig) -> Task:
-    """The task ``cfg.name`` names, built from ``cfg``; an unknown name lists the valid ones."""
+def build_task(cfg: TaskConfig, tokenizer: Tokenizer | None = None) -> Task:
+    """The task ``cfg.name`` names, built from ``cfg``; an unknown name lists the valid ones. A task
+    class with ``uses_tokenizer`` also gets ``tokenizer`` (the jsonl task renders chat prompts with it)."""
     require_registered(cfg.name, TASKS, "task.name")
-    return TASKS[cfg.name](cfg)
+    cls = TASKS[cfg.name]
+    return cls(cfg, tokenizer=tokenizer) if getattr(cls, "uses_tokenizer", False) else cls(cfg)
 
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "Task",
     "TaskConfig",
     "Tokenizer",
+    "batch_rewards",
     "build_task",
     "load_tokenizer",
 ]

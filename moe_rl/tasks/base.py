@@ -59,6 +59,16 @@ class Task(Protocol):
         ...
 
 
+def batch_rewards(task: Task, prompts: list[Prompt], responses: list[str]) -> list[float]:
+    """The rewards of a rollout batch (``responses[i]`` answers ``prompts[i]``): the task's
+    ``rewards`` in one call where it has one (the jsonl task: a batched reward function is called
+    once), else ``reward`` per row."""
+    many = getattr(task, "rewards", None)
+    if many is not None:
+        return list(many(prompts, responses))
+    return [task.reward(p, r) for p, r in zip(prompts, responses, strict=True)]
+
+
 # ---------------------------------------------------------------------------------------
 # Shared machinery.
 

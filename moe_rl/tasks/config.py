@@ -8,8 +8,9 @@ imported here, so the tasks never import the recipe module.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from moe_rl.configlib import require, require_registered
+from moe_rl.configlib import check_choices, require, require_registered
 from moe_rl.names import TASK_NAMES
 
 
@@ -84,24 +85,40 @@ class CountdownConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class JsonlConfig:
-    """Prompts and answers from a JSONL file, scored by a user reward function."""
+    """The user's own data: prompts and answers from a JSONL or parquet file (today's plain layout
+    or verl's RL layout), scored by a user reward function (docs/design.md#your-own-data)."""
 
     path: str | None = None
-    "JSONL file, one JSON object per line (required when task.name=jsonl)."
+    "JSONL file (one JSON object per line) or parquet file (*.parquet); required when task.name=jsonl."
+    format: Literal["auto", "plain", "verl"] = "auto"
+    """Layout of each file. plain: prompt_field and answer_field per record. verl: verl's RL layout
+    (data_source, prompt, reward_model.ground_truth, extra_info; the answer is the ground truth).
+    auto: verl when the file's first record (a parquet file: its columns) has a reward_model field,
+    else plain."""
     prompt_field: str = "prompt"
-    "Key of the prompt string in each line."
+    "Key of the prompt: a string, or a list of chat messages [{role, content}] (both layouts)."
     answer_field: str = "answer"
-    "Key of the reference answer in each line (any JSON value; strings are kept, others JSON-encoded)."
+    "Key of the reference answer in the plain layout (any JSON value; strings kept, others JSON-encoded)."
     response_field: str | None = None
     "Key of a demonstration response for SFT (None: the task has no demonstrations)."
     reward_fn: str = "moe_rl.tasks.jsonl:exact_match"
-    "module:function (or path/to/file.py:function) called as fn(response, answer, record) -> float."
+    """module:function (or path/to/file.py:function): fn(response, answer, record) -> float, or
+    verl's compute_score(data_source, solution_str, ground_truth, extra_info) -> float | {"score": ...}."""
+    reward_signature: Literal["auto", "plain", "verl"] = "auto"
+    """How reward_fn takes its arguments (moe_rl.tasks.rewards.REWARD_SIGNATURES): plain
+    (response, answer, record), verl (data_source=, solution_str=, ground_truth=, extra_info=), or
+    auto: verl when the function has verl's parameter names, else plain."""
+    reward_batched: bool = False
+    """reward_fn takes lists and returns a list, called once per rollout batch: plain
+    fn(responses, answers, records), verl compute_score(data_sources=, solution_strs=, ground_truths=,
+    extra_infos=) (verl's BatchRewardManager)."""
     prompt_template: str = "{prompt}"
-    "Prompt text given to the model; '{prompt}' is replaced by the prompt field."
+    "Prompt text given to the model; '{prompt}' is replaced by the prompt (chat messages: rendered)."
     heldout_path: str | None = None
-    "JSONL file of held-out prompts (None: hold out task.heldout_fraction of path by prompt hash)."
+    "JSONL or parquet file of held-out prompts (None: hold out task.heldout_fraction of path by prompt hash)."
 
     def __post_init__(self) -> None:
+        check_choices(self, "task.jsonl")
         fn = self.reward_fn
         require(
             fn.count(":") >= 1 and all(fn.rpartition(":")[::2]),
@@ -146,5 +163,5 @@ class TaskConfig:
         )
         require(
             self.name != "jsonl" or self.jsonl.path is not None,
-            "task.name=jsonl needs task.jsonl.path: set it to a JSONL file of prompts and answers",
+            "task.name=jsonl needs task.jsonl.path: set it to a JSONL or parquet file of prompts and answers",
         )

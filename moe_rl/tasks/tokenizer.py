@@ -183,7 +183,9 @@ class HFTokenizer:
 
     Needs the ``tokenizers`` package (imported here, only when used). Special tokens come
     from ``tokenizer_config.json`` or ``special_tokens_map.json``; ``pad_id`` falls back to
-    ``eos_id`` when the tokenizer names no pad token (as many base models do).
+    ``eos_id`` when the tokenizer names no pad token (as many base models do). The chat template
+    is ``tokenizer_config.json``'s ``chat_template`` (a string, or the one named ``default`` of a
+    list) or ``chat_template.jinja``, as ``transformers`` saves it; None when there is none.
     """
 
     def __init__(self, directory: str | Path) -> None:
@@ -197,6 +199,7 @@ class HFTokenizer:
         self.path = d
         self._tok = _HFTok.from_file(str(d / "tokenizer.json"))
         names = {}
+        template = None
         for fname in ("special_tokens_map.json", "tokenizer_config.json"):  # later files win
             f = d / fname
             if f.is_file():
@@ -204,6 +207,15 @@ class HFTokenizer:
                 for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
                     if data.get(key) is not None:
                         names[key] = data[key]["content"] if isinstance(data[key], dict) else data[key]
+                template = data.get("chat_template", template)
+        if isinstance(template, list):  # [{"name": ..., "template": ...}]: the default one
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        if template is None and (d / "chat_template.jinja").is_file():
+            template = (d / "chat_template.jinja").read_text(encoding="utf-8")
+        self.chat_template: str | None = template or None
+        "The Jinja chat template (None: the tokenizer has none; chat prompts are then rendered plainly)."
+        self.special_tokens: dict[str, str] = names
+        "bos_token, eos_token, pad_token, unk_token strings the tokenizer names (the template sees them)."
         eos = self._id(names.get("eos_token"))
         if eos is None:
             raise ValueError(
@@ -230,6 +242,25 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``ids``."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict], *, tokenize: bool = False, add_generation_prompt: bool = True
+    ) -> str | list[int]:
+        """``messages`` rendered by :attr:`chat_template` as ``transformers`` renders it (its own
+        Jinja renderer, with the special-token strings), the text or (``tokenize``) its ids."""
+        if not self.chat_template:
+            raise ValueError(f"{self.path} has no chat template (tokenizer_config.json chat_template)")
+        try:
+            from transformers.utils.chat_template_utils import render_jinja_template
+        except ImportError as e:  # pragma: no cover - the dev extra installs it
+            raise ImportError("rendering a chat template needs `pip install transformers`") from e
+        rendered, _ = render_jinja_template(
+            conversations=[messages],
+            chat_template=self.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens,
+        )
+        return self.encode(rendered[0]) if tokenize else rendered[0]
 
 
 def load_tokenizer(path_or_name: str | Path) -> CharTokenizer | HFTokenizer:

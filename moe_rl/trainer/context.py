@@ -88,7 +88,7 @@ class Run:
         self.recipe = recipe
         self.tok = load_tokenizer(recipe.model.tokenizer)
         check_vocab(recipe, self.tok)  # `moe-rl train` runs all of preflight before this
-        self.task = build_task(recipe.task)
+        self.task = build_task(recipe.task, self.tok)
         self._owns_dist = not torch.distributed.is_initialized()
         if recipe.rollout.engine == "sglang":  # before NCCL starts: it reads its interface once
             from moe_rl.megatron.parallel import backend_for

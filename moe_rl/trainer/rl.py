@@ -50,7 +50,7 @@ from moe_rl.routing.flip import flip_counts, flip_metrics
 from moe_rl.routing.load import expert_load_counts, expert_load_metrics
 from moe_rl.routing.noise import RouteNoise
 from moe_rl.routing.validate import validate_routes
-from moe_rl.tasks.base import Prompt, make_rng
+from moe_rl.tasks.base import Prompt, batch_rewards, make_rng
 from moe_rl.trainer.hooks import OptimizerStep
 from moe_rl.trainer.samples import samples_due, write_samples
 from moe_rl.trainer.sft import encode_pair
@@ -208,13 +208,16 @@ def encode_prompts(run: Run, prompts: list[Prompt]) -> list[list[int]]:
 
 def rewards_of(run: Run, prompts: list[Prompt], rollouts: Rollouts, group: int) -> torch.Tensor:
     """The task's reward of every rollout row, ``[B]`` float32 on the policy's device (row i answers
-    prompt i // group). The token ids come to the host once, for the decoder."""
+    prompt i // group), in one :func:`batch_rewards` call. The token ids come to the host once, for
+    the decoder."""
     tokens = rollouts.tokens_BT.tolist()
     starts, ends = rollouts.prompt_lens_B.tolist(), rollouts.total_lens_B.tolist()
-    out = [
-        run.task.reward(prompts[i // group], run.tok.decode(tokens[i][starts[i] : ends[i]]))
-        for i in range(rollouts.batch_size)
-    ]
+    rows = range(rollouts.batch_size)
+    out = batch_rewards(
+        run.task,
+        [prompts[i // group] for i in rows],
+        [run.tok.decode(tokens[i][starts[i] : ends[i]]) for i in rows],
+    )
     return torch.tensor(out, dtype=torch.float32, device=run.info.device)
 
 

@@ -132,6 +132,120 @@ def test_train_refuses_bad_data_before_the_run_folder(cli, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+# verl's RL layout (parquet or JSONL) and verl-style reward functions.
+def _verl_rows(n: int, start: int = 0) -> list[dict]:
+    return [
+        {
+            "data_source": "toy/add",
+            "prompt": [{"role": "user", "content": f"{i}+1="}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+            "extra_info": {"index": i},
+        }
+        for i in range(start, start + n)
+    ]
+
+
+def _parquet_recipe(tmp_path: Path, rows: list[dict] | None = None, **jsonl) -> Path:
+    """A tiny jsonl recipe on ``data.parquet`` (train) and ``held.parquet`` in verl's layout."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(_verl_rows(12) if rows is None else rows), tmp_path / "data.parquet")
+    pq.write_table(pa.Table.from_pylist(_verl_rows(4, start=100)), tmp_path / "held.parquet")
+    task = {"path": str(tmp_path / "data.parquet"), "heldout_path": str(tmp_path / "held.parquet"), **jsonl}
+    recipe = {
+        **TINY,
+        "task": {"name": "jsonl", "jsonl": task},
+        "train": {**TINY["train"], "out_dir": str(tmp_path / "run")},
+    }
+    out = tmp_path / "r.yaml"
+    out.write_text(json.dumps(recipe))
+    return out
+
+
+@data_case
+def test_verl_parquet_missing_column_named(cli, tmp_path):
+    rows = _verl_rows(12)
+    for r in rows:
+        del r["data_source"]
+    recipe = _parquet_recipe(tmp_path, rows)
+    before = snapshot(tmp_path)
+    cli("check", recipe).one_line(
+        r"data error: .*data\.parquet: missing column 'data_source' \(columns: .*\); the verl layout .*needs "
+        r"data_source, prompt and reward_model\.ground_truth: fix the data, or set task\.jsonl\.format=plain"
+    )
+    assert_kept(before, tmp_path)
+
+
+@data_case
+def test_unreadable_parquet_named(cli, tmp_path):
+    recipe = _parquet_recipe(tmp_path)
+    (tmp_path / "data.parquet").write_bytes(b"PAR1" + b"\0" * 64)  # a truncated file
+    cli("check", recipe).one_line(
+        r"data error: task\.jsonl\.path=.*data\.parquet.*: not a readable parquet file \(.*\); write it "
+        r"with pyarrow\.parquet\.write_table"
+    )
+
+
+@data_case
+def test_parquet_without_pyarrow_says_what_to_install(cli, tmp_path, monkeypatch):
+    import sys
+
+    recipe = _parquet_recipe(tmp_path)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if pyarrow were not installed
+    cli("check", recipe).one_line(
+        r"configuration error: task\.jsonl\.path=.*data\.parquet.* is a parquet file: reading it needs "
+        r"pyarrow: pip install pyarrow \(or pip install 'moe-rl\[data\]'\)"
+    )
+
+
+@data_case
+def test_prompt_neither_string_nor_messages(cli, tmp_path):
+    bad = {**_verl_rows(1)[0], "prompt": {"role": "user", "content": "1+1="}}  # one message, not a list
+    data = "".join(json.dumps(r) + "\n" for r in [*_verl_rows(2), bad])
+    recipe = _recipe(tmp_path, data=data)
+    cli("check", recipe).one_line(
+        r"data error: .*data\.jsonl:3: field 'prompt' must be a string, got \{'role': 'user'.*\(or a "
+        r"non-empty list of chat messages \[\{'role': 'user', 'content': '\.\.\.'\}\]\)"
+    )
+
+
+@data_case
+def test_reward_fn_that_cannot_be_imported(cli, tmp_path):
+    recipe = _parquet_recipe(tmp_path, reward_fn="no_such_rewards_pkg.scores:compute_score")
+    cli("check", recipe).one_line(
+        r"configuration error: task\.jsonl\.reward_fn='no_such_rewards_pkg\.scores:compute_score': cannot "
+        r"import module 'no_such_rewards_pkg\.scores' .*put it on PYTHONPATH or write path/to/file\.py:function"
+    )
+
+
+@data_case
+def test_batched_compute_score_without_reward_batched(cli, tmp_path):
+    (tmp_path / "score.py").write_text(
+        "def compute_score(data_sources, solution_strs, ground_truths, extra_infos):\n"
+        "    return [0.0] * len(solution_strs)\n"
+    )
+    recipe = _parquet_recipe(tmp_path, reward_fn=f"{tmp_path / 'score.py'}:compute_score")
+    cli("check", recipe).one_line(
+        r"configuration error: task\.jsonl\.reward_fn=.*score\.py:compute_score' takes lists \(data_sources, "
+        r"solution_strs, ground_truths, extra_infos\): set task\.jsonl\.reward_batched=true"
+    )
+
+
+@reward_case
+def test_verl_reward_dict_without_score_names_the_row(cli, tmp_path):
+    (tmp_path / "score.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'acc': 1.0}\n"
+    )
+    recipe = _parquet_recipe(tmp_path, reward_fn=f"{tmp_path / 'score.py'}:compute_score")
+    cli("train", recipe).one_line(
+        r"reward error: task\.jsonl\.reward_fn=.*score\.py:compute_score on the record at .*\.parquet row \d+ "
+        r"returned \{'acc': 1\.0\} \(dict\) \(a dict needs a finite number under 'score'\)"
+    )
+
+
 # Rewards: the user function runs on rollouts, so these train one RL step.
 REWARDS = {
     "raises": ("    raise KeyError('score')\n", r"raised KeyError: 'score'"),
