@@ -101,15 +101,22 @@ MUTANTS = (
     Mutant(
         "train.freeze_router read but not applied",
         "moe_rl/trainer/context.py",
-        "Optimizer(self.policy.model, cfg, self.info, frozen=self.frozen_for(stage))",
-        "Optimizer(self.policy.model, cfg, self.info)",
+        "frozen=self.frozen_for(stage), scaled=self.scaled_for(stage)",
+        "scaled=self.scaled_for(stage)",
         ("tests/unit/test_freeze_router.py",),
     ),
     Mutant(
         "frozen routers keep their lr and weight decay (gradient zeroed only)",
         "moe_rl/megatron/optim.py",
-        "config_overrides=_frozen_overrides(mcfg, self.frozen)",
+        "config_overrides=_group_overrides(mcfg, self.frozen, self.scaled)",
         "config_overrides=None",
+        ("tests/unit/test_freeze_router.py",),
+    ),
+    Mutant(
+        "train.router_lr_mult read but not applied",
+        "moe_rl/trainer/context.py",
+        "frozen=self.frozen_for(stage), scaled=self.scaled_for(stage)",
+        "frozen=self.frozen_for(stage)",
         ("tests/unit/test_freeze_router.py",),
     ),
     Mutant(

@@ -484,6 +484,8 @@ class TrainConfig:
     "Selection noise of the trainer's routers (pi_old, training and probe forwards): sigma of Gaussian noise on the router logits the top-k is taken from, gates from the clean logits; replayed routes stay exact (0: off; docs/algorithms.md#routing-noise)."
     freeze_router: bool = False
     "RL stage only: no update changes any MoE router weight (SFT still trains them), as verl's actor_rollout_ref.model.override_config.moe_config.freeze_moe_router and NeMo-RL's policy.megatron_cfg.freeze_moe_router; gradients still flow through the gates to the layers below (docs/algorithms.md#router-frozen)."
+    router_lr_mult: float = 1.0
+    "RL stage only: the MoE routers' learning rate (and weight decay) as a multiple of optim.lr, a volatility dial: how far each update moves the routing (1: as every other weight; 0 is train.freeze_router without its zeroed gradient; docs/algorithms.md#router-lr)."
 
     def __post_init__(self) -> None:
         check_choices(self, "train")
@@ -512,7 +514,12 @@ class TrainConfig:
             "train.flip_probe_sequences must be >= 0 and train.flip_probe_every >= 1",
         )
         require(self.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {self.max_bad_steps}")
-        require_positive(self, "train", "route_noise", "start_jitter", strict=False)
+        require_positive(self, "train", "route_noise", "start_jitter", "router_lr_mult", strict=False)
+        require(
+            not self.freeze_router or self.router_lr_mult == 1.0,
+            f"train.freeze_router=true with train.router_lr_mult={self.router_lr_mult}: a frozen router takes "
+            "no learning rate; set one of them (train.router_lr_mult=1 or train.freeze_router=false)",
+        )
         require(
             self.packing or self.pack_tokens == 0,
             "train.pack_tokens is a packing budget: set train.packing=true or train.pack_tokens=0",

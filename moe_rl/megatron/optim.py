@@ -107,17 +107,25 @@ def wrap_ddp(model: torch.nn.Module, cfg: OptimConfig, info: ParallelInfo):
     return ddp
 
 
-def _frozen_overrides(mcfg, frozen: tuple[torch.nn.Parameter, ...]) -> dict | None:
+def _group_overrides(
+    mcfg, frozen: tuple[torch.nn.Parameter, ...], scaled: tuple[tuple[torch.nn.Parameter, ...], float]
+) -> dict | None:
     """megatron-core's ``config_overrides``: its standard ones (no weight decay on biases and
     1-d parameters, what it applies when given none) plus ``lr_mult = wd_mult = 0`` for ``frozen``
-    (None when nothing is frozen: megatron-core's default)."""
-    if not frozen:
+    and ``lr_mult = wd_mult = mult`` for ``scaled = (params, mult)`` (None when neither: megatron-
+    core's default)."""
+    params, mult = scaled
+    if not frozen and not params:
         return None
     from megatron.core.optimizer import ParamKey, ParamPredicate, get_standard_config_overrides
 
-    ids = frozenset(id(p) for p in frozen)
-    key = ParamKey(predicate=ParamPredicate(name="moe_rl_frozen", fn=lambda p: id(p) in ids))
-    return {**get_standard_config_overrides(mcfg), key: {"lr_mult": 0.0, "wd_mult": 0.0}}
+    out = get_standard_config_overrides(mcfg)
+    for name, group, m in (("moe_rl_frozen", frozen, 0.0), ("moe_rl_scaled", params, mult)):
+        if group:
+            ids = frozenset(id(p) for p in group)
+            key = ParamKey(predicate=ParamPredicate(name=name, fn=lambda p, ids=ids: id(p) in ids))
+            out[key] = {"lr_mult": float(m), "wd_mult": float(m)}
+    return out
 
 
 def _megatron_config(cfg: OptimConfig, model: torch.nn.Module, distributed: bool):
@@ -187,6 +195,8 @@ class Optimizer:
     reduction only after the last one (with ``overlap_grad_reduce``).
 
     ``frozen``: parameters of ``model`` this optimizer never changes (the module docstring says how).
+    ``scaled``: ``(params, mult)``, parameters whose learning rate and weight decay are ``mult``
+    times the others' (a param group of their own, as the frozen ones).
     """
 
     def __init__(
@@ -196,6 +206,7 @@ class Optimizer:
         info: ParallelInfo,
         *,
         frozen: tuple[torch.nn.Parameter, ...] | list[torch.nn.Parameter] = (),
+        scaled: tuple[tuple[torch.nn.Parameter, ...] | list[torch.nn.Parameter], float] = ((), 1.0),
     ):
         from megatron.core.optimizer import get_megatron_optimizer
 
@@ -207,12 +218,18 @@ class Optimizer:
         own = {id(p) for p in model.parameters() if p.requires_grad}
         self.frozen = tuple(frozen)
         "Parameters no step changes (gradient zeroed, lr and weight decay multiplied by 0)."
-        if any(id(p) not in own for p in self.frozen):
-            raise ValueError("Optimizer(frozen=...) takes trainable parameters of the model it steps")
+        self.scaled = (tuple(scaled[0]), float(scaled[1]))
+        "Parameters whose learning rate and weight decay are a multiple of the others' (params, mult)."
+        if any(id(p) not in own for p in (*self.frozen, *self.scaled[0])):
+            raise ValueError(
+                "Optimizer(frozen=..., scaled=...) takes trainable parameters of the model it steps"
+            )
+        if {id(p) for p in self.frozen} & {id(p) for p in self.scaled[0]}:
+            raise ValueError("Optimizer: a parameter is both frozen and scaled")
         mcfg = _megatron_config(cfg, model, self.distributed)
         with cuda_as_cpu():
             self.opt = get_megatron_optimizer(
-                mcfg, [self.ddp], config_overrides=_frozen_overrides(mcfg, self.frozen)
+                mcfg, [self.ddp], config_overrides=_group_overrides(mcfg, self.frozen, self.scaled)
             )
         _fuse_cpu_adam(self.inner)
         self.step_count = 0

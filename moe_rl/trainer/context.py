@@ -139,7 +139,9 @@ class Run:
         lr = self.recipe.train.sft_lr
         if stage == "sft" and lr is not None:
             cfg = replace(cfg, lr=lr, min_lr=min(cfg.min_lr, lr))
-        self.optimizer = Optimizer(self.policy.model, cfg, self.info, frozen=self.frozen_for(stage))
+        self.optimizer = Optimizer(
+            self.policy.model, cfg, self.info, frozen=self.frozen_for(stage), scaled=self.scaled_for(stage)
+        )
 
     def frozen_for(self, stage: str) -> tuple[torch.nn.Parameter, ...]:
         """The parameters ``stage``'s optimizer leaves as they are: with ``train.freeze_router``, in
@@ -147,10 +149,21 @@ class Run:
         trains them: an RL arm with the router frozen starts from the same SFT weights as the others."""
         if stage != "rl" or not self.recipe.train.freeze_router:
             return ()
+        return self._router_params("train.freeze_router")
+
+    def scaled_for(self, stage: str) -> tuple[tuple[torch.nn.Parameter, ...], float]:
+        """``(params, mult)`` of ``stage``'s optimizer: in RL with ``train.router_lr_mult`` other than
+        1, every router parameter at that multiple of the learning rate (SFT: none)."""
+        mult = self.recipe.train.router_lr_mult
+        if stage != "rl" or mult == 1.0:
+            return (), 1.0
+        return self._router_params("train.router_lr_mult"), mult
+
+    def _router_params(self, field: str) -> tuple[torch.nn.Parameter, ...]:
         for router in self.policy.routers:
             if getattr(router, "expert_bias", None) is not None:  # updated outside the optimizer
                 raise NotImplementedError(
-                    "train.freeze_router: this router has an expert bias (moe_router_enable_expert_bias), "
+                    f"{field}: this router has an expert bias (moe_router_enable_expert_bias), "
                     "which megatron-core updates outside the optimizer; moe-rl does not build such routers"
                 )
         return tuple(p for router in self.policy.routers for p in router.parameters())
@@ -207,7 +220,10 @@ class Run:
             out.engine = engine
         if engine_gives_routes is not None:
             out.engine_gives_routes = engine_gives_routes
-        frozen_changed = new.train.freeze_router != self.recipe.train.freeze_router
+        frozen_changed = (new.train.freeze_router, new.train.router_lr_mult) != (
+            self.recipe.train.freeze_router,
+            self.recipe.train.router_lr_mult,
+        )
         if new_optimizer or new.optim != self.recipe.optim or frozen_changed:
             out.make_optimizer(out.state.stage or "rl")
         return out

@@ -112,3 +112,80 @@ def test_frozen_parameters_step_as_if_they_had_no_gradient(parallel_info, tiny_m
     assert all(torch.equal(p.detach(), s) for p, s in zip(frozen, start))
     for p, q in zip([p for p, f in zip(policy.parameters(), is_frozen) if not f], live):
         torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mult", [0.25, 4.0])
+def test_scaled_routers_step_at_their_multiple_of_the_learning_rate(parallel_info, tiny_model_cfg, mult):
+    """``Optimizer(scaled=(routers, mult))``'s steps equal torch AdamW with the routers in a group
+    of their own at ``mult`` x the learning rate and the weight decay (``train.router_lr_mult``,
+    issue 31's volatility dial), every other parameter as before. Planted bug killed: the
+    multiplier not given to megatron-core's param groups."""
+    from moe_rl.config import OptimConfig, ParallelConfig
+    from moe_rl.megatron.optim import Optimizer
+    from moe_rl.megatron.policy import build_policy
+
+    policy = build_policy(tiny_model_cfg, ParallelConfig(), parallel_info)
+    routers = [p for r in policy.routers for p in r.parameters()]
+    is_router = [any(p is q for q in routers) for p in policy.parameters()]
+    copies = [p.detach().clone().requires_grad_(True) for p in policy.parameters()]
+    ref = torch.optim.AdamW(
+        [
+            {
+                "params": [q for q, r in zip(copies, is_router) if r],
+                "lr": 1e-2 * mult,
+                "weight_decay": 0.1 * mult,
+            },
+            {"params": [q for q, r in zip(copies, is_router) if not r and q.dim() >= 2], "weight_decay": 0.1},
+            {"params": [q for q, r in zip(copies, is_router) if not r and q.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
+    opt = Optimizer(
+        policy.model,
+        OptimConfig(lr=1e-2, weight_decay=0.1, grad_clip=1e9),
+        parallel_info,
+        scaled=(routers, mult),
+    )
+    for seed in range(2):
+        tok = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(seed))
+        (-policy.logprobs(tok).logp_BT.mean()).backward()
+        for q, p in zip(copies, policy.parameters()):
+            q.grad = p.main_grad.clone()
+        ref.step()
+        opt.step()
+    for p, q in zip(policy.parameters(), copies):
+        torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-5)
+
+
+def test_router_lr_mult_moves_the_routers_that_much_further_in_rl(tmp_path, parallel_info, monkeypatch):
+    """One RL step (one minibatch: one Adam update) from the same start, prompts and seed at
+    ``train.router_lr_mult`` 1 and 4: Adam's first update moves each weight by about its learning
+    rate, so the routers move 4 times as far and every other weight as far. Planted bug killed:
+    the recipe field read but not handed to the optimizer."""
+    from moe_rl.tasks.arithmetic import ArithmeticTask
+
+    monkeypatch.setattr(ArithmeticTask, "reward", lambda self, prompt, text: float(len(text) % 2))
+    moved = {}
+    for mult in (1.0, 4.0):
+        data = {k: dict(v) for k, v in TINY.items()}
+        data["train"] = {**data["train"], "out_dir": str(tmp_path / f"m{mult}"), "stages": ["rl"], "rl_steps": 1,
+                         "minibatches": 1, "router_lr_mult": mult, "flip_probe_sequences": 0}  # fmt: skip
+        run = Run(recipe_from_dict(data))
+        try:
+            run.ensure_engine()
+            run.make_optimizer("rl")
+            before = _weights(run)
+            rl_step(run, 0, StepTimer())
+            router_ids = {id(p) for r in run.policy.routers for p in r.parameters()}
+            moved[mult] = {
+                kind: max(
+                    float((p.detach() - before[n]).abs().max())
+                    for n, p in run.policy.model.named_parameters()
+                    if (id(p) in router_ids) == (kind == "router")
+                )
+                for kind in ("router", "other")
+            }
+        finally:
+            run.close()
+    assert moved[4.0]["router"] == pytest.approx(4 * moved[1.0]["router"], rel=0.02), moved
+    assert moved[4.0]["other"] == pytest.approx(moved[1.0]["other"], rel=0.02), moved
