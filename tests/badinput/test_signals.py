@@ -186,6 +186,9 @@ def test_torchrun_sh_forwards_sighup_as_sigterm_and_waits_for_the_save(tmp_path)
             stdout=f,
             stderr=f,
             start_new_session=True,
+            # as started from a terminal: a shell cannot trap a signal ignored when it started, so a
+            # test run under nohup (SIGHUP ignored, inherited) would otherwise see SIGHUP ignored
+            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
         )
     deadline = time.time() + 120
     while not Path(f"{got}.started").exists():

@@ -132,6 +132,12 @@ def test_the_demo_is_the_deciding_cell_in_short():
     for arm in DEMO_ARMS:  # the same sections as the design's runs
         assert set(arm_overrides(arm)) <= set(noise.run_overrides(PLAN, "moe-noise", arm, 100))
     info = json.loads((root / "recipes/demo/noise_start.json").read_text())
+    from moe_rl.lab.starts import sft_key
+
+    # the shipped start is the cell's SFT start: the same key as the design's cached one
+    assert info["sft_key"] == sft_key(
+        load_recipe(DEMO, [*noise.start_overrides_of(PLAN, "moe-noise"), "train.stages=[sft]"])
+    )
     files = {p.name: p for p in (root / "recipes/demo/noise_start").iterdir()}
     assert set(files) == set(info["sha256"])
     assert all(hashlib.sha256(p.read_bytes()).hexdigest() == info["sha256"][n] for n, p in files.items())

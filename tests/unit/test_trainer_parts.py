@@ -123,13 +123,21 @@ def test_combine_metrics_micro_minibatch_and_data_parallel():
 
 def test_arms_are_one_definition_of_overrides():
     from moe_rl.config import load_recipe
-    from moe_rl.lab.arms import ARMS, DEMO_ARMS, arm_dir, arm_overrides
+    from moe_rl.lab.arms import ARMS, COMPARE_ARMS, DEMO_ARMS, VARIANTS, arm_dir, arm_overrides
 
-    assert set(DEMO_ARMS) <= set(ARMS) and arm_dir("GRPO+R2") == "grpo_r2"
-    for name in ARMS:
-        algo = load_recipe(ROOT / "recipes/demo/base.yaml", arm_overrides(name)).algo
-        assert (algo.name, algo.routing) == (ARMS[name]["algo"]["name"], ARMS[name]["algo"]["routing"])
+    assert set(DEMO_ARMS) <= set(COMPARE_ARMS) and arm_dir("GRPO+R2") == "grpo_r2"
+    assert set(COMPARE_ARMS) == set(ARMS) | set(VARIANTS)
+    for name in COMPARE_ARMS:
+        r = load_recipe(ROOT / "recipes/demo/base.yaml", arm_overrides(name))
+        algo, of = r.algo, VARIANTS[name]["of"] if name in VARIANTS else name
+        assert (algo.name, algo.routing) == (ARMS[of]["algo"]["name"], ARMS[of]["algo"]["routing"])
         assert (algo.clip_low, algo.clip_high) == ((0.2, 0.27) if algo.name == "grpo" else (3e-4, 4e-4))
+    # a variant is its arm plus exactly its overrides
+    chaos = load_recipe(ROOT / "recipes/demo/base.yaml", arm_overrides("CHAOS"))
+    assert (
+        chaos.train.start_jitter == 1e-7
+        and chaos.algo == load_recipe(ROOT / "recipes/demo/base.yaml", arm_overrides("GRPO")).algo
+    )
     with pytest.raises(KeyError, match="GRPO"):
         arm_overrides("PPO")
 
