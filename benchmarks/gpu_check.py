@@ -67,7 +67,7 @@ WHEELS_EXTRA = ("pytest", "pytest-timeout", "pip")
 "What the check needs beyond pyproject's dependencies and build requirements (pip: a bootstrap)."
 WHEELS_SKIP = ("torch", "triton", "megatron-core", "tensorboard", "numpy")
 """torch and triton: the GPU's own builds; megatron-core: downloaded without its dependencies (it
-requires torch); tensorboard: optional (metrics fall back to JSONL); numpy: on the lent image."""
+requires torch); tensorboard (the default train.loggers needs it) and numpy: on the lent image."""
 
 
 def requirements(extra: tuple[str, ...] = ()) -> list[str]:
