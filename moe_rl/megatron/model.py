@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_rl.config import ModelConfig, ParallelConfig
+from moe_rl.megatron import rope
 
 log = logging.getLogger(__name__)
 
@@ -294,6 +295,7 @@ def build_gpt(cfg: ModelConfig, par: ParallelConfig, *, stock_local: bool = Fals
     # process would join the same list. Each Policy keeps its own routers instead.
     RouterReplay.clear_global_router_replay_instances()
     _quiet_gpt_model_deprecation()
+    rope.install()  # packed rows' RoPE in one pass (moe_rl/megatron/rope.py)
     config = transformer_config(cfg, par)
     te = use_transformer_engine(cfg)
     model = GPTModel(

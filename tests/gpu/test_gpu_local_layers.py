@@ -76,3 +76,39 @@ def test_grouped_experts_on_cuda_match_the_per_expert_loop(parallel_info, monkey
     assert (ya - yb).norm() <= 2e-2 * yb.norm()
     for a, b in zip(ga, gb):
         assert torch.isfinite(a).all() and (a - b).norm() <= 3e-2 * b.norm() + 1e-6
+
+
+def test_packed_rope_on_cuda_is_megatrons_without_a_host_sync(parallel_info):
+    """The one-pass packed RoPE (moe_rl/megatron/rope.py) on CUDA, bf16, boundaries on the device:
+    megatron-core's values and gradients, and no device-to-host sync (megatron-core's own loops
+    over the sequences on the host)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention
+
+    from moe_rl.config import ModelConfig, ParallelConfig
+    from moe_rl.megatron.policy import build_policy
+
+    cfg = ModelConfig(dtype="bfloat16", head_dim=64)
+    policy = build_policy(cfg, ParallelConfig(), parallel_info)
+    segs = [96, 1, 2, 40, 127, 17]
+    cu = torch.zeros(len(segs) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(segs), 0)
+    cu = cu.cuda()
+    freqs = policy.model.rotary_pos_emb(max(segs))
+    cp = parallel_state.get_context_parallel_group()
+    t = torch.randn(sum(segs), 8, 64, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for fn in (attention.apply_rotary_pos_emb, rope_utils.apply_rotary_pos_emb):
+        x = t.clone().requires_grad_(True)
+        if fn is attention.apply_rotary_pos_emb:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = fn(x, freqs, policy.model.config, cu_seqlens=cu, cp_group=cp)
+            out.backward(torch.ones_like(out))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        outs.append((out.detach(), x.grad))
+    assert attention.apply_rotary_pos_emb is not rope_utils.apply_rotary_pos_emb
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
