@@ -850,6 +850,11 @@ def profile_train_pass(run, batch) -> dict:
     run.policy.train()
     one_pass()  # warm
     sync()
+    t0 = time.perf_counter()
+    one_pass()  # unprofiled: the profilers' own overhead is in their walls, not in this one
+    sync()
+    plain_wall = time.perf_counter() - t0
+    host_python = python_profile(lambda: (one_pass(), sync()))
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     t0 = time.perf_counter()
@@ -883,12 +888,35 @@ def profile_train_pass(run, batch) -> dict:
         "rows": rows.stop - rows.start,
         "positions": int(batch.lens_B[rows].sum()),
         "wall_ms": wall * 1e3,
+        "unprofiled_wall_ms": plain_wall * 1e3,
+        "top_python": host_python,
         "device_busy_ms": busy_ms if cuda else None,
         "device_busy_fraction": busy_ms / (wall * 1e3) if cuda else None,
         "kernel_launches": sum(e.count for e in kernels) if cuda else None,
         "top_device": top(self_device) if cuda else [],
         "top_host": top(lambda e: e.self_cpu_time_total),
     }
+
+
+def python_profile(fn, top: int = PROFILE_TOP) -> list[dict]:
+    """The Python functions ``fn()`` spent its host time in (``cProfile``), the ``top`` by own
+    time: where a host-bound pass goes between the ops ``torch.profiler`` sees."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [
+        {
+            "function": f"{Path(file).name}:{line}({name})" if file != "~" else name,
+            "calls": calls,
+            "own_ms": own * 1e3,
+            "cumulative_ms": cum * 1e3,
+        }
+        for (file, line, name), (_, calls, own, cum, _) in rows
+    ]
 
 
 # -- f. rollout-vs-trainer routing disagreement --------------------------------------------------------------
@@ -991,7 +1019,14 @@ def headline(doc: dict) -> dict:
         prof = e.get("profile") or {}
         if "wall_ms" in prof:
             h["moe_1b"]["train_pass_profile"] = {
-                k: prof.get(k) for k in ("positions", "wall_ms", "device_busy_fraction", "kernel_launches")
+                k: prof.get(k)
+                for k in (
+                    "positions",
+                    "wall_ms",
+                    "unprofiled_wall_ms",
+                    "device_busy_fraction",
+                    "kernel_launches",
+                )
             }
     f = _result(s.get("mismatch"))
     if f:

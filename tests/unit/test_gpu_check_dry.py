@@ -46,7 +46,11 @@ def test_dry_run_finishes_every_section(tmp_path):
     modes = doc["sections"]["rl_step"]["modes"]
     assert all(modes[name]["effect_ok"] for name in EXTRA_MODES), {n: modes[n]["effect"] for n in EXTRA_MODES}
     assert h["moe_1b"]["train_pass_profile"]["wall_ms"] > 0, doc["sections"]["moe_1b"]["profile"]
-    assert doc["sections"]["moe_1b"]["profile"]["top_host"]
+    assert (
+        doc["sections"]["moe_1b"]["profile"]["top_host"]
+        and doc["sections"]["moe_1b"]["profile"]["top_python"]
+    )
+    assert h["moe_1b"]["train_pass_profile"]["unprofiled_wall_ms"] > 0
     assert h["tests"]["failed"] + h["tests"]["error"] == 0
     if not torch.cuda.is_available():  # tests/gpu skips on CPU, and the dry run records it
         assert h["tests"]["passed"] == 0 and h["tests"]["skipped"] > 0
