@@ -148,6 +148,64 @@ def _megatron_config(cfg: OptimConfig, model: torch.nn.Module, distributed: bool
     )
 
 
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """megatron-core's ``local_multi_tensor_l2_norm`` (apex's ``multi_tensor_l2norm`` signature):
+    the l2 norm of every tensor of ``tensor_lists`` together, ``[1]`` fp32 on their device. By one
+    ``torch._foreach_norm`` (a multi-tensor kernel on CUDA) instead of a norm per tensor and a
+    ``torch.tensor`` of them, which reads every norm back to the host: one device-to-host sync per
+    gradient, every step."""
+    tensors = [t for group in tensor_lists for t in group]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32), None
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """megatron-core's ``local_multi_tensor_scale`` (apex's ``multi_tensor_scale`` signature):
+    ``dst = src * scale`` for every pair of ``tensor_lists = [src, dst]``, by foreach ops (in place
+    where ``dst`` is ``src``, a plain copy where ``scale`` is 1) instead of two kernels per tensor."""
+    src, dst = tensor_lists
+    if not dst:
+        return
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, src if scale == 1.0 else torch._foreach_mul(src, scale))
+
+
+#: megatron-core's modules that bind its local multi-tensor fallbacks (no transformer-engine or
+#: apex), the names they bind them to, and what stands in for each.
+_MULTI_TENSOR = {
+    "megatron.core.optimizer.clip_grads": ("l2_norm_impl", "multi_tensor_scale_impl"),
+    "megatron.core.optimizer.optimizer": ("multi_tensor_scale_impl",),
+}
+
+
+def use_foreach_multi_tensor() -> list[str]:
+    """Where megatron-core fell back to its local multi-tensor functions (no transformer-engine or
+    apex: the CPU, and GPUs without either), put :func:`foreach_l2_norm` and :func:`foreach_scale`
+    in their place (idempotent; transformer-engine's or apex's kernels are left alone). Returns the
+    names replaced now, as ``module.name``."""
+    import importlib
+
+    from megatron.core import utils
+
+    local = {
+        utils.local_multi_tensor_l2_norm: foreach_l2_norm,
+        utils.local_multi_tensor_scale: foreach_scale,
+    }
+    done = []
+    for module, names in _MULTI_TENSOR.items():
+        mod = importlib.import_module(module)
+        for name in names:
+            ours = local.get(getattr(mod, name, None))
+            if ours is not None:
+                setattr(mod, name, ours)
+                done.append(f"{module}.{name}")
+    return done
+
+
 def _fuse_cpu_adam(optimizers: list) -> None:
     """Without transformer-engine or apex megatron-core steps with ``torch.optim.AdamW`` in its
     per-parameter (foreach-less on CPU) form; its fused CPU kernel computes the same update
@@ -227,6 +285,7 @@ class Optimizer:
         if {id(p) for p in self.frozen} & {id(p) for p in self.scaled[0]}:
             raise ValueError("Optimizer: a parameter is both frozen and scaled")
         mcfg = _megatron_config(cfg, model, self.distributed)
+        use_foreach_multi_tensor()
         with cuda_as_cpu():
             self.opt = get_megatron_optimizer(
                 mcfg, [self.ddp], config_overrides=_group_overrides(mcfg, self.frozen, self.scaled)

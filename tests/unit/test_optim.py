@@ -202,3 +202,57 @@ def test_cpu_fp32_steps_with_fused_adamw(parallel_info):
     opt = Optimizer(tiny_policy().model, OptimConfig(lr=1e-3), parallel_info)
     groups = [g for o in opt.inner for g in o.optimizer.param_groups]
     assert groups and all(g["fused"] and not g["foreach"] for g in groups)
+
+
+def test_foreach_multi_tensor_ops_equal_megatrons_local_ones(parallel_info):
+    """The foreach stand-ins for megatron-core's local multi-tensor fallbacks: the same values."""
+    from megatron.core import utils
+
+    from moe_rl.megatron.optim import foreach_l2_norm, foreach_scale
+    from moe_rl.megatron.shims import cuda_as_cpu
+
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(*s, generator=g) for s in ((3, 5), (7,), (2, 2, 4), (1,))]
+    with cuda_as_cpu():
+        want, _ = utils.local_multi_tensor_l2_norm(0, None, [ts], False)
+    got, _ = foreach_l2_norm(0, None, [ts], False)
+    assert got.shape == (1,) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want.to(got.device), rtol=1e-6, atol=0)
+    assert float(foreach_l2_norm(0, None, [[]], False)[0]) == 0.0
+    for scale in (0.25, 1.0):
+        for dtype in (torch.float32, torch.bfloat16):  # main weights to model weights: fp32 -> bf16
+            want = [torch.zeros(t.shape, dtype=dtype) for t in ts]
+            got = [torch.zeros(t.shape, dtype=dtype) for t in ts]
+            utils.local_multi_tensor_scale(0, None, [ts, want], scale)
+            foreach_scale(0, None, [ts, got], scale)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    same = [t.clone() for t in ts]
+    foreach_scale(0, None, [same, same], 0.5)  # in place: clipping scales the gradients themselves
+    assert all(torch.equal(a, b * 0.5) for a, b in zip(same, ts))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_clipped_step_norms_and_scales_in_a_fixed_number_of_ops(parallel_info, tiny_model_cfg, dtype):
+    """Without transformer-engine or apex megatron-core's local multi-tensor fallbacks ran a norm
+    per gradient (then read each back to the host: a sync per gradient on a GPU) and two kernels
+    per tensor to scale or copy. A clipped step's ops, counted on its second step (the first also
+    makes Adam's state), are now as many for 3 layers as for 1, but for views and, in bf16,
+    megatron-core's copy of each gradient to its fp32 main gradient."""
+    from moe_rl.megatron.optim import Optimizer
+    from moe_rl.megatron.policy import build_policy
+    from tests.unit.test_packed_rope import CountOps
+
+    per_param = {"aten.detach", "aten.copy_"} if dtype == "bfloat16" else {"aten.detach"}
+    counts = {}
+    for layers in (1, 3):
+        cfg = ModelConfig(**{**tiny_model_cfg.__dict__, "dtype": dtype, "num_layers": layers})
+        policy = build_policy(cfg, ParallelConfig(), parallel_info)
+        opt = Optimizer(policy.model, OptimConfig(lr=1e-3, grad_clip=1e-3), parallel_info)
+        for step in range(2):
+            (-policy.logprobs(tokens(seed=step)).logp_BT.float().mean()).backward()
+            with CountOps() as ops:
+                stats = opt.step()
+            assert stats["skipped"] == 0 and stats["grad_norm"] > 1e-3  # clipped
+        counts[layers] = {k: v for k, v in ops.count.items() if k not in per_param}
+    grew = {k: (counts[1].get(k), v) for k, v in counts[3].items() if counts[1].get(k) != v}
+    assert not grew, f"ops that grow with the parameter count (1 layer, 3 layers): {grew}"
