@@ -1,17 +1,20 @@
-"""Issue 31, design (a): routing noise on vs off, every arm, plus the dense-equivalent.
+"""Issue 31, designs (a) and (b): routing noise on vs off with every arm and a dense-equivalent;
+a router learning-rate dial on countdown, gauged first.
 
-The plan is data (recipes/demo/noise.plan.yaml), pre-registered by ``--write-plan`` into
-benchmarks/results/noise-preregistration.json and committed before any run; the runs, the
-analysis and the success rule are in :mod:`moe_rl.lab.noise`.
+Each plan is data (recipes/demo/noise.plan.yaml, recipes/demo/dial.plan.yaml), pre-registered by
+``--write-plan`` into benchmarks/results/noise[-b]-preregistration.json and committed before any
+run; the runs, the analysis, the gate and the success rule are in :mod:`moe_rl.lab.noise`.
 
-    python -m benchmarks.noise --write-plan
-    python -m benchmarks.noise [--jobs 2] [--cells moe-noise] [--dry-run]   # resumable
-    python -m benchmarks.noise --report                                     # finished runs only
-    python -m benchmarks.noise --smoke                                      # tiny end-to-end check
+    python -m benchmarks.noise [--design b] --write-plan
+    python -m benchmarks.noise [--design b] [--jobs 2] [--cells moe-noise] [--dry-run]   # resumable
+    python -m benchmarks.noise [--design b] --report                                     # finished runs only
+    python -m benchmarks.noise --smoke                                                   # tiny end-to-end check
 
-Runs: runs/noise/<cell>/<arm>-s<seed>/ (a finished run writes status.json; a rerun skips it).
-Report: benchmarks/results/noise-<machine>-a-<commit>.json + .png (``headline``: every arm's paired
-AUC difference to GRPO with its 95% interval and p, the chaos spread, routing_share, per cell).
+Runs: runs/noise[-b]/<cell>/<arm>-s<seed>/ (a finished run writes status.json; a rerun skips it).
+A plan with stages runs them in order, each later one only once the plan's gate passed.
+Report: benchmarks/results/noise-<machine>-<design>-<commit>.json + .png (``headline``: every arm's
+paired AUC difference to GRPO with its 95% interval and p, the chaos spread, routing_share, per
+cell; the gate).
 """
 
 from __future__ import annotations
@@ -32,6 +35,13 @@ from moe_rl.lab.starts import CACHE, cached_start, warm_start
 
 log = logging.getLogger("benchmarks.noise")
 PLAN_FILE = RESULTS / "noise-preregistration.json"
+
+
+def plan_file(design: str) -> Path:
+    """Design (a)'s pre-registration keeps its first name; the others' carry their letter."""
+    return PLAN_FILE if design == "a" else RESULTS / f"noise-{design}-preregistration.json"
+
+
 SMOKE = {
     "cell_base": {
         **SMOKE_BASE,
@@ -48,7 +58,7 @@ def plan_doc(plan: dict) -> dict:
     specs = noise.run_specs(plan)
     return {
         "bench": "noise",
-        "design": "a",
+        "design": noise.design_of(plan),
         "commit": commit(),
         "headline": {"runs_planned": len(specs), "seeds": plan["seeds"], "cells": list(plan["cells"])},
         "plan": plan,
@@ -56,6 +66,8 @@ def plan_doc(plan: dict) -> dict:
             "auc": noise.auc.__doc__,
             "paired": "moe_rl.lab.stats.paired: mean, 95% t interval, exact two-sided sign-flip p",
             "success": noise.separates.__doc__,
+            "success_rule": noise.success.__doc__,
+            "gate": noise.gate.__doc__,
         },
     }
 
@@ -104,6 +116,8 @@ def collect(specs: list[noise.RunSpec]) -> tuple[dict, list[dict]]:
 
 def headline(analysis: dict) -> dict:
     out = {"success": analysis["success"], "cells": {}}
+    if "gate" in analysis:
+        out["gate"] = analysis["gate"]
     for cell, c in analysis["cells"].items():
         out["cells"][cell] = {
             "chaos_spread": c["chaos_spread"],
@@ -179,7 +193,7 @@ def report(plan: dict, specs: list[noise.RunSpec], preset: str, t0: float) -> Pa
     walls = [c["wall_s"] for c in cost if c["wall_s"]]
     doc = {
         "bench": "noise",
-        "design": "a",
+        "design": noise.design_of(plan),
         "machine": machine(),
         "commit": commit(),
         "runs_finished": len(results),
@@ -198,6 +212,8 @@ def report(plan: dict, specs: list[noise.RunSpec], preset: str, t0: float) -> Pa
     }
     write_json(out, doc)
     print(f"{len(results)}/{len(specs)} runs finished; success: {analysis['success']}")
+    if "gate" in analysis:
+        print(f"gate: {analysis['gate']}")
     for cell, c in analysis["cells"].items():
         print(f"{cell}: chaos spread {c['chaos_spread']:.4f}")
         for arm, row in c["arms"].items():
@@ -214,8 +230,24 @@ def report(plan: dict, specs: list[noise.RunSpec], preset: str, t0: float) -> Pa
     return out
 
 
+def run_stages(plan: dict, root: Path, cells: list[str] | None, *, jobs: int, cache: Path) -> bool:
+    """Each stage of the plan in turn (resumable); a later stage only once the gate passed.
+    Returns whether every stage ran."""
+    for stage in noise.stages(plan):
+        if stage > 1 and "gate" in plan:
+            results, _ = collect(noise.run_specs(plan, root, stage=1))
+            verdict = noise.gate(plan, noise.analyse(plan, results)["cells"])
+            if verdict["passed"] is not True:
+                log.warning("gate not passed (%s): stage %d and later not run", verdict, stage)
+                return False
+        specs = noise.run_specs(plan, root, cells, stage=stage)
+        runner.stop_cleanly(lambda specs=specs: execute(plan, specs, jobs=jobs, cache=cache))
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.noise", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--design", choices=sorted(noise.DESIGNS), default="a", help="which plan (default a)")
     ap.add_argument("--write-plan", action="store_true", help="write the pre-registration and stop")
     ap.add_argument("--jobs", type=positive_int, default=2, help="runs at a time (one thread each)")
     ap.add_argument("--cells", default=None, help="comma-separated cells to run (default: the plan's order)")
@@ -224,14 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="the tiny end-to-end check (runs/noise-smoke)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    plan = noise.load_plan()
-    root, preset = noise.RUNS, "a"
+    plan = noise.load_plan(args.design)
+    root, preset = noise.runs_root(plan), noise.design_of(plan)
     if args.smoke:
         plan = {**plan, **SMOKE}
         root, preset = noise.RUNS.parent / "noise-smoke", "smoke"
     if args.write_plan:
-        write_json(PLAN_FILE, plan_doc(plan))
-        print(f"wrote {PLAN_FILE}")
+        path = plan_file(noise.design_of(plan))
+        write_json(path, plan_doc(plan))
+        print(f"wrote {path}")
         return 0
     cells = args.cells.split(",") if args.cells else None
     specs = noise.run_specs(plan, root, cells)
@@ -241,9 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.perf_counter()
     if not args.report:
-        runner.stop_cleanly(
-            lambda: execute(plan, specs, jobs=args.jobs, cache=root / "cache" if args.smoke else CACHE)
-        )
+        run_stages(plan, root, cells, jobs=args.jobs, cache=root / "cache" if args.smoke else CACHE)
     report(plan, noise.run_specs(plan, root), preset, t0)
     return 0
 

@@ -1,14 +1,20 @@
-"""Issue 31, design (a): routing noise on vs off, every arm, plus the dense-equivalent (the plan is
-data in recipes/demo/noise.plan.yaml; ``python -m benchmarks.noise`` runs and reports it).
+"""Issue 31's designs as pre-registered plans: (a) routing noise on vs off, every arm, plus the
+dense-equivalent (recipes/demo/noise.plan.yaml); (b) a router learning-rate dial on countdown, a
+higher-entropy task (recipes/demo/dial.plan.yaml). ``python -m benchmarks.noise [--design b]``
+runs and reports them.
 
 A run is (cell, arm, seed): recipes/demo/base.yaml + the plan's ``cell_base`` + the cell's parts
-(``noise``, ``dense``) + the arm's overrides + the seed's, from the cell's SFT start (one per
-model: the MoE cells share theirs, the dense cell has its own, trained by the same SFT recipe).
+(``noise``, ``dense``, ``dial_30``, ...) + the arm's overrides + the seed's, from the cell's SFT
+start (one per model: cells whose parts change no ``model`` key share theirs, a dense cell has its
+own, trained by the same SFT recipe). An ``order`` entry may name its own ``seeds`` and a
+``stage``: a later stage runs only once the plan's ``gate`` on the earlier one passed
+(:func:`gate`).
 
 Analysis (fixed with the plan): per run the held-out accuracy AUC (:func:`auc`), the collapse
 verdict of its training reward (time to collapse, censored at the last step) and its gauges; per
 cell and arm the paired differences to GRPO over seeds (:func:`moe_rl.lab.stats.paired`), the
-chaos null's spread, Kaplan-Meier and the log-rank p against GRPO.
+chaos null's spread, Kaplan-Meier and the log-rank p against GRPO; the plan's success rule
+(:func:`success`).
 """
 
 from __future__ import annotations
@@ -24,7 +30,11 @@ from moe_rl.lab.collapse import collapse_verdict
 from moe_rl.lab.stats import kaplan_meier, log_rank_p, mean, paired
 
 PLAN_YAML = ROOT / "recipes" / "demo" / "noise.plan.yaml"
+DESIGNS = {"a": PLAN_YAML, "b": ROOT / "recipes" / "demo" / "dial.plan.yaml"}
+"Each design's plan file."
 RUNS = ROOT / "runs" / "noise"
+SUCCESS_A = {"arm": "GRPO+R3", "decides": "moe-noise", "controls": ["moe-quiet", "dense-noise"]}
+"Design (a)'s success rule (its plan states it in words only; a plan's ``success_rule`` otherwise)."
 GAUGES = (
     "ratio/routing_share",
     "flip/rollout_vs_trainer/router_rate",
@@ -38,8 +48,21 @@ REFERENCE = "GRPO"
 CHAOS = "CHAOS"
 
 
-def load_plan(path: Path = PLAN_YAML) -> dict:
+def load_plan(path: Path | str = PLAN_YAML) -> dict:
+    """A plan, by path or by design letter (:data:`DESIGNS`)."""
+    if str(path) in DESIGNS:
+        path = DESIGNS[str(path)]
     return yaml.safe_load(Path(path).read_text())
+
+
+def design_of(plan: dict) -> str:
+    return str(plan.get("design", "a"))
+
+
+def runs_root(plan: dict) -> Path:
+    """Where a plan's runs live: runs/noise for design (a), runs/noise-<design> for the others."""
+    d = design_of(plan)
+    return RUNS if d == "a" else RUNS.parent / f"noise-{d}"
 
 
 @dataclass(frozen=True)
@@ -87,19 +110,30 @@ def run_overrides(plan: dict, cell: str, arm: str, seed: int, steps: int | None 
     return ov + ([f"train.rl_steps={steps}"] if steps else [])
 
 
-def run_specs(plan: dict, root: Path = RUNS, cells: list[str] | None = None) -> list[RunSpec]:
-    """Every run of the plan in its ``order`` (each entry's arms, every seed), seed by seed within
-    an entry: a partial sweep holds whole seed-paired sets of the entry's arms."""
-    out = []
+def run_specs(
+    plan: dict, root: Path | None = None, cells: list[str] | None = None, stage: int | None = None
+) -> list[RunSpec]:
+    """Every run of the plan in its ``order`` (each entry's arms, its seeds or the plan's), seed by
+    seed within an entry: a partial sweep holds whole seed-paired sets of the entry's arms. A run
+    that two entries name (a gauge run the deciding stage reuses) is listed once, at its first."""
+    root = runs_root(plan) if root is None else root
+    out, seen = [], set()
     for entry in plan["order"]:
-        if cells and entry["cell"] not in cells:
+        if (cells and entry["cell"] not in cells) or (stage is not None and entry.get("stage", 1) != stage):
             continue
-        for seed in plan["seeds"]:
+        for seed in entry.get("seeds", plan["seeds"]):
             for arm in entry["arms"]:
+                if (entry["cell"], arm, seed) in seen:
+                    continue
+                seen.add((entry["cell"], arm, seed))
                 out.append(
                     RunSpec(entry["cell"], arm, seed, root / entry["cell"] / f"{arm_dir(arm)}-s{seed}")
                 )
     return out
+
+
+def stages(plan: dict) -> list[int]:
+    return sorted({int(e.get("stage", 1)) for e in plan["order"]})
 
 
 # -- per run --------------------------------------------------------------------------------------
@@ -168,7 +202,10 @@ def analyse(plan: dict, results: dict[tuple[str, str, int], dict]) -> dict:
             table[arm] = row
         chaos = table.get(CHAOS, {}).get("auc_diff", {})
         cells[cell] = {"arms": table, "chaos_spread": chaos.get("sd", math.nan)}
-    return {"cells": cells, "success": success(cells)}
+    out = {"cells": cells, "success": success(cells, plan.get("success_rule", SUCCESS_A))}
+    if "gate" in plan:
+        out["gate"] = gate(plan, cells)
+    return out
 
 
 def separates(cell: dict | None, arm: str = "GRPO+R3") -> bool | None:
@@ -182,14 +219,32 @@ def separates(cell: dict | None, arm: str = "GRPO+R3") -> bool | None:
     return bool(d["mean"] > 0 and d["p"] < 0.05 and d["mean"] > spread)
 
 
-def success(cells: dict) -> dict:
-    """The plan's success rule on what finished (None where a cell's contrast is not measured)."""
-    on = separates(cells.get("moe-noise"))
-    quiet, dense = separates(cells.get("moe-quiet")), separates(cells.get("dense-noise"))
-    decided = None not in (on, quiet, dense)
+def success(cells: dict, rule: dict = SUCCESS_A) -> dict:
+    """The plan's success rule on what finished: ``rule["arm"]`` separates from GRPO
+    (:func:`separates`) in the ``decides`` cell and in none of the ``controls`` (None where a cell's
+    contrast is not measured)."""
+    names = [rule["decides"], *rule["controls"]]
+    seps = {c: separates(cells.get(c), rule["arm"]) for c in names}
+    decided = None not in seps.values()
+    met = bool(seps[rule["decides"]] and all(seps[c] is False for c in rule["controls"]))
     return {
-        "moe_noise_separates": on,
-        "moe_quiet_separates": quiet,
-        "dense_noise_separates": dense,
-        "met": bool(on and quiet is False and dense is False) if decided else None,
+        **{f"{c.replace('-', '_')}_separates": v for c, v in seps.items()},
+        "met": met if decided else None,
     }
+
+
+def gate(plan: dict, cells: dict) -> dict:
+    """The plan's ``gate`` on its gauge stage: the ``gauge`` (a per-step metric averaged per run) of
+    ``arm`` in the ``dialled`` cell is at least ``ratio`` x its value in the ``baseline`` cell, and
+    ``routing_share`` there at least ``min_routing_share``. ``passed`` is None until both cells hold
+    the gate's ``runs`` finished runs of the arm; the later stages run only when it is True."""
+    g = plan["gate"]
+    rows = [cells.get(c, {}).get("arms", {}).get(g["arm"]) for c in (g["baseline"], g["dialled"])]
+    if None in rows or any(r["n_runs"] < g.get("runs", 1) for r in rows):
+        return {**g, "passed": None}
+    base, dial = (r["gauges"][g["gauge"]] for r in rows)
+    share = rows[1]["gauges"]["ratio/routing_share"]
+    vals = {"baseline_value": base, "dialled_value": dial, "dialled_routing_share": share}
+    if not all(isinstance(v, float) and math.isfinite(v) for v in vals.values()):
+        return {**g, **vals, "passed": None}
+    return {**g, **vals, "passed": bool(dial >= g["ratio"] * base and share >= g["min_routing_share"])}

@@ -141,3 +141,89 @@ def test_the_demo_is_the_deciding_cell_in_short():
     files = {p.name: p for p in (root / "recipes/demo/noise_start").iterdir()}
     assert set(files) == set(info["sha256"])
     assert all(hashlib.sha256(p.read_bytes()).hexdigest() == info["sha256"][n] for n, p in files.items())
+
+
+# -- design (b): the router learning-rate dial on countdown ---------------------------------------
+PLAN_B = noise.load_plan("b")
+
+
+def test_design_b_preregistration_is_its_plan_and_its_runs_are_valid_recipes():
+    from benchmarks.noise import plan_file
+    from moe_rl.config import load_recipe
+    from moe_rl.lab.arms import DEMO
+
+    assert json.loads(plan_file("b").read_text())["plan"] == PLAN_B
+    assert noise.runs_root(PLAN_B).name == "noise-b" and noise.runs_root(PLAN).name == "noise"
+    specs = noise.run_specs(PLAN_B)
+    assert len(specs) == len({(s.cell, s.arm, s.seed) for s in specs}) == 60  # gauge runs listed once
+    assert [(s.cell, s.seed) for s in noise.run_specs(PLAN_B, stage=1)] == [
+        ("moe-dial1", 200),
+        ("moe-dial1", 201),
+        ("moe-dial30", 200),
+        ("moe-dial30", 201),
+    ]
+    assert not set(PLAN_B["seeds"]) & set(PLAN["seeds"])  # fresh seeds
+    for spec in specs[::6]:
+        r = load_recipe(DEMO, noise.run_overrides(PLAN_B, spec.cell, spec.arm, spec.seed))
+        assert r.task.name == "countdown"
+        assert r.train.router_lr_mult == (1.0 if spec.cell == "moe-dial1" else 30.0)
+    # the dial is RL-only: both MoE cells share one SFT start, the dense cell has its own
+    assert noise.start_overrides_of(PLAN_B, "moe-dial1") == noise.start_overrides_of(PLAN_B, "moe-dial30")
+    assert "model.num_experts=2" in noise.start_overrides_of(PLAN_B, "dense-dial30")
+    assert not any("router_lr_mult" in o for o in noise.start_overrides_of(PLAN_B, "dense-dial30"))
+
+
+def _gauged(drift, share):
+    r = _result(0.5)
+    r["gauges"] = {**r["gauges"], "flip/drift/router_rate": drift, "ratio/routing_share": share}
+    return r
+
+
+def test_design_b_gate_reads_the_drift_ratio_and_routing_share():
+    def verdict(drift1, drift30, share30, seeds=(200, 201)):
+        results = {("moe-dial1", "GRPO", s): _gauged(drift1, 0.1) for s in seeds}
+        results |= {("moe-dial30", "GRPO", s): _gauged(drift30, share30) for s in seeds}
+        return noise.analyse(PLAN_B, results)["gate"]["passed"]
+
+    assert verdict(0.01, 0.03, 0.2) is True
+    assert verdict(0.01, 0.015, 0.2) is False  # the dial barely moves the routes
+    assert verdict(0.01, 0.03, 0.01) is False  # routing does not reach the ratios
+    assert verdict(0.01, 0.03, 0.2, seeds=(200,)) is None  # the gauge stage is not finished
+
+
+def test_design_b_runs_its_deciding_stage_only_after_the_gate_passed(tmp_path, monkeypatch):
+    import benchmarks.noise as bench
+    from moe_rl.lab import runner
+
+    ran: list[int] = []
+    monkeypatch.setattr(bench, "execute", lambda plan, specs, **kw: ran.append(len(specs)))
+    monkeypatch.setattr(runner, "stop_cleanly", lambda fn: fn())
+    gauges = {}
+    monkeypatch.setattr(bench, "collect", lambda specs: (gauges, []))
+    assert bench.run_stages(PLAN_B, tmp_path, None, jobs=1, cache=tmp_path) is False
+    assert ran == [4]  # stage 1 only: the gate is undecided
+    gauges.update(
+        {
+            (c, "GRPO", s): _gauged(d, 0.2)
+            for c, d in (("moe-dial1", 0.01), ("moe-dial30", 0.05))
+            for s in (200, 201)
+        }
+    )
+    ran.clear()
+    assert bench.run_stages(PLAN_B, tmp_path, None, jobs=1, cache=tmp_path) is True
+    assert ran == [4, 60]  # then stage 2, whose 60 hold the 4 gauge runs again (finished: skipped)
+
+
+def test_design_b_success_rule_is_its_own_contrast():
+    results = {}
+    for s in range(6):
+        for cell, gain in (("moe-dial30", 0.05), ("moe-dial1", 0.0), ("dense-dial30", 0.0)):
+            results[(cell, "GRPO", s)] = _result(0.5)
+            results[(cell, "CHAOS", s)] = _result(0.5 + (0.01 if s % 2 else -0.01))
+            results[(cell, "GRPO+R2", s)] = _result(0.5 + gain + 0.001 * s)
+    assert noise.analyse(PLAN_B, results)["success"] == {
+        "moe_dial30_separates": True,
+        "moe_dial1_separates": False,
+        "dense_dial30_separates": False,
+        "met": True,
+    }
