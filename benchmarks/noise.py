@@ -1,20 +1,21 @@
-"""Issue 31, designs (a) and (b): routing noise on vs off with every arm and a dense-equivalent;
-a router learning-rate dial on countdown, gauged first.
+"""Issue 31, designs (a), (b) and (c): routing noise on vs off with every arm and a
+dense-equivalent; a router learning-rate dial on countdown, gauged first; each arm's critical
+learning rate in the MoE and in the dense-equivalent.
 
-Each plan is data (recipes/demo/noise.plan.yaml, recipes/demo/dial.plan.yaml), pre-registered by
-``--write-plan`` into benchmarks/results/noise[-b]-preregistration.json and committed before any
+Each plan is data (recipes/demo/{noise,dial,ladder}.plan.yaml), pre-registered by
+``--write-plan`` into benchmarks/results/noise[-b|-c]-preregistration.json and committed before any
 run; the runs, the analysis, the gate and the success rule are in :mod:`moe_rl.lab.noise`.
 
-    python -m benchmarks.noise [--design b] --write-plan
-    python -m benchmarks.noise [--design b] [--jobs 2] [--cells moe-noise] [--dry-run]   # resumable
-    python -m benchmarks.noise [--design b] --report                                     # finished runs only
+    python -m benchmarks.noise [--design b|c] --write-plan
+    python -m benchmarks.noise [--design b|c] [--jobs 2] [--cells moe-noise] [--dry-run]   # resumable
+    python -m benchmarks.noise [--design b|c] --report                                   # finished runs only
     python -m benchmarks.noise --smoke                                                   # tiny end-to-end check
 
-Runs: runs/noise[-b]/<cell>/<arm>-s<seed>/ (a finished run writes status.json; a rerun skips it).
+Runs: runs/noise[-b|-c]/<cell>/<arm>-s<seed>/ (a finished run writes status.json; a rerun skips it).
 A plan with stages runs them in order, each later one only once the plan's gate passed.
 Report: benchmarks/results/noise-<machine>-<design>-<commit>.json + .png (``headline``: every arm's
 paired AUC difference to GRPO with its 95% interval and p, the chaos spread, routing_share, per
-cell; the gate).
+cell; the gate; design (c)'s critical learning rates and margins).
 """
 
 from __future__ import annotations
@@ -68,6 +69,15 @@ def plan_doc(plan: dict) -> dict:
             "success": noise.separates.__doc__,
             "success_rule": noise.success.__doc__,
             "gate": noise.gate.__doc__,
+            **(
+                {
+                    "ladder": noise.ladder.__doc__,
+                    "critical_lr": noise.critical_lr.__doc__,
+                    "fell": noise.fell.__doc__,
+                }
+                if "ladder" in plan
+                else {}
+            ),
         },
     }
 
@@ -118,6 +128,13 @@ def headline(analysis: dict) -> dict:
     out = {"success": analysis["success"], "cells": {}}
     if "gate" in analysis:
         out["gate"] = analysis["gate"]
+    if "ladder" in analysis:
+        lad = analysis["ladder"]
+        out["ladder"] = {
+            "contrast": lad["contrast"],
+            "margins": {m: v["margin"] for m, v in lad["models"].items()},
+            "critical_lr": {m: v["arms"] for m, v in lad["models"].items()},
+        }
     for cell, c in analysis["cells"].items():
         out["cells"][cell] = {
             "chaos_spread": c["chaos_spread"],
@@ -212,8 +229,9 @@ def report(plan: dict, specs: list[noise.RunSpec], preset: str, t0: float) -> Pa
     }
     write_json(out, doc)
     print(f"{len(results)}/{len(specs)} runs finished; success: {analysis['success']}")
-    if "gate" in analysis:
-        print(f"gate: {analysis['gate']}")
+    for key in ("gate", "ladder"):
+        if key in analysis:
+            print(f"{key}: {headline(analysis)[key]}")
     for cell, c in analysis["cells"].items():
         print(f"{cell}: chaos spread {c['chaos_spread']:.4f}")
         for arm, row in c["arms"].items():

@@ -30,7 +30,11 @@ from moe_rl.lab.collapse import collapse_verdict
 from moe_rl.lab.stats import kaplan_meier, log_rank_p, mean, paired
 
 PLAN_YAML = ROOT / "recipes" / "demo" / "noise.plan.yaml"
-DESIGNS = {"a": PLAN_YAML, "b": ROOT / "recipes" / "demo" / "dial.plan.yaml"}
+DESIGNS = {
+    "a": PLAN_YAML,
+    "b": ROOT / "recipes" / "demo" / "dial.plan.yaml",
+    "c": ROOT / "recipes" / "demo" / "ladder.plan.yaml",
+}
 "Each design's plan file."
 RUNS = ROOT / "runs" / "noise"
 SUCCESS_A = {"arm": "GRPO+R3", "decides": "moe-noise", "controls": ["moe-quiet", "dense-noise"]}
@@ -205,6 +209,9 @@ def analyse(plan: dict, results: dict[tuple[str, str, int], dict]) -> dict:
     out = {"cells": cells, "success": success(cells, plan.get("success_rule", SUCCESS_A))}
     if "gate" in plan:
         out["gate"] = gate(plan, cells)
+    if "ladder" in plan:
+        out["ladder"] = ladder(plan, results)
+        out["success"] = out["ladder"]["success"]
     return out
 
 
@@ -248,3 +255,61 @@ def gate(plan: dict, cells: dict) -> dict:
     if not all(isinstance(v, float) and math.isfinite(v) for v in vals.values()):
         return {**g, **vals, "passed": None}
     return {**g, **vals, "passed": bool(dial >= g["ratio"] * base and share >= g["min_routing_share"])}
+
+
+# -- design (c): critical learning rates ----------------------------------------------------------
+def fell(summary: dict, drop: float) -> bool:
+    """Design (c)'s collapse: the training reward's fixed criterion (``collapsed``), or a held-out
+    evaluation after the start more than ``drop`` (absolute) below the start's accuracy."""
+    evals = summary["evals"]
+    if summary["collapsed"]:
+        return True
+    return bool(evals) and any(acc < evals[0][1] - drop for _, acc in evals[1:])
+
+
+def critical_lr(rungs: list[dict | None], lrs: list[float], drop: float) -> float | None:
+    """The lowest rung's learning rate whose run fell (:func:`fell`), climbing from the bottom;
+    ``math.inf`` when every rung finished and none fell (censored above the top); None while a
+    rung below the first fall has not finished."""
+    for lr, r in zip(lrs, rungs):
+        if r is None:
+            return None
+        if fell(r, drop):
+            return lr
+    return math.inf
+
+
+def ladder(plan: dict, results: dict[tuple[str, str, int], dict]) -> dict:
+    """Per model and arm, each seed's critical learning rate; per model and seed, the margin
+    log2(critical LR of ``high`` / critical LR of ``low``) (a ladder censored above its top counts
+    as ``censor_factor`` x the top rung: an understated margin); the contrast: per seed, the first
+    model's margin minus the second's (paired by seed), its mean, 95% t interval and sign-flip p.
+    ``success.met``: that mean positive with p < 0.05, over every seed (None until all are in)."""
+    lad = plan["ladder"]
+    lrs, drop = [float(x) for x in lad["lrs"]], float(lad["heldout_drop"])
+    top = lrs[-1] * float(lad["censor_factor"])
+    high, low = lad["margin"]
+    models: dict = {}
+    for model, cells in lad["models"].items():
+        crit, arms = {}, {}
+        for arm in (high, low):
+            crit[arm] = {
+                s: critical_lr([results.get((c, arm, s)) for c in cells], lrs, drop) for s in plan["seeds"]
+            }
+            known = {s: c for s, c in crit[arm].items() if c is not None}
+            arms[arm] = {
+                "critical_lr": {s: c for s, c in known.items() if math.isfinite(c)},
+                "censored": [s for s, c in known.items() if not math.isfinite(c)],
+            }
+        margins = {}
+        for seed in plan["seeds"]:
+            a, b = crit[high][seed], crit[low][seed]
+            if a is not None and b is not None:
+                margins[seed] = math.log2(min(a, top) / min(b, top))
+        models[model] = {"arms": arms, "margins": margins, "margin": paired(list(margins.values()))}
+    first, second = list(lad["models"])
+    seeds = sorted(set(models[first]["margins"]) & set(models[second]["margins"]))
+    contrast = paired([models[first]["margins"][s] - models[second]["margins"][s] for s in seeds])
+    done = len(seeds) == len(plan["seeds"])
+    met = bool(contrast["mean"] > 0 and contrast["p"] < 0.05) if done else None
+    return {"models": models, "contrast": contrast, "success": {"contrast_n": len(seeds), "met": met}}

@@ -227,3 +227,69 @@ def test_design_b_success_rule_is_its_own_contrast():
         "dense_dial30_separates": False,
         "met": True,
     }
+
+
+# -- design (c): critical learning rates ----------------------------------------------------------
+PLAN_C = noise.load_plan("c")
+
+
+def test_design_c_preregistration_is_its_plan_and_its_ladder_shares_one_start_per_model():
+    from benchmarks.noise import plan_file
+    from moe_rl.config import load_recipe
+    from moe_rl.lab.arms import DEMO
+    from moe_rl.lab.starts import sft_key
+
+    assert json.loads(plan_file("c").read_text())["plan"] == PLAN_C
+    assert len(noise.run_specs(PLAN_C)) == 96
+    assert not set(PLAN_C["seeds"]) & (set(PLAN["seeds"]) | set(PLAN_B["seeds"]))
+    keys = {}
+    for model, cells in PLAN_C["ladder"]["models"].items():
+        for cell, lr in zip(cells, PLAN_C["ladder"]["lrs"]):
+            r = load_recipe(DEMO, noise.run_overrides(PLAN_C, cell, "GSPO", 300))
+            assert r.optim.lr == lr and r.train.minibatches == 8 and r.algo.name == "gspo"
+            assert (r.model.num_experts == 2) == (model == "dense")
+            keys.setdefault(model, set()).add(
+                sft_key(load_recipe(DEMO, [*noise.start_overrides_of(PLAN_C, cell), "train.stages=[sft]"]))
+            )
+    assert all(len(k) == 1 for k in keys.values()) and keys["moe"] != keys["dense"]
+
+
+def _run(accs, collapsed=False):
+    return {**_result(0.5), "collapsed": collapsed, "evals": [(10 * i, a) for i, a in enumerate(accs)]}
+
+
+def test_design_c_critical_lr_is_the_lowest_rung_that_fell():
+    lrs = [1.0, 2.0, 3.0]
+    ok, fell_heldout, fell_reward = _run([0.8, 0.85, 0.7]), _run([0.8, 0.5, 0.9]), _run([0.8, 0.8], True)
+    assert noise.fell(fell_heldout, 0.2) and noise.fell(fell_reward, 0.2) and not noise.fell(ok, 0.2)
+    assert noise.critical_lr([ok, fell_heldout, ok], lrs, 0.2) == 2.0
+    assert noise.critical_lr([ok, ok, ok], lrs, 0.2) == math.inf  # censored above the top
+    assert noise.critical_lr([ok, None, fell_reward], lrs, 0.2) is None  # a lower rung is pending
+    assert noise.critical_lr([fell_reward, None, None], lrs, 0.2) == 1.0  # the bottom fell: decided
+
+
+def test_design_c_contrast_is_the_moe_margin_over_the_dense_one_paired_by_seed():
+    lad = PLAN_C["ladder"]
+    ok, bad = _run([0.8, 0.8, 0.8]), _run([0.8, 0.3, 0.3])
+    results = {}
+
+    def put(model, arm, seed, falls_at):  # falls_at: the rung index of the first fall (None: never)
+        for i, cell in enumerate(lad["models"][model]):
+            results[(cell, arm, seed)] = bad if falls_at is not None and i >= falls_at else ok
+
+    for s in PLAN_C["seeds"]:
+        put("moe", "GRPO", s, 1)  # 6e-5
+        put("moe", "GSPO", s, None if s % 2 else 3)  # censored (1.25e-4) or 1e-4
+        put("dense", "GRPO", s, 2)  # 8e-5
+        put("dense", "GSPO", s, 2)
+    out = noise.analyse(PLAN_C, results)
+    lad_out = out["ladder"]
+    moe = lad_out["models"]["moe"]
+    assert moe["arms"]["GSPO"]["censored"] == [301, 303, 305]
+    assert moe["margins"][300] == pytest.approx(math.log2(1e-4 / 6e-5))
+    assert moe["margins"][301] == pytest.approx(math.log2(1.25e-4 / 6e-5))
+    assert lad_out["models"]["dense"]["margins"][300] == 0.0
+    assert lad_out["contrast"]["n"] == 6 and lad_out["contrast"]["p"] == pytest.approx(2 / 64)
+    assert out["success"] == {"contrast_n": 6, "met": True}
+    del results[("dense-lr4e-5", "GSPO", 305)]  # a seed's ladder unfinished: no verdict yet
+    assert noise.analyse(PLAN_C, results)["success"] == {"contrast_n": 5, "met": None}
