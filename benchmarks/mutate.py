@@ -143,8 +143,8 @@ MUTANTS = (
     Mutant(
         "the training forward drops the engine's gates",
         "moe_rl/trainer/rl.py",
-        "routes_BSLK=replay_BSLK, gates_BSLK=gates_BSLK, pack=pack)",
-        "routes_BSLK=replay_BSLK, gates_BSLK=None, pack=pack)",
+        "routes_BSLK=replay_BSLK, gates_BSLK=gates_BSLK, pack=pack, entropy=True",
+        "routes_BSLK=replay_BSLK, gates_BSLK=None, pack=pack, entropy=True",
         ("tests/unit/test_replay_gates.py",),
     ),
     Mutant(
@@ -178,6 +178,41 @@ MUTANTS = (
             "tests/unit/test_flip.py",
             "tests/unit/test_route_validation.py",
         ),
+    ),
+    Mutant(
+        "packed rows' one-pass RoPE never installed (megatron-core's per-sequence loop)",
+        "moe_rl/megatron/model.py",
+        "    rope.install()  # packed rows' RoPE in one pass",
+        "    pass  # packed rows' RoPE in one pass",
+        ("tests/unit/test_packed_rope.py",),
+    ),
+    Mutant(
+        "packed RoPE positions not restarted per sequence",
+        "moe_rl/megatron/rope.py",
+        "    return idx - cu[seg]",
+        "    return idx",
+        ("tests/unit/test_packed_rope.py", "tests/unit/test_packing.py"),
+    ),
+    Mutant(
+        "the optimizer's foreach multi-tensor stand-ins never installed",
+        "moe_rl/megatron/optim.py",
+        "        use_foreach_multi_tensor()\n",
+        "        pass\n",
+        ("tests/unit/test_optim.py",),
+    ),
+    Mutant(
+        "the foreach scale copies without scaling",
+        "moe_rl/megatron/optim.py",
+        "src if scale == 1.0 else torch._foreach_mul(src, scale)",
+        "src",
+        ("tests/unit/test_optim.py",),
+    ),
+    Mutant(
+        "design (b)'s deciding stage runs without its gate",
+        "benchmarks/noise.py",
+        'if verdict["passed"] is not True:',
+        "if False:",
+        ("tests/unit/test_noise_design.py",),
     ),
 )
 
