@@ -85,13 +85,19 @@ def _result(auc):
     }
 
 
-def test_the_success_rule_reads_the_contrast_against_the_chaos_spread():
+def _contrast_results(arm: str, gains: dict[str, float]) -> dict:
+    """Six seeds of GRPO, CHAOS (+-0.01) and ``arm`` (GRPO + the cell's gain) in every cell."""
     results = {}
     for s in range(6):
-        for cell, r3_gain in (("moe-noise", 0.05), ("moe-quiet", 0.0), ("dense-noise", 0.0)):
+        for cell, gain in gains.items():
             results[(cell, "GRPO", s)] = _result(0.5)
             results[(cell, "CHAOS", s)] = _result(0.5 + (0.01 if s % 2 else -0.01))
-            results[(cell, "GRPO+R3", s)] = _result(0.5 + r3_gain + 0.001 * s)
+            results[(cell, arm, s)] = _result(0.5 + gain + 0.001 * s)
+    return results
+
+
+def test_the_success_rule_reads_the_contrast_against_the_chaos_spread():
+    results = _contrast_results("GRPO+R3", {"moe-noise": 0.05, "moe-quiet": 0.0, "dense-noise": 0.0})
     out = noise.analyse(PLAN, results)
     assert out["cells"]["moe-noise"]["chaos_spread"] == pytest.approx(math.sqrt(6 * 0.01**2 / 5))
     assert out["success"] == {
@@ -215,12 +221,7 @@ def test_design_b_runs_its_deciding_stage_only_after_the_gate_passed(tmp_path, m
 
 
 def test_design_b_success_rule_is_its_own_contrast():
-    results = {}
-    for s in range(6):
-        for cell, gain in (("moe-dial30", 0.05), ("moe-dial1", 0.0), ("dense-dial30", 0.0)):
-            results[(cell, "GRPO", s)] = _result(0.5)
-            results[(cell, "CHAOS", s)] = _result(0.5 + (0.01 if s % 2 else -0.01))
-            results[(cell, "GRPO+R2", s)] = _result(0.5 + gain + 0.001 * s)
+    results = _contrast_results("GRPO+R2", {"moe-dial30": 0.05, "moe-dial1": 0.0, "dense-dial30": 0.0})
     assert noise.analyse(PLAN_B, results)["success"] == {
         "moe_dial30_separates": True,
         "moe_dial1_separates": False,
