@@ -24,6 +24,7 @@ and p, the chaos spread and the verdict; whether they agree; the kernels' own sp
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import subprocess
@@ -219,8 +220,6 @@ def main(argv=None) -> None:
         print(f"wrote {PLAN_FILE}")
         return
     walls_file = RUNS / "walls.json"
-    import json
-
     walls = json.loads(walls_file.read_text()) if walls_file.exists() else {}
     if not args.report:
         for cap in args.caps:
