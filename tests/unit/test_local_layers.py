@@ -263,3 +263,34 @@ def test_varlen_call_matches_the_per_segment_attention(parallel_info, tiny_model
         fn[release, gqa_arg], q, k, v, params.cu_seqlens_q, params.max_seqlen_q, att.softmax_scale
     )
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_stacked_views_hand_each_expert_its_gradient_without_a_copy(parallel_info, tiny_model_cfg):
+    """The CUDA training forward's stacked weights (``stacked_views``): the grouped GEMM's values
+    and every expert weight's gradient equal the per-expert loop's, and the backward accumulates
+    each expert's gradient as it is: no per-expert copy or transpose (``stacked_weights``, the
+    input-major copy, costs one of each per expert weight)."""
+    from moe_rl.megatron.local_layers import GroupedExperts
+    from tests.unit.test_packed_rope import CountOps
+
+    ours, _ = _pair(tiny_model_cfg)
+    experts = next(m for m in ours.modules() if isinstance(m, GroupedExperts))
+    params = [p for e in experts.local_experts for p in (e.linear_fc1.weight, e.linear_fc2.weight)]
+    x = torch.randn(9, tiny_model_cfg.hidden_size)
+    cnt, probs = torch.tensor([2, 0, 4, 3]), torch.rand(9)
+    grads, copies = {}, {}
+    for name in ("per_expert", "stacked_views", "stacked_weights"):
+        for p in params:
+            p.grad = None
+        if name == "per_expert":
+            out, _ = experts(x, cnt, probs)
+        else:
+            out = experts.grouped(x, cnt, probs, *getattr(experts, name)())
+        with CountOps() as ops:
+            out.square().sum().backward()
+        grads[name] = [p.grad.clone() for p in params]
+        shapes = {tuple(p.shape) for p in params}
+        copies[name] = sum(s in shapes for s in ops.shapes["aten.copy_"]) + ops.count["aten.t"]
+    for a, b in zip(grads["stacked_views"], grads["per_expert"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert copies["stacked_views"] == 0 and copies["stacked_weights"] >= len(params), copies
