@@ -797,8 +797,18 @@ def section_moe_1b(ck: Check, cap: float) -> dict:
         # every input position they compute (packed)
         tokens = last["response_tokens"] if phase in ("rollout", "step") else last["positions"]
         per_phase[phase] = {"seconds": s, "tokens": tokens, "tokens_per_s": tokens / s if s > 0 else None}
-    flops = 6 * params["active"] * last["positions"]
-    mfu = flops / last["time/train"] / ck.peak_flops if ck.peak_flops and last.get("time/train") else None
+
+    def step_mfu(st: dict) -> float | None:
+        t = st.get("time/train")
+        return 6 * params["active"] * st["positions"] / t / ck.peak_flops if ck.peak_flops and t else None
+
+    mfu = step_mfu(last)
+    # every step after the first (which compiles and warms): a step's training time is mostly
+    # per-pass overhead at these sizes, so its MFU moves with how many positions it happened to hold
+    by_step = [
+        {"positions": st["positions"], "time_train_s": st.get("time/train"), "mfu": step_mfu(st)}
+        for st in steps[1:]
+    ]
     return {
         "model": dict(recipe.model.__dict__),
         "train": {k: getattr(recipe.train, k) for k in (*MOE_TRAIN, "packing")},
@@ -809,6 +819,7 @@ def section_moe_1b(ck: Check, cap: float) -> dict:
         "timed_step": len(steps) - 1,
         "phases": per_phase,
         "train_mfu": mfu,
+        "train_mfu_by_step": by_step,
         "mfu_method": "6 x active params x input positions trained (packed, every position once over "
         "the minibatches) / time/train / the device section's measured matmul rate; attention "
         "score FLOPs and the optimizer not counted",
@@ -1015,6 +1026,7 @@ def headline(doc: dict) -> dict:
             "params_active": e["params"]["active"],
             "tokens_per_s": {p: v["tokens_per_s"] for p, v in e.get("phases", {}).items()},
             "train_mfu": e.get("train_mfu"),
+            "train_mfu_by_step": e.get("train_mfu_by_step"),
         }
         prof = e.get("profile") or {}
         if "wall_ms" in prof:

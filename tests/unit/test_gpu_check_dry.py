@@ -55,6 +55,9 @@ def test_dry_run_finishes_every_section(tmp_path):
     if not torch.cuda.is_available():  # tests/gpu skips on CPU, and the dry run records it
         assert h["tests"]["passed"] == 0 and h["tests"]["skipped"] > 0
     assert h["moe_1b"]["train_mfu"] > 0 and h["rollout_vs_trainer"]
+    by_step = h["moe_1b"]["train_mfu_by_step"]
+    assert by_step and all(r["mfu"] > 0 and r["positions"] > 0 for r in by_step)
+    assert by_step[-1]["mfu"] == h["moe_1b"]["train_mfu"]  # the timed step is the last
     assert cpu < 60 and wall < 180, f"dry run took {cpu:.0f} CPU s, {wall:.0f} s wall"
 
 
