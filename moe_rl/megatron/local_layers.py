@@ -228,9 +228,8 @@ class GroupedExperts(SequentialMLP):
         ``linear_fc2`` weights transposed, ``w2t [E, F, H]``, contiguous (the layout a grouped
         matmul ``x @ w`` reads without a strided pass; the copies carry gradients back to each
         expert's parameters)."""
-        w1t = torch.stack([e.linear_fc1.weight.t() for e in self.local_experts])
-        w2t = torch.stack([e.linear_fc2.weight.t() for e in self.local_experts])
-        return w1t, w2t
+        w1t, w2t = self.stacked_views()
+        return w1t.contiguous(), w2t.contiguous()
 
     def stacked_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The training forward's stacked weights on CUDA: each projection's weights stacked in their
@@ -244,8 +243,8 @@ class GroupedExperts(SequentialMLP):
         return w1.transpose(1, 2), w2.transpose(1, 2)
 
     def grouped(self, x, tokens_per_expert, probs, w1t, w2t) -> torch.Tensor:
-        """The experts' SwiGLU MLPs over expert-sorted tokens ``x`` with the stacked weights of
-        :meth:`stacked_weights` (one grouped matmul per projection where :func:`grouped_mm_ok`;
+        """The experts' SwiGLU MLPs over expert-sorted tokens ``x`` with stacked input-major weights
+        (:meth:`stacked_views` or :meth:`stacked_weights`; one grouped matmul per projection where :func:`grouped_mm_ok`;
         :meth:`per_expert` elsewhere)."""
         if x.shape[0] > 0 and grouped_mm_ok(x) and (not x.is_cuda or _aligned(x, w1t, w2t)):
             offs = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)

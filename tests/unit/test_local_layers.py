@@ -271,7 +271,7 @@ def test_stacked_views_hand_each_expert_its_gradient_without_a_copy(parallel_inf
     each expert's gradient as it is: no per-expert copy or transpose (``stacked_weights``, the
     input-major copy, costs one of each per expert weight)."""
     from moe_rl.megatron.local_layers import GroupedExperts
-    from tests.unit.test_packed_rope import CountOps
+    from tests.ops import CountOps
 
     ours, _ = _pair(tiny_model_cfg)
     experts = next(m for m in ours.modules() if isinstance(m, GroupedExperts))

@@ -240,7 +240,7 @@ def test_the_clipped_step_norms_and_scales_in_a_fixed_number_of_ops(parallel_inf
     megatron-core's copy of each gradient to its fp32 main gradient."""
     from moe_rl.megatron.optim import Optimizer
     from moe_rl.megatron.policy import build_policy
-    from tests.unit.test_packed_rope import CountOps
+    from tests.ops import CountOps
 
     per_param = {"aten.detach", "aten.copy_"} if dtype == "bfloat16" else {"aten.detach"}
     counts = {}

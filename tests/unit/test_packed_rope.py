@@ -2,31 +2,13 @@
 gradients, an op count that does not grow with the number of sequences, and the packed forward
 of the policy running it (no op slices the RoPE table sequence by sequence)."""
 
-import collections
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_rl.config import ParallelConfig
+from tests.ops import CountOps
 
 SEGMENTS = [16, 5, 11, 1, 9, 16, 3]  # the last: a TP padding segment
-
-
-class CountOps(TorchDispatchMode):
-    """aten ops dispatched inside the block, by name; ``shapes[name]``: their first inputs' shapes."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = collections.Counter()
-        self.shapes = collections.defaultdict(list)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket)
-        self.count[name] += 1
-        if args and isinstance(args[0], torch.Tensor):
-            self.shapes[name].append(tuple(args[0].shape))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture
