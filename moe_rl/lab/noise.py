@@ -1,7 +1,8 @@
 """Issue 31's designs as pre-registered plans: (a) routing noise on vs off, every arm, plus the
 dense-equivalent (recipes/demo/noise.plan.yaml); (b) a router learning-rate dial on countdown, a
-higher-entropy task (recipes/demo/dial.plan.yaml). ``python -m benchmarks.noise [--design b]``
-runs and reports them.
+higher-entropy task (recipes/demo/dial.plan.yaml); (c) each arm's critical learning rate in the
+MoE and the dense-equivalent (recipes/demo/ladder.plan.yaml, :func:`ladder`).
+``python -m benchmarks.noise [--design b|c]`` runs and reports them.
 
 A run is (cell, arm, seed): recipes/demo/base.yaml + the plan's ``cell_base`` + the cell's parts
 (``noise``, ``dense``, ``dial_30``, ...) + the arm's overrides + the seed's, from the cell's SFT
