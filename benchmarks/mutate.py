@@ -214,6 +214,13 @@ MUTANTS = (
         "if False:",
         ("tests/unit/test_noise_design.py",),
     ),
+    Mutant(
+        "a run's routing share the mean of its per-step shares (one flat step swings it)",
+        "moe_rl/lab/noise.py",
+        '"ratio/routing_share": routing_share(arm["rl"]),',
+        '"ratio/routing_share": mean(r.get("ratio/routing_share") for r in arm["rl"]),',
+        ("tests/unit/test_noise_design.py",),
+    ),
 )
 
 

@@ -144,6 +144,7 @@ def headline(analysis: dict) -> dict:
                     "auc_mean": row["auc_mean"],
                     "n_runs": row["n_runs"],
                     "routing_share": row["gauges"]["ratio/routing_share"],
+                    "routing_share_step_mean": row["gauges"]["ratio/routing_share_step_mean"],
                     "rollout_vs_trainer_router_rate": row["gauges"]["flip/rollout_vs_trainer/router_rate"],
                     "collapsed": row["collapsed"],
                 }

@@ -48,7 +48,10 @@ GAUGES = (
     "mismatch/k3",
     "entropy/mean",
 )
-"Per-step metrics averaged per run and reported per cell and arm (the plan's ``gauges``)."
+"""Per-step metrics averaged per run and reported per cell and arm (the plan's ``gauges``);
+``ratio/routing_share`` pooled over the run's steps (:func:`routing_share`), not averaged."""
+RUN_GAUGES = (*GAUGES, "ratio/routing_share_step_mean")
+"What :func:`summarize_run` reports per run: the gauges and the per-step mean of the share."
 REFERENCE = "GRPO"
 CHAOS = "CHAOS"
 
@@ -166,8 +169,28 @@ def summarize_run(arm: dict) -> dict:
         "collapse_step": v.step if v.collapsed else None,
         "time": float(v.step if v.collapsed else len(rewards)),
         "evals": evals,
-        "gauges": {g: mean(r.get(g) for r in arm["rl"]) for g in GAUGES},
+        "gauges": {
+            **{g: mean(r.get(g) for r in arm["rl"]) for g in GAUGES},
+            "ratio/routing_share": routing_share(arm["rl"]),
+            "ratio/routing_share_step_mean": mean(r.get("ratio/routing_share") for r in arm["rl"]),
+        },
     }
+
+
+def routing_share(rows: list[dict]) -> float:
+    """A run's routing share, its steps pooled: 1 - sum Var(log rho, replayed) / sum Var(log rho,
+    natural) over the steps that logged both (nan if none or no natural variance).
+
+    The mean of the per-step shares is the same figure weighted equally per step, which one step
+    with almost no natural variance (all of a probe's ratios ~1: 1e-9 against a run's 4e-4
+    typical) can swing to -2,000; pooling weights each step's share by its natural variance."""
+    pairs = [
+        (r["ratio/log_rho_var_natural"], r["ratio/log_rho_var_replayed"])
+        for r in rows
+        if r.get("ratio/log_rho_var_natural") is not None and r.get("ratio/log_rho_var_replayed") is not None
+    ]
+    natural = sum(n for n, _ in pairs)
+    return 1.0 - sum(v for _, v in pairs) / natural if natural > 0 else math.nan
 
 
 # -- per cell and arm -----------------------------------------------------------------------------
@@ -190,7 +213,7 @@ def analyse(plan: dict, results: dict[tuple[str, str, int], dict]) -> dict:
                 "auc_mean": mean(r["auc"] for r in mine.values()),
                 "final_acc_mean": mean(r["final_acc"] for r in mine.values()),
                 "collapsed": sum(r["collapsed"] for r in mine.values()),
-                "gauges": {g: mean(r["gauges"][g] for r in mine.values()) for g in GAUGES},
+                "gauges": {g: mean(r["gauges"].get(g) for r in mine.values()) for g in RUN_GAUGES},
                 "km": kaplan_meier(
                     [r["time"] for r in mine.values()], [r["collapsed"] for r in mine.values()]
                 ),

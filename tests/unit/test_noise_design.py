@@ -58,6 +58,28 @@ def test_auc_is_the_trapezoid_mean_accuracy():
     assert math.isnan(noise.auc([(0, 0.5)]))
 
 
+def test_a_runs_routing_share_pools_its_steps_so_one_flat_step_cannot_swing_it():
+    """Design (a)'s R3 + gates arm once read -4.3 from one step at natural variance 4e-9 (its
+    share -2,149): the run's share pools the two variances over the steps."""
+    steps = [(4e-4, 2e-4)] * 9 + [(4e-9, 8.6e-6)]  # (natural, replayed) per step
+    rl = [
+        {
+            "reward/mean": 0.5,
+            "ratio/log_rho_var_natural": n,
+            "ratio/log_rho_var_replayed": v,
+            "ratio/routing_share": 1 - v / n,
+        }
+        for n, v in steps
+    ]
+    rl.append({"reward/mean": 0.5})  # a step the probe skipped
+    gauges = noise.summarize_run({"rl": rl, "eval": []})["gauges"]
+    pooled = 1 - (9 * 2e-4 + 8.6e-6) / (9 * 4e-4 + 4e-9)
+    assert gauges["ratio/routing_share"] == pytest.approx(pooled)
+    assert 0.49 < gauges["ratio/routing_share"] < 0.5
+    assert gauges["ratio/routing_share_step_mean"] == pytest.approx((9 * 0.5 + 1 - 8.6e-6 / 4e-9) / 10)
+    assert math.isnan(noise.routing_share([{"reward/mean": 0.5}]))
+
+
 def test_paired_statistics_by_hand():
     d = paired([0.01, 0.02, 0.03, 0.04, 0.05, 0.06])
     assert d["mean"] == pytest.approx(0.035)
