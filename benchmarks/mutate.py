@@ -221,6 +221,13 @@ MUTANTS = (
         '"ratio/routing_share": mean(r.get("ratio/routing_share") for r in arm["rl"]),',
         ("tests/unit/test_noise_design.py",),
     ),
+    Mutant(
+        "the stacked experts' fused gradient add leaves DDP's hook adding each expert's gradient too",
+        "moe_rl/megatron/local_layers.py",
+        "w.grad_added_to_main_grad = True",
+        "w.grad_added_to_main_grad = False",
+        ("tests/unit/test_local_layers.py",),
+    ),
 )
 
 

@@ -186,6 +186,41 @@ def varlen_causal(fn, query, key, value, cu_seqlens, max_seqlen, scale) -> torch
     return fn(query, key, value, cu, cu, m, m, **kw).reshape(t, heads * hn)
 
 
+class StackIntoMainGrad(torch.autograd.Function):
+    """``torch.stack(weights)`` whose backward, under megatron-core DDP, accumulates the weights'
+    gradients into their ``main_grad`` itself: one fused add for all of them
+    (``torch._foreach_add_``) instead of DDP's per-parameter hook adding each ``param.grad``.
+
+    transformer-engine's gradient-accumulation fusion under the same contract: each weight is
+    marked ``grad_added_to_main_grad`` (DDP resets it when it zeroes its buffer) and handed a
+    gradient of the right shape that is never read (an uninitialised allocation; zeros where
+    ``zero_out_wgrad`` asks for them), so its accumulator and DDP's hook still run (the bucket's
+    readiness with ``overlap_grad_reduce``) but the hook skips its ``main_grad.add_``. Weights
+    without a ``main_grad`` (no DDP: inference, a bare module) get the stack's own backward.
+
+    One rule then holds within a backward window: a weight marked added takes no ``param.grad``
+    from elsewhere. :class:`GroupedExperts` uses the stack for every CUDA training forward of
+    its experts; only a micro-batch routing no token to this rank's experts takes the per-expert
+    path, whose gradients are zeros."""
+
+    @staticmethod
+    def forward(ctx, *weights):
+        ctx.weights = weights
+        return torch.stack(weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weights, ctx.weights = ctx.weights, None
+        if not all(hasattr(w, "main_grad") and hasattr(w, "grad_added_to_main_grad") for w in weights):
+            return grad.unbind(0)
+        mains = [w.main_grad for w in weights]
+        torch._foreach_add_(mains, list(grad.to(mains[0].dtype).unbind(0)))
+        for w in weights:
+            w.grad_added_to_main_grad = True
+        zero = any(getattr(w, "zero_out_wgrad", False) for w in weights)
+        return (torch.zeros_like(grad) if zero else torch.empty_like(grad)).unbind(0)
+
+
 class GroupedExperts(SequentialMLP):
     """SequentialMLP whose forward runs all local experts as one grouped matmul per projection."""
 
@@ -237,9 +272,11 @@ class GroupedExperts(SequentialMLP):
         ``[E, H, 2F]``, column-major, which the grouped GEMM reads as it reads a transposed
         operand). Unlike :meth:`stacked_weights` the backward then hands expert e its gradient as a
         contiguous slice in the weight's own layout, which autograd accumulates as it is: no
-        per-expert copy and transpose (on the H100's 1B pass, 1,280 of each per training pass)."""
-        w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])
-        w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])
+        per-expert copy and transpose (on the H100's 1B pass, 1,280 of each per training pass).
+        Under megatron-core DDP the stack's backward adds them all to DDP's buffer at once
+        (:class:`StackIntoMainGrad`)."""
+        w1 = StackIntoMainGrad.apply(*(e.linear_fc1.weight for e in self.local_experts))
+        w2 = StackIntoMainGrad.apply(*(e.linear_fc2.weight for e in self.local_experts))
         return w1.transpose(1, 2), w2.transpose(1, 2)
 
     def grouped(self, x, tokens_per_expert, probs, w1t, w2t) -> torch.Tensor:

@@ -78,6 +78,47 @@ def test_grouped_experts_on_cuda_match_the_per_expert_loop(parallel_info, monkey
         assert torch.isfinite(a).all() and (a - b).norm() <= 3e-2 * b.norm() + 1e-6
 
 
+def test_grouped_experts_under_ddp_add_their_gradients_to_its_buffer_at_once(parallel_info):
+    """The CUDA training forward under megatron-core DDP (bf16 weights, fp32 buffer, overlapped
+    reduction, two micro-batches): the stack's backward fills every expert's ``main_grad`` with
+    what the per-expert loop's hooks add, and DDP's hook adds none of them itself (the reduction
+    not overlapped here: the expert weights alone get gradients, so overlapped buckets would not
+    all fill; the RL step tests run the overlapped one)."""
+    from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
+    from moe_rl.megatron.local_layers import GroupedExperts
+    from moe_rl.megatron.optim import Optimizer
+    from moe_rl.megatron.policy import build_policy
+    from tests.ops import CountOps
+
+    cfg = ModelConfig(dtype="bfloat16", hidden_size=256, moe_ffn_hidden_size=128, num_experts=8)
+    policy = build_policy(cfg, ParallelConfig(), parallel_info)
+    opt = Optimizer(policy.model, OptimConfig(lr=1e-3, overlap_grad_reduce=False), parallel_info)
+    experts = next(m for m in policy.model.modules() if isinstance(m, GroupedExperts))
+    weights = [p for e in experts.local_experts for p in (e.linear_fc1.weight, e.linear_fc2.weight)]
+    shapes = {tuple(p.shape) for p in weights}
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor([5, 0, 17, 1, 0, 40, 3, 9])
+    x = torch.randn(int(counts.sum()), cfg.hidden_size, generator=g).to("cuda", torch.bfloat16)
+    probs = torch.rand(x.shape[0], generator=g).cuda()
+    mains, adds = {}, {}
+    for path in ("module", "loop"):
+        opt.zero_grad()
+        with CountOps() as ops:
+            for _ in opt.micro_batches(range(2)):
+                if path == "module":
+                    y, _ = experts(x, counts.cuda(), probs)
+                else:
+                    y = experts.per_expert(x, counts, probs, weights[0::2], weights[1::2])
+                y.float().square().sum().backward()
+            opt.finish_grad_sync()
+        torch.cuda.synchronize()
+        mains[path] = [p.main_grad.float().clone() for p in weights]
+        adds[path] = sum(s in shapes for s in ops.shapes["aten.add_"])
+    assert adds["loop"] >= 2 * len(weights) and adds["module"] == 0, adds
+    for a, b in zip(mains["module"], mains["loop"]):
+        assert torch.isfinite(a).all() and (a - b).norm() <= 3e-2 * b.norm() + 1e-6
+
+
 def test_packed_rope_on_cuda_is_megatrons_without_a_host_sync(parallel_info):
     """The one-pass packed RoPE (moe_rl/megatron/rope.py) on CUDA, bf16, boundaries on the device:
     megatron-core's values and gradients, and no device-to-host sync (megatron-core's own loops

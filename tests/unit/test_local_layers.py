@@ -294,3 +294,42 @@ def test_stacked_views_hand_each_expert_its_gradient_without_a_copy(parallel_inf
     for a, b in zip(grads["stacked_views"], grads["per_expert"]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert copies["stacked_views"] == 0 and copies["stacked_weights"] >= len(params), copies
+
+
+def test_stacked_views_add_every_expert_gradient_to_ddps_buffer_at_once(parallel_info, tiny_model_cfg):
+    """Under megatron-core DDP the stacked weights' backward accumulates every expert's gradient
+    into its ``main_grad`` in one fused add (transformer-engine's gradient-accumulation fusion
+    contract: ``grad_added_to_main_grad``), so DDP's hook adds none of them itself: the buffer
+    equals the per-expert loop's (the hook's adds), over two micro-batches too."""
+    from moe_rl.config import OptimConfig
+    from moe_rl.megatron.local_layers import GroupedExperts
+    from moe_rl.megatron.optim import Optimizer
+    from tests.ops import CountOps
+
+    ours, _ = _pair(tiny_model_cfg)
+    opt = Optimizer(ours, OptimConfig(lr=1e-3), parallel_info)
+    experts = next(m for m in ours.modules() if isinstance(m, GroupedExperts))
+    params = [p for e in experts.local_experts for p in (e.linear_fc1.weight, e.linear_fc2.weight)]
+    shapes = {tuple(p.shape) for p in params}
+    x = torch.randn(9, tiny_model_cfg.hidden_size)
+    cnt, probs = torch.tensor([2, 0, 4, 3]), torch.rand(9)
+    mains, adds = {}, {}
+    for name in ("per_expert", "stacked_views"):
+        opt.zero_grad()
+        with CountOps() as ops:
+            for _ in range(2):  # two micro-batches accumulate
+                if name == "per_expert":
+                    out, _ = experts(x, cnt, probs)
+                else:
+                    out = experts.grouped(x, cnt, probs, *experts.stacked_views())
+                out.square().sum().backward()
+        mains[name] = [p.main_grad.clone() for p in params]
+        adds[name] = sum(s in shapes for s in ops.shapes["aten.add_"])
+        assert all(p.grad is None for p in params)
+    assert sum(int(b.count_nonzero()) for b in mains["per_expert"]) > 0
+    for a, b in zip(mains["stacked_views"], mains["per_expert"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert adds["per_expert"] >= 2 * len(params) and adds["stacked_views"] == 0, adds
+    assert all(p.grad_added_to_main_grad for p in params)
+    opt.zero_grad()  # DDP clears the mark with its buffer
+    assert not any(p.grad_added_to_main_grad for p in params)
