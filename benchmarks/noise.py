@@ -145,6 +145,9 @@ def headline(analysis: dict) -> dict:
                     "n_runs": row["n_runs"],
                     "routing_share": row["gauges"]["ratio/routing_share"],
                     "routing_share_step_mean": row["gauges"]["ratio/routing_share_step_mean"],
+                    "steps_outside_0.5_2": row["gauges"]["ratio/steps_outside_0.5_2"],
+                    "token_frac_outside_0.5_2": row["gauges"]["ratio/token_frac_outside_0.5_2"],
+                    "clip_token_frac": row["gauges"]["clip/token_frac"],
                     "rollout_vs_trainer_router_rate": row["gauges"]["flip/rollout_vs_trainer/router_rate"],
                     "collapsed": row["collapsed"],
                 }
@@ -242,8 +245,10 @@ def report(plan: dict, specs: list[noise.RunSpec], preset: str, t0: float) -> Pa
                 if d
                 else ""
             )
+            g = row["gauges"]
             print(
-                f"  {arm:<15} auc {row['auc_mean']:.4f} {diff}  share {row['gauges']['ratio/routing_share']:.3f}"
+                f"  {arm:<15} auc {row['auc_mean']:.4f} {diff}  share {g['ratio/routing_share']:.3f}"
+                f"  steps outside [0.5, 2] {g['ratio/steps_outside_0.5_2']:.2f}"
             )
     print(f"wrote {out}")
     return out

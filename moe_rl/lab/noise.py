@@ -47,11 +47,14 @@ GAUGES = (
     "flip/drift/router_rate",
     "mismatch/k3",
     "entropy/mean",
+    "ratio/token_frac_outside_0.5_2",
+    "clip/token_frac",
 )
 """Per-step metrics averaged per run and reported per cell and arm (the plan's ``gauges``);
 ``ratio/routing_share`` pooled over the run's steps (:func:`routing_share`), not averaged."""
-RUN_GAUGES = (*GAUGES, "ratio/routing_share_step_mean")
-"What :func:`summarize_run` reports per run: the gauges and the per-step mean of the share."
+RUN_GAUGES = (*GAUGES, "ratio/routing_share_step_mean", "ratio/steps_outside_0.5_2")
+"""What :func:`summarize_run` reports per run: the gauges, the per-step mean of the share and the
+fraction of steps with any token ratio outside [0.5, 2] (where routing's outliers show)."""
 REFERENCE = "GRPO"
 CHAOS = "CHAOS"
 
@@ -173,6 +176,12 @@ def summarize_run(arm: dict) -> dict:
             **{g: mean(r.get(g) for r in arm["rl"]) for g in GAUGES},
             "ratio/routing_share": routing_share(arm["rl"]),
             "ratio/routing_share_step_mean": mean(r.get("ratio/routing_share") for r in arm["rl"]),
+            "ratio/steps_outside_0.5_2": mean(
+                None
+                if r.get("ratio/token_frac_outside_0.5_2") is None
+                else r["ratio/token_frac_outside_0.5_2"] > 0
+                for r in arm["rl"]
+            ),
         },
     }
 

@@ -80,6 +80,14 @@ def test_a_runs_routing_share_pools_its_steps_so_one_flat_step_cannot_swing_it()
     assert math.isnan(noise.routing_share([{"reward/mean": 0.5}]))
 
 
+def test_a_runs_outlier_gauge_is_the_fraction_of_steps_with_a_ratio_outside_half_to_two():
+    rl = [{"reward/mean": 0.5, "ratio/token_frac_outside_0.5_2": f} for f in (0.0, 1e-4, 0.0, 0.02)]
+    rl.append({"reward/mean": 0.5})  # no ratio metrics that step: not counted
+    gauges = noise.summarize_run({"rl": rl, "eval": []})["gauges"]
+    assert gauges["ratio/steps_outside_0.5_2"] == 0.5
+    assert gauges["ratio/token_frac_outside_0.5_2"] == pytest.approx((1e-4 + 0.02) / 4)
+
+
 def test_paired_statistics_by_hand():
     d = paired([0.01, 0.02, 0.03, 0.04, 0.05, 0.06])
     assert d["mean"] == pytest.approx(0.035)
