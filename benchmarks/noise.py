@@ -1,17 +1,18 @@
-"""Issue 31, designs (a), (b) and (c): routing noise on vs off with every arm and a
+"""Issue 31, designs (a) to (d): routing noise on vs off with every arm and a
 dense-equivalent; a router learning-rate dial on countdown, gauged first; each arm's critical
-learning rate in the MoE and in the dense-equivalent.
+learning rate in the MoE and in the dense-equivalent; a confirmation of (a)'s R3 + gates lead on
+fresh seeds with its noise-off control.
 
-Each plan is data (recipes/demo/{noise,dial,ladder}.plan.yaml), pre-registered by
-``--write-plan`` into benchmarks/results/noise[-b|-c]-preregistration.json and committed before any
+Each plan is data (recipes/demo/{noise,dial,ladder,gates}.plan.yaml), pre-registered by
+``--write-plan`` into benchmarks/results/noise[-b|-c|-d]-preregistration.json and committed before any
 run; the runs, the analysis, the gate and the success rule are in :mod:`moe_rl.lab.noise`.
 
-    python -m benchmarks.noise [--design b|c] --write-plan
-    python -m benchmarks.noise [--design b|c] [--jobs 2] [--cells moe-noise] [--dry-run]   # resumable
-    python -m benchmarks.noise [--design b|c] --report                                   # finished runs only
+    python -m benchmarks.noise [--design b|c|d] --write-plan
+    python -m benchmarks.noise [--design b|c|d] [--jobs 2] [--cells moe-noise] [--dry-run]   # resumable
+    python -m benchmarks.noise [--design b|c|d] --report                                 # finished runs only
     python -m benchmarks.noise --smoke                                                   # tiny end-to-end check
 
-Runs: runs/noise[-b|-c]/<cell>/<arm>-s<seed>/ (a finished run writes status.json; a rerun skips it).
+Runs: runs/noise[-b|-c|-d]/<cell>/<arm>-s<seed>/ (a finished run writes status.json; a rerun skips it).
 A plan with stages runs them in order, each later one only once the plan's gate passed.
 Report: benchmarks/results/noise-<machine>-<design>-<commit>.json + .png (``headline``: every arm's
 paired AUC difference to GRPO with its 95% interval and p, the chaos spread, routing_share, per

@@ -35,6 +35,7 @@ DESIGNS = {
     "a": PLAN_YAML,
     "b": ROOT / "recipes" / "demo" / "dial.plan.yaml",
     "c": ROOT / "recipes" / "demo" / "ladder.plan.yaml",
+    "d": ROOT / "recipes" / "demo" / "gates.plan.yaml",
 }
 "Each design's plan file."
 RUNS = ROOT / "runs" / "noise"

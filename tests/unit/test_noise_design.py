@@ -324,3 +324,28 @@ def test_design_c_contrast_is_the_moe_margin_over_the_dense_one_paired_by_seed()
     assert out["success"] == {"contrast_n": 6, "met": True}
     del results[("dense-lr4e-5", "GSPO", 305)]  # a seed's ladder unfinished: no verdict yet
     assert noise.analyse(PLAN_C, results)["success"] == {"contrast_n": 5, "met": None}
+
+
+def test_design_d_preregistration_is_its_plan_on_fresh_seeds_from_design_as_start():
+    """Design (d), the confirmation of design (a)'s R3 + gates lead: its committed plan, seeds no
+    other design used, design (a)'s SFT start (same start overrides), the arm's effect switched on
+    by its overrides, and its own success rule."""
+    from benchmarks.noise import plan_file
+
+    plan_d = noise.load_plan("d")
+    assert json.loads(plan_file("d").read_text())["plan"] == plan_d
+    used = {s for d in "abc" for s in noise.load_plan(d)["seeds"]}
+    used |= {s for d in "abc" for e in noise.load_plan(d)["order"] for s in e.get("seeds", [])}
+    assert not set(plan_d["seeds"]) & used and len(plan_d["seeds"]) == 8
+    for cell in ("moe-noise", "moe-quiet"):
+        assert noise.start_overrides_of(plan_d, cell) == noise.start_overrides_of(PLAN, "moe-noise")
+    ov = noise.run_overrides(plan_d, "moe-noise", "GRPO+R3+gates", 400)
+    assert (
+        "algo.routing=r3" in ov and "algo.replay_gate_weights=true" in ov and "rollout.route_noise=0.07" in ov
+    )
+    assert not any("route_noise" in o for o in noise.run_overrides(plan_d, "moe-quiet", "GRPO+R3+gates", 400))
+    specs = noise.run_specs(plan_d)
+    assert len(specs) == len({(s.cell, s.arm, s.seed) for s in specs}) == 56
+    assert noise.runs_root(plan_d).name == "noise-d"
+    rule = plan_d["success_rule"]
+    assert rule == {"arm": "GRPO+R3+gates", "decides": "moe-noise", "controls": ["moe-quiet"]}
