@@ -217,8 +217,8 @@ MUTANTS = (
     Mutant(
         "a run's routing share the mean of its per-step shares (one flat step swings it)",
         "moe_rl/lab/noise.py",
-        '"ratio/routing_share": routing_share(arm["rl"]),',
-        '"ratio/routing_share": mean(r.get("ratio/routing_share") for r in arm["rl"]),',
+        'gauges["ratio/routing_share"] = routing_share(arm["rl"])',
+        'gauges["ratio/routing_share"] = gauges["ratio/routing_share_step_mean"]',
         ("tests/unit/test_noise_design.py",),
     ),
     Mutant(

@@ -164,6 +164,12 @@ def summarize_run(arm: dict) -> dict:
     evals = [(r["step"], r["eval/accuracy"]) for r in arm["eval"] if r.get("eval/accuracy") is not None]
     rewards = [r.get("reward/mean") for r in arm["rl"]]
     v = collapse_verdict(rewards)
+    gauges = {g: mean(r.get(g) for r in arm["rl"]) for g in GAUGES}
+    # the share pooled over steps; the per-step mean kept beside it
+    gauges["ratio/routing_share_step_mean"] = gauges["ratio/routing_share"]
+    gauges["ratio/routing_share"] = routing_share(arm["rl"])
+    outside = [r.get("ratio/token_frac_outside_0.5_2") for r in arm["rl"]]
+    gauges["ratio/steps_outside_0.5_2"] = mean(None if f is None else f > 0 for f in outside)
     return {
         "auc": auc(evals),
         "final_acc": evals[-1][1] if evals else math.nan,
@@ -173,17 +179,7 @@ def summarize_run(arm: dict) -> dict:
         "collapse_step": v.step if v.collapsed else None,
         "time": float(v.step if v.collapsed else len(rewards)),
         "evals": evals,
-        "gauges": {
-            **{g: mean(r.get(g) for r in arm["rl"]) for g in GAUGES},
-            "ratio/routing_share": routing_share(arm["rl"]),
-            "ratio/routing_share_step_mean": mean(r.get("ratio/routing_share") for r in arm["rl"]),
-            "ratio/steps_outside_0.5_2": mean(
-                None
-                if r.get("ratio/token_frac_outside_0.5_2") is None
-                else r["ratio/token_frac_outside_0.5_2"] > 0
-                for r in arm["rl"]
-            ),
-        },
+        "gauges": gauges,
     }
 
 
