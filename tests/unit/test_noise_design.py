@@ -283,6 +283,11 @@ def test_design_c_preregistration_is_its_plan_and_its_ladder_shares_one_start_pe
                 sft_key(load_recipe(DEMO, [*noise.start_overrides_of(PLAN_C, cell), "train.stages=[sft]"]))
             )
     assert all(len(k) == 1 for k in keys.values()) and keys["moe"] != keys["dense"]
+    # the ladder is design (a)'s cell: its starts are design (a)'s (trained at base.yaml's SFT lr)
+    for model, cell_a in (("moe", "moe-noise"), ("dense", "dense-noise")):
+        assert keys[model] == {
+            sft_key(load_recipe(DEMO, [*noise.start_overrides_of(PLAN, cell_a), "train.stages=[sft]"]))
+        }
 
 
 def _run(accs, collapsed=False):
