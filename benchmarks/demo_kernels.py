@@ -1,24 +1,28 @@
 """Issue 31, item 8: does ``make demo``'s conclusion hold under other CPU kernels?
 
-``make demo`` (``moe-rl demo``: GRPO, GRPO + R3 and the chaos null, 3 seeds, 40 steps of the noise
-design's moe-noise cell, recipes/demo/noise_demo.yaml) run once per ATen CPU kernel set
-(``ATEN_CPU_CAPABILITY``: ``default``, ``avx2``, ``avx512``; the machine's own is the last
-where it has AVX-512), each into its own folder. Per kernel set, every arm's seed-paired
-difference to GRPO in held-out accuracy AUC (:func:`moe_rl.lab.noise.analyse`, the design's own
-analysis) and the design's verdict (:func:`moe_rl.lab.noise.separates`); across kernel sets,
-whether the verdicts agree, and how far the kernels alone move one run (per arm and seed, the
-range of its AUC across kernel sets) against the chaos null's spread.
+``make demo`` (``moe-rl demo``: GRPO, GRPO + R2 and the chaos null, 3 seeds, 40 steps of design
+(b)'s moe-dial30 cell: countdown, the router's learning rate x30, recipes/demo/dial_demo.yaml) run
+once per ATen CPU kernel set (``ATEN_CPU_CAPABILITY``: ``default``, ``avx2``, ``avx512``; the
+machine's own is the last where it has AVX-512), each into its own folder. Per kernel set, per seed
+and arm: the share of RL steps with a token ratio outside [0.5, 2] (the mechanism R2 removes,
+:func:`moe_rl.lab.noise.outlier_steps`) and the held-out accuracy AUC (the outcome,
+:func:`moe_rl.lab.noise.auc`); every arm's seed-paired difference to GRPO
+(:func:`moe_rl.lab.noise.analyse`); the demo's two claims (:func:`mechanism`, :func:`within_noise`);
+across kernel sets, whether they hold under each, and how far the kernels alone move one run.
 
 The plan, predictions and rule are pre-registered by ``--write-plan`` into
-benchmarks/results/demo_kernels-preregistration.json, committed before the runs.
+benchmarks/results/demo_kernels-dial-preregistration.json, committed before the runs (the first
+demo's, GRPO + R3 under routing noise, is ``demo_kernels-preregistration.json`` with its result
+``demo_kernels-cpu2-x86_64-noise-demo-f26aa0b.json``).
 
     python -m benchmarks.demo_kernels --write-plan
     python -m benchmarks.demo_kernels [--caps default avx2 avx512]   # resumable (moe-rl compare)
     python -m benchmarks.demo_kernels --report                      # what finished
 
-Runs: runs/demo-kernels/<cap>/<arm>/s<seed>/. Result: benchmarks/results/demo_kernels-<machine>-<commit>
-.json + .png, ``headline``: per kernel set the paired AUC differences to GRPO with 95% intervals
-and p, the chaos spread and the verdict; whether they agree; the kernels' own spread.
+Runs: runs/demo-kernels-dial/<cap>/<arm>/s<seed>/. Result: benchmarks/results/demo_kernels-<machine>-
+dial-demo-<commit>.json + .png, ``headline``: per kernel set the paired differences to GRPO (AUC and
+outlier-step share) with 95% intervals and p, the chaos null's largest differences, the two claims;
+whether they hold under every set; the kernels' own spread.
 """
 
 from __future__ import annotations
@@ -39,35 +43,77 @@ from moe_rl.lab.demo import DEFAULT_RECIPE
 from moe_rl.lab.report import load_arm
 from moe_rl.lab.results import write_json
 from moe_rl.lab.runner import STATUS_FILE
-from moe_rl.lab.stats import mean
+from moe_rl.lab.stats import mean, paired
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = ROOT / "runs" / "demo-kernels"
+RUNS = ROOT / "runs" / "demo-kernels-dial"
 CAPS = ("default", "avx2", "avx512")
-PLAN_FILE = RESULTS / "demo_kernels-preregistration.json"
+PLAN_FILE = RESULTS / "demo_kernels-dial-preregistration.json"
+REF, ARM, NULL = DEMO_ARMS
+"GRPO, the arm the demo is about (GRPO + R2) and the chaos null."
+OUTLIERS = "ratio/steps_outside_0.5_2"
 PLAN = {
     "recipe": DEFAULT_RECIPE,
     "arms": list(DEMO_ARMS),
     "seeds": DEMO_SEEDS,
     "caps": list(CAPS),
-    "command": "ATEN_CPU_CAPABILITY=<cap> moe-rl demo --out runs/demo-kernels/<cap> --jobs 2",
-    "endpoint": "held-out accuracy AUC over the 40 steps (evaluations every 10 steps, 128 prompts), "
-    "seed-paired difference to GRPO (moe_rl.lab.noise.analyse)",
-    "predictions": {
-        "GRPO+R3": "not separated from GRPO under any kernel set: the noise design's 100-step cell "
-        "measured +0.27 AUC points [-0.13, +0.68] (n = 6), and the demo is shorter with fewer seeds",
-        "CHAOS": "differs from GRPO by about the kernel sets' own spread (both are numerical no-ops)",
-        "kernels": "a run's AUC moves across kernel sets by an amount of the order of the chaos "
-        "null's difference to GRPO: another CPU's kernels are another chaos draw",
+    "command": "ATEN_CPU_CAPABILITY=<cap> moe-rl demo --out runs/demo-kernels-dial/<cap> --jobs 2",
+    "endpoints": {
+        "mechanism": "per run, the share of RL steps with any token ratio to pi_old outside [0.5, 2] "
+        "(moe_rl.lab.noise.outlier_steps); per seed, GRPO+R2's minus GRPO's",
+        "outcome": "held-out accuracy AUC over the 40 steps (evaluations every 10 steps, 128 prompts), "
+        "seed-paired difference to GRPO (moe_rl.lab.noise.analyse)",
     },
-    "rule": "the demo's claim, 'GRPO + R3 is not separated from GRPO beyond numerical chaos', holds "
-    "under a kernel set when |mean(GRPO+R3 - GRPO)| AUC is at most the larger of |mean(CHAOS - GRPO)| "
-    "and the kernel sets' own spread of GRPO's AUC (within_noise); it holds across kernels when it "
-    "holds under every kernel set. The design's own verdict (noise.separates: positive, p < 0.05, "
-    "above the chaos spread) is reported too, but with 3 seeds the exact sign-flip p is at least "
-    "0.25, so the demo alone can never claim a separation. The README states the demo's claim only "
-    "if it holds across kernels",
+    "predictions": {
+        "GRPO+R2": "mechanism: below GRPO in every seed (design (b), first 40 steps of its 100: GRPO "
+        "0.46-0.71 of steps, R2 0.07-0.24, 6 of 6 seeds); outcome: within the chaos null (design (b), "
+        "100 steps: R2 - GRPO AUC -0.31 points [-2.56, +1.94], n = 6)",
+        "CHAOS": "mechanism and outcome both differ from GRPO by no more than chance (design (b), 40 "
+        "steps: CHAOS 0.59-0.71 of steps; AUC spread sd 1.6 points over 100 steps)",
+        "kernels": "the demo's runs equal across kernel sets or differ by about a chaos draw",
+    },
+    "rule": "Two claims, each read under every kernel set. (1) The mechanism: GRPO+R2's share of "
+    "ratio-outlier steps is below GRPO's in every seed, each by more than the largest |CHAOS - GRPO| "
+    "difference in that share over the seeds (what a no-op moves it). (2) The outcome: "
+    "|mean(GRPO+R2 - GRPO)| held-out AUC is at most the larger of the largest |CHAOS - GRPO| AUC "
+    "difference over the seeds and the kernel sets' own spread of GRPO's AUC. The README states a "
+    "claim only if it holds under every kernel set. With 3 seeds the exact sign-flip p is at least "
+    "0.25: the demo alone never claims a separation in accuracy.",
 }
+
+
+def _diffs(results: dict, cap: str, arm: str, value) -> list[float]:
+    """Per seed both ran under ``cap``: ``value(arm's run) - value(GRPO's run)``."""
+    return [
+        value(results[(cap, arm, s)]) - value(results[(cap, REF, s)])
+        for s in range(DEMO_SEEDS)
+        if (cap, arm, s) in results and (cap, REF, s) in results
+    ]
+
+
+def _outliers(run: dict) -> float:
+    return run["gauges"][OUTLIERS]
+
+
+def mechanism(results: dict, cap: str) -> bool | None:
+    """Claim (1) under ``cap``: GRPO+R2's outlier-step share below GRPO's in every seed, each by
+    more than the largest |CHAOS - GRPO| in that share (None: a seed of an arm not measured)."""
+    arm, null = _diffs(results, cap, ARM, _outliers), _diffs(results, cap, NULL, _outliers)
+    if len(arm) < DEMO_SEEDS or len(null) < DEMO_SEEDS or any(map(math.isnan, arm + null)):
+        return None
+    floor = max(abs(d) for d in null)
+    return all(d < -floor for d in arm)
+
+
+def within_noise(results: dict, cap: str, kernel_range: float) -> bool | None:
+    """Claim (2) under ``cap``: |mean(GRPO+R2 - GRPO)| AUC at most the larger of the largest
+    |CHAOS - GRPO| AUC over the seeds and the kernel sets' spread of GRPO's AUC (None: not
+    measured)."""
+    arm, null = _diffs(results, cap, ARM, lambda r: r["auc"]), _diffs(results, cap, NULL, lambda r: r["auc"])
+    if not arm or not null:
+        return None
+    floor = max(max(abs(d) for d in null), kernel_range if math.isfinite(kernel_range) else 0.0)
+    return bool(abs(mean(arm)) <= floor)
 
 
 def capability(cap: str) -> str:
@@ -114,43 +160,47 @@ def kernel_spread(results: dict, caps: list[str]) -> dict:
     return out
 
 
-def within_noise(cell: dict | None, kernel_range: float) -> bool | None:
-    """The pre-registered claim under one kernel set: |mean(GRPO+R3 - GRPO)| AUC at most the larger
-    of |mean(CHAOS - GRPO)| and the kernel sets' spread of GRPO's AUC (None: not measured)."""
-    arms = (cell or {}).get("arms", {})
-    r3, chaos = arms.get("GRPO+R3", {}).get("auc_diff"), arms.get("CHAOS", {}).get("auc_diff")
-    if not r3 or not chaos or not r3["n"] or not chaos["n"]:
-        return None
-    floor = max(abs(chaos["mean"]), kernel_range if math.isfinite(kernel_range) else 0.0)
-    return bool(abs(r3["mean"]) <= floor)
-
-
 def report(caps: list[str], walls: dict) -> Path:
     results = collect(caps)
     analysis = noise.analyse({"cells": {c: [] for c in caps}}, results)
     cells = analysis["cells"]
-    verdicts = {c: noise.separates(cells.get(c)) for c in caps}
-    decided = [v for v in verdicts.values() if v is not None]
     spread = kernel_spread(results, caps)
-    within = {c: within_noise(cells.get(c), spread["GRPO"]["mean_range"]) for c in caps}
+    mech = {c: mechanism(results, c) for c in caps}
+    within = {c: within_noise(results, c, spread[REF]["mean_range"]) for c in caps}
+
+    def per_seed(c: str, arm: str) -> dict:
+        return {
+            "outlier_steps": {
+                s: results[(c, arm, s)]["gauges"][OUTLIERS]
+                for s in range(DEMO_SEEDS)
+                if (c, arm, s) in results
+            },
+            "auc": {s: results[(c, arm, s)]["auc"] for s in range(DEMO_SEEDS) if (c, arm, s) in results},
+        }
+
     head = {
         "per_kernel_set": {
             c: {
                 "capability": walls.get(c, {}).get("capability"),
                 "wall_s": walls.get(c, {}).get("wall_s"),
-                "grpo_auc": cells.get(c, {}).get("arms", {}).get("GRPO", {}).get("auc_mean"),
+                "grpo_auc": cells.get(c, {}).get("arms", {}).get(REF, {}).get("auc_mean"),
                 **{
                     f"{arm}_minus_GRPO_auc": cells.get(c, {}).get("arms", {}).get(arm, {}).get("auc_diff")
                     for arm in DEMO_ARMS[1:]
                 },
-                "chaos_spread": cells.get(c, {}).get("chaos_spread"),
-                "r3_separates": verdicts[c],
+                **{
+                    f"{arm}_minus_GRPO_outlier_steps": paired(_diffs(results, c, arm, _outliers))
+                    for arm in DEMO_ARMS[1:]
+                },
+                "per_seed": {arm: per_seed(c, arm) for arm in DEMO_ARMS},
+                "chaos_spread_auc": cells.get(c, {}).get("chaos_spread"),
+                "mechanism": mech[c],
                 "within_noise": within[c],
             }
             for c in caps
         },
-        "verdicts_agree": (len(set(decided)) == 1) if len(decided) == len(caps) else None,
-        "claim_holds_across_kernels": all(within.values()) if None not in within.values() else None,
+        "mechanism_holds_across_kernels": all(mech.values()) if None not in mech.values() else None,
+        "outcome_within_noise_across_kernels": all(within.values()) if None not in within.values() else None,
         "kernel_spread_auc": spread,
         "runs_finished": len(results),
         "runs_planned": len(caps) * len(DEMO_ARMS) * DEMO_SEEDS,
@@ -167,39 +217,53 @@ def report(caps: list[str], walls: dict) -> Path:
         },
         "evals": {f"{c}/{a}/s{s}": r["evals"] for (c, a, s), r in results.items()},
     }
-    path = result_path("demo_kernels", "noise-demo")
+    path = result_path("demo_kernels", "dial-demo")
     write_json(path, doc)
     plot(doc, caps, path.with_suffix(".png"))
     return path
 
 
 def plot(doc: dict, caps: list[str], path: Path) -> None:
+    """Per kernel set: every run's held-out accuracy over steps (top) and every run's share of
+    ratio-outlier steps by arm (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(caps), figsize=(4.2 * len(caps), 3.6), sharey=True, squeeze=False)
-    colors = {"GRPO": "tab:blue", "GRPO+R3": "tab:orange", "CHAOS": "tab:gray"}
-    for ax, cap in zip(axes[0], caps):
+    fig, axes = plt.subplots(2, len(caps), figsize=(4.4 * len(caps), 7.0), sharey="row", squeeze=False)
+    colors = dict(zip(DEMO_ARMS, ("tab:blue", "tab:orange", "tab:gray")))
+    for j, cap in enumerate(caps):
+        top, bottom = axes[0][j], axes[1][j]
         for key, evals in doc["evals"].items():
             c, arm, _ = key.split("/")
             if c == cap and evals:
                 xs, ys = zip(*evals)
-                ax.plot(xs, ys, color=colors.get(arm, "k"), alpha=0.7, lw=1.2, label=arm)
+                top.plot(xs, ys, color=colors.get(arm, "k"), alpha=0.7, lw=1.2, label=arm)
         h = doc["headline"]["per_kernel_set"][cap]
-        d = h.get("GRPO+R3_minus_GRPO_auc") or {}
+        d = h.get(f"{ARM}_minus_GRPO_auc") or {}
         lo, hi = d.get("ci95", [math.nan, math.nan])
         ci = f"{100 * d['mean']:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}]" if d.get("n") else "n/a"
-        ax.set_title(f"ATEN_CPU_CAPABILITY={cap}\nR3 - GRPO AUC (points): {ci}", fontsize=9)
-        ax.set_xlabel("RL step")
-        handles, labels = ax.get_legend_handles_labels()
+        top.set_title(f"ATEN_CPU_CAPABILITY={cap}\n{ARM} - GRPO AUC (points): {ci}", fontsize=9)
+        top.set_xlabel("RL step")
+        handles, labels = top.get_legend_handles_labels()
         uniq = dict(zip(labels, handles))
-        ax.legend(uniq.values(), uniq.keys(), fontsize=8, loc="lower left")
+        top.legend(uniq.values(), uniq.keys(), fontsize=8, loc="lower left")
+        for i, arm in enumerate(DEMO_ARMS):
+            vals = list(h["per_seed"][arm]["outlier_steps"].values())
+            bottom.scatter([i] * len(vals), vals, color=colors[arm], s=30, zorder=3)
+        bottom.set_xticks(range(len(DEMO_ARMS)), DEMO_ARMS, fontsize=8)
+        bottom.set_title(
+            f"mechanism claim: {h['mechanism']}; outcome within noise: {h['within_noise']}", fontsize=9
+        )
+        bottom.grid(alpha=0.3)
     axes[0][0].set_ylabel("held-out accuracy")
+    axes[1][0].set_ylabel("share of steps with a token\nratio outside [0.5, 2] (per seed)")
+    hd = doc["headline"]
     fig.suptitle(
-        f"make demo under CPU kernel sets ({doc['machine']}, {doc['commit']}): R3 within numerical "
-        f"noise under every set = {doc['headline']['claim_holds_across_kernels']}",
+        f"make demo under CPU kernel sets ({doc['machine']}, {doc['commit']}): mechanism under every set "
+        f"= {hd['mechanism_holds_across_kernels']}, outcome within noise under every set = "
+        f"{hd['outcome_within_noise_across_kernels']}",
         fontsize=10,
     )
     fig.tight_layout()

@@ -411,12 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=cmd_export)
     d = sub.add_parser(
         "demo",
-        help="GRPO, GRPO + R3 and the chaos null under routing noise, 3 seeds each (moe-rl compare on "
-        "recipes/demo/noise_demo.yaml)",
+        help="GRPO, GRPO + R2 and the chaos null on countdown with a fast router, 3 seeds each (moe-rl "
+        "compare on recipes/demo/dial_demo.yaml)",
     )
     d.add_argument(
-        "--recipe", default="recipes/demo/noise_demo.yaml", help="the demo recipe (see recipes/demo)"
-    )
+        "--recipe", default="recipes/demo/dial_demo.yaml", help="the demo recipe (see recipes/demo)"
+    )  # moe_rl.lab.demo.DEFAULT_RECIPE (a test holds them equal; importing it here costs torch)
     d.add_argument("--out", default="runs/demo", help="where the runs and compare.* go")
     d.add_argument("--jobs", default="2", help="runs at a time (default: 2)")
     d.add_argument("--seeds", default="3", help="seeds per arm (default: 3, DEMO_SEEDS)")

@@ -46,6 +46,7 @@ from pathlib import Path
 from moe_rl.config import ConfigError, load_recipe
 from moe_rl.errors import PathError, UserError
 from moe_rl.lab.arms import COMPARE_ARMS, DEMO_ARMS, arm_dir, arm_overrides
+from moe_rl.lab.noise import auc, outlier_steps
 from moe_rl.lab.report import series, summarize
 from moe_rl.lab.results import csv_text, json_safe, write_json, write_text
 from moe_rl.lab.runner import (
@@ -70,6 +71,9 @@ REWARD_SMOOTH = 5
 METRICS: dict[str, str] = {
     "reward": "final reward (mean of the last 5 RL steps)",
     "accuracy": "final held-out greedy accuracy",
+    "auc": "held-out greedy accuracy averaged over training (trapezoid area over the RL steps "
+    "between the first and last evaluation, divided by their distance)",
+    "outlier_steps": "share of RL steps with any token ratio to pi_old outside [0.5, 2]",
     "flip_step": "flip/step/router_rate (mean over RL steps)",
     "flip_drift": "flip/drift/router_rate (mean over RL steps)",
 }
@@ -322,6 +326,10 @@ def run_values(run_dir: str | Path) -> dict:
         "steps": s["steps"],
         "reward": s["reward_last"],
         "accuracy": s["eval_end"],
+        "auc": auc(
+            [(r["step"], r["eval/accuracy"]) for r in arm["eval"] if r.get("eval/accuracy") is not None]
+        ),
+        "outlier_steps": outlier_steps(rl),
         "accuracy_start": s["eval_start"],
         "flip_step": mean(r.get("flip/step/router_rate") for r in rl),
         "flip_drift": mean(r.get("flip/drift/router_rate") for r in rl),
@@ -356,11 +364,27 @@ def _diff_text(d: dict | None, spec: str = "+.3f") -> str:
     return f"{format(d['mean'], spec)} [{format(lo, spec)}, {format(hi, spec)}]"
 
 
-SPECS = {"reward": ".3f", "accuracy": ".3f", "flip_step": ".5f", "flip_drift": ".5f"}
-HEADS = {"reward": "reward", "accuracy": "held-out acc", "flip_step": "flip/step", "flip_drift": "flip/drift"}
+SPECS = {
+    "reward": ".3f",
+    "accuracy": ".3f",
+    "auc": ".3f",
+    "outlier_steps": ".2f",
+    "flip_step": ".5f",
+    "flip_drift": ".5f",
+}
+HEADS = {
+    "reward": "reward",
+    "accuracy": "held-out acc",
+    "auc": "acc AUC",
+    "outlier_steps": "ratio-outlier steps",
+    "flip_step": "flip/step",
+    "flip_drift": "flip/drift",
+}
+DIFFS = ("reward", "auc", "outlier_steps")
+"The paired differences the terminal table prints (the Markdown and CSV tables hold every metric's)."
 
 
-def format_table(rows: list[dict], *, diffs: tuple[str, ...] = ("reward", "accuracy")) -> str:
+def format_table(rows: list[dict], *, diffs: tuple[str, ...] = DIFFS) -> str:
     """The terminal table: per arm its seeds and the :data:`METRICS` means, then its paired
     difference to the first arm for ``diffs`` (mean [95% CI])."""
     ref = rows[0]["arm"]
@@ -443,23 +467,36 @@ def _band(curves: list[tuple[list, list]]) -> tuple[list, list, list, list]:
     )
 
 
+def _running_outlier_share(rl: list[dict]) -> tuple[list, list]:
+    """Per RL step, the share of the steps so far (those that logged it) with any token ratio
+    outside [0.5, 2]: the running form of the table's ``outlier_steps``."""
+    xs, ys = series(rl, "ratio/token_frac_outside_0.5_2")
+    out, hits = [], 0
+    for i, y in enumerate(ys):
+        hits += y > 0
+        out.append(hits / (i + 1))
+    return xs, out
+
+
 def plot(runs: dict[str, dict[int, dict]], out_png: Path) -> Path:
-    """``compare.png``: reward (trailing mean of :data:`REWARD_SMOOTH` steps) and held-out accuracy
-    per arm, the median over seeds with a min-max band (``runs[arm][seed]``: :func:`read_arm`)."""
+    """``compare.png``: reward (trailing mean of :data:`REWARD_SMOOTH` steps), held-out accuracy and
+    the running share of steps with a token ratio outside [0.5, 2] per arm, the median over seeds
+    with a min-max band (``runs[arm][seed]``: :func:`read_arm`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.4))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.4))
     for i, (arm, seeds) in enumerate(runs.items()):
         color = plt.get_cmap("tab10")(i)
-        rewards, accs = [], []
+        rewards, accs, outliers = [], [], []
         for data in seeds.values():
             xs, ys = series(data["rl"], "reward/mean")
             rewards.append((xs, _trailing_mean(ys, REWARD_SMOOTH)))
             accs.append(series(data["eval"], "eval/accuracy"))
-        for ax, curves in ((axes[0], rewards), (axes[1], accs)):
+            outliers.append(_running_outlier_share(data["rl"]))
+        for ax, curves in ((axes[0], rewards), (axes[1], accs), (axes[2], outliers)):
             xs, med, lo, hi = _band(curves)
             if not xs:
                 continue
@@ -474,6 +511,7 @@ def plot(runs: dict[str, dict[int, dict]], out_png: Path) -> Path:
                 ax.fill_between(xs, lo, hi, color=color, alpha=0.18, linewidth=0)
     axes[0].set_title(f"reward (trailing mean of {REWARD_SMOOTH} steps)")
     axes[1].set_title("held-out greedy accuracy")
+    axes[2].set_title("share of steps so far with a token ratio outside [0.5, 2]")
     for ax in axes:
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)

@@ -1,13 +1,15 @@
-"""``make demo`` / ``moe-rl demo``: the noise design's deciding contrast in short, several seeds per arm.
+"""``make demo`` / ``moe-rl demo``: the strongest contrast measured, in short, several seeds per arm.
 
-:data:`~moe_rl.lab.arms.DEMO_ARMS` (GRPO, GRPO + R3 and the chaos null: GRPO from a start jittered
-by 1e-7) x :data:`~moe_rl.lab.arms.DEMO_SEEDS` seeds on ``recipes/demo/noise_demo.yaml``: the
-noise design's moe-noise cell (docs/noise.md) at 40 steps, from its SFT start shipped in
-``recipes/demo/noise_start``. It is ``moe-rl compare`` (:func:`moe_rl.lab.compare.run_compare`)
-with these arms and seeds: runs resumable, two at a time by default, a seed-paired table (each
-arm's difference to GRPO with its 95% interval) and ``compare.png`` (median over seeds with a
-min-max band) at the end. The chaos null's spread is the yardstick: an arm that differs from GRPO
-by no more than the null does is not separated by this demo.
+:data:`~moe_rl.lab.arms.DEMO_ARMS` (GRPO, GRPO + R2 and the chaos null: GRPO from a start jittered
+by 1e-7) x :data:`~moe_rl.lab.arms.DEMO_SEEDS` seeds on ``recipes/demo/dial_demo.yaml``: design
+(b)'s moe-dial30 cell (countdown, the router's learning rate x30; docs/noise.md) at 40 steps, from
+its SFT start shipped in ``recipes/demo/dial_start``. It is ``moe-rl compare``
+(:func:`moe_rl.lab.compare.run_compare`) with these arms and seeds: runs resumable, two at a time
+by default, a seed-paired table (each arm's difference to GRPO with its 95% interval: held-out
+accuracy, its AUC over steps, and the share of steps with a token ratio outside [0.5, 2]) and
+``compare.png`` (median over seeds with a min-max band) at the end. The chaos null's spread is the
+yardstick: an arm that differs from GRPO by no more than the null does is not separated by this
+demo.
 
 ``out`` is the command's own: a folder holding anything it did not write (no marker,
 :func:`moe_rl.lab.compare.claim_out`) is refused, so ``--out`` never replaces a user's folders.
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from moe_rl.lab.arms import DEMO_ARMS, DEMO_SEEDS
 
-DEFAULT_RECIPE = "recipes/demo/noise_demo.yaml"
+DEFAULT_RECIPE = "recipes/demo/dial_demo.yaml"
 
 
 def run_demo(

@@ -168,8 +168,7 @@ def summarize_run(arm: dict) -> dict:
     # the share pooled over steps; the per-step mean kept beside it
     gauges["ratio/routing_share_step_mean"] = gauges["ratio/routing_share"]
     gauges["ratio/routing_share"] = routing_share(arm["rl"])
-    outside = [r.get("ratio/token_frac_outside_0.5_2") for r in arm["rl"]]
-    gauges["ratio/steps_outside_0.5_2"] = mean(None if f is None else f > 0 for f in outside)
+    gauges["ratio/steps_outside_0.5_2"] = outlier_steps(arm["rl"])
     return {
         "auc": auc(evals),
         "final_acc": evals[-1][1] if evals else math.nan,
@@ -181,6 +180,13 @@ def summarize_run(arm: dict) -> dict:
         "evals": evals,
         "gauges": gauges,
     }
+
+
+def outlier_steps(rows: list[dict]) -> float:
+    """The fraction of a run's RL steps (those that logged it) with any token ratio to pi_old
+    outside [0.5, 2] (``ratio/token_frac_outside_0.5_2`` > 0): where routing's outliers show
+    (nan if no step logged it)."""
+    return mean(None if (f := r.get("ratio/token_frac_outside_0.5_2")) is None else f > 0 for r in rows)
 
 
 def routing_share(rows: list[dict]) -> float:

@@ -127,7 +127,17 @@ def test_a_rerun_skips_the_finished_runs(compared, monkeypatch):
 def test_the_paired_difference_pairs_runs_by_seed():
     """Seed s of an arm is compared with seed s of the first arm: not by position in any order, and
     over the seeds both ran (seed 0 of GSPO failed here)."""
-    v = lambda r, a: {"reward": r, "accuracy": a, "flip_step": 0.01, "flip_drift": 0.02}  # noqa: E731
+
+    def v(r, a):
+        return {
+            "reward": r,
+            "accuracy": a,
+            "auc": a,
+            "outlier_steps": 0.1,
+            "flip_step": 0.01,
+            "flip_drift": 0.02,
+        }
+
     values = {
         "GRPO": {0: v(0.05, 0.5), 1: v(0.1, 0.3), 2: v(0.5, 0.8), 3: v(0.4, 0.2)},
         "GSPO": {1: v(0.6, 0.1), 2: v(0.2, 0.9), 3: v(0.7, 0.4)},
@@ -218,3 +228,25 @@ def test_a_stop_signal_is_passed_on_to_every_child_run(tmp_path):
     assert (tmp_path / "a").read_text() == (tmp_path / "b").read_text() == str(int(signal.SIGTERM))
     assert late in (128 + signal.SIGTERM, -signal.SIGTERM)
     assert signal.getsignal(signal.SIGTERM) is not None and not runner._LIVE
+
+
+def test_a_runs_table_values_hold_its_accuracy_auc_and_its_share_of_ratio_outlier_steps(tmp_path):
+    """The table reads, per run, the held-out accuracy averaged over training (the trapezoid over
+    its evaluations) and the share of RL steps with any token ratio outside [0.5, 2] (steps that
+    did not log it left out); the picture's running share ends at the table's value."""
+    rows = [{"stage": "rl_eval", "step": 0, "eval/accuracy": 0.2}]
+    fracs = [0.0, 1e-4, None, 0.0, 0.03]
+    for step, f in enumerate(fracs):
+        r = {"stage": "rl", "step": step, "reward/mean": 0.5}
+        if f is not None:
+            r["ratio/token_frac_outside_0.5_2"] = f
+        rows.append(r)
+    rows[3]["eval/accuracy"] = 0.4  # taken after step 2: the weights of 3 updates
+    rows.append({"stage": "rl_eval", "step": 5, "eval/accuracy": 0.3})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    v = compare.run_values(tmp_path)
+    assert v["outlier_steps"] == pytest.approx(2 / 4)
+    assert v["auc"] == pytest.approx((3 * (0.2 + 0.4) / 2 + 2 * (0.4 + 0.3) / 2) / 5)
+    xs, share = compare._running_outlier_share(runner.read_arm(tmp_path)["rl"])
+    assert xs == [0, 1, 3, 4] and share == pytest.approx([0, 1 / 2, 1 / 3, 2 / 4])

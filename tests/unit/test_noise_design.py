@@ -142,41 +142,55 @@ def test_the_success_rule_reads_the_contrast_against_the_chaos_spread():
     assert noise.analyse(PLAN, results)["success"]["moe_noise_separates"] is False
 
 
-def test_the_demo_is_the_deciding_cell_in_short():
-    """``make demo``'s recipe is the moe-noise cell but for its length, held-out size, out_dir and
-    its start (the cell's SFT start, shipped); its arms are the cell's deciding ones, defined as
-    the pre-registered plan defines them."""
+@pytest.mark.parametrize(
+    "recipe, design, cell, start, arms",
+    [
+        # make demo: design (b)'s deciding cell (the strongest contrast measured)
+        ("recipes/demo/dial_demo.yaml", "b", "moe-dial30", "dial_start", ("GRPO", "GRPO+R2", "CHAOS")),
+        # the first demo (docs/noise.md; moe-rl compare --arms GRPO,GRPO+R3,CHAOS): design (a)'s
+        ("recipes/demo/noise_demo.yaml", "a", "moe-noise", "noise_start", ("GRPO", "GRPO+R3", "CHAOS")),
+    ],
+)
+def test_a_demo_recipe_is_its_designs_deciding_cell_in_short(recipe, design, cell, start, arms):
+    """A demo recipe is its design's deciding cell but for its length, held-out size, out_dir and
+    its start (the cell's SFT start, shipped); its arms are the cell's deciding ones, defined as the
+    pre-registered plans define them; ``make demo`` is the first."""
     import hashlib
     from pathlib import Path
 
+    from moe_rl.cli import build_parser
     from moe_rl.config import load_recipe, to_dict
     from moe_rl.lab.arms import DEMO, DEMO_ARMS, VARIANTS, arm_overrides
     from moe_rl.lab.demo import DEFAULT_RECIPE
+    from moe_rl.lab.starts import sft_key
 
+    plan = noise.load_plan(design)
     root = Path(__file__).resolve().parents[2]
-    demo = to_dict(load_recipe(root / DEFAULT_RECIPE))
-    cell = to_dict(load_recipe(DEMO, noise.cell_overrides(PLAN, "moe-noise")))
+    demo = to_dict(load_recipe(root / recipe))
+    want = to_dict(load_recipe(DEMO, noise.cell_overrides(plan, cell)))
     for sec, keys in {
         "train": ("rl_steps", "eval_prompts", "out_dir", "stages"),
         "model": ("hf_path",),
     }.items():
         for k in keys:
-            demo[sec].pop(k), cell[sec].pop(k)
-    assert demo == cell
-    assert VARIANTS == PLAN["extra_arms"]
-    assert DEMO_ARMS == tuple(PLAN["order"][0]["arms"])
-    for arm in DEMO_ARMS:  # the same sections as the design's runs
-        assert set(arm_overrides(arm)) <= set(noise.run_overrides(PLAN, "moe-noise", arm, 100))
-    info = json.loads((root / "recipes/demo/noise_start.json").read_text())
-    from moe_rl.lab.starts import sft_key
-
+            demo[sec].pop(k), want[sec].pop(k)
+    assert demo == want
+    assert all(VARIANTS[a] == v for a, v in plan["extra_arms"].items())
+    deciding = [e for e in plan["order"] if e["cell"] == cell and e.get("stage", 2) == 2]
+    assert arms == tuple(deciding[0]["arms"][:3])
+    for arm in arms:  # the same sections as the design's runs
+        assert set(arm_overrides(arm)) <= set(noise.run_overrides(plan, cell, arm, plan["seeds"][0]))
     # the shipped start is the cell's SFT start: the same key as the design's cached one
+    info = json.loads((root / f"recipes/demo/{start}.json").read_text())
     assert info["sft_key"] == sft_key(
-        load_recipe(DEMO, [*noise.start_overrides_of(PLAN, "moe-noise"), "train.stages=[sft]"])
+        load_recipe(DEMO, [*noise.start_overrides_of(plan, cell), "train.stages=[sft]"])
     )
-    files = {p.name: p for p in (root / "recipes/demo/noise_start").iterdir()}
+    files = {p.name: p for p in (root / "recipes/demo" / start).iterdir()}
     assert set(files) == set(info["sha256"])
     assert all(hashlib.sha256(p.read_bytes()).hexdigest() == info["sha256"][n] for n, p in files.items())
+    assert VARIANTS == PLAN["extra_arms"]
+    assert (DEFAULT_RECIPE, DEMO_ARMS) == ("recipes/demo/dial_demo.yaml", ("GRPO", "GRPO+R2", "CHAOS"))
+    assert build_parser().parse_args(["demo"]).recipe == DEFAULT_RECIPE  # the CLI's default is it
 
 
 # -- design (b): the router learning-rate dial on countdown ---------------------------------------

@@ -50,8 +50,8 @@ def test_without_a_collapse_the_sequence_log_ratio_is_shown():
 
 
 def test_the_shipped_demo_runs_every_arm_from_its_start(tmp_path):
-    """``make demo`` (recipes/demo/noise_demo.yaml) starts every arm of DEMO_ARMS from the shipped
-    noise start (model.hf_path, no SFT stage) through ``moe-rl compare``: one short step each at the
+    """``make demo`` (recipes/demo/dial_demo.yaml) starts every arm of DEMO_ARMS from the shipped
+    countdown start (model.hf_path, no SFT stage) through ``moe-rl compare``: one short step each at the
     shipped policy's own size, every seed paired, and a rerun into its own folder keeps the runs
     that finished instead of retraining them."""
     import json
@@ -62,7 +62,7 @@ def test_the_shipped_demo_runs_every_arm_from_its_start(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     ov = [
-        f"model.hf_path={root / 'recipes/demo/noise_start'}",
+        f"model.hf_path={root / 'recipes/demo/dial_start'}",
         "train.rl_steps=1",
         "train.prompts_per_step=2",
         "train.group_size=2",
@@ -78,7 +78,7 @@ def test_the_shipped_demo_runs_every_arm_from_its_start(tmp_path):
     assert not (tmp_path / "demo" / "starts").exists()  # no SFT ran: the arms loaded the start
     for arm in DEMO_ARMS:  # each arm ran its own overrides on the shipped start
         recipe = (tmp_path / "demo" / arm_dir(arm) / "s0" / "recipe.yaml").read_text()
-        assert "noise_start" in recipe and ("start_jitter: 1.0e-07" in recipe) == (arm == "CHAOS"), arm
+        assert "dial_start" in recipe and ("start_jitter: 1.0e-07" in recipe) == (arm == "CHAOS"), arm
     rows = {p: p.read_bytes() for p in (tmp_path / "demo").glob("*/s0/metrics.jsonl")}
     assert len(rows) == 3
     run_demo(root / DEFAULT_RECIPE, ov, out=tmp_path / "demo", jobs=1, seeds=1)
