@@ -228,6 +228,20 @@ MUTANTS = (
         "w.grad_added_to_main_grad = False",
         ("tests/unit/test_local_layers.py",),
     ),
+    Mutant(
+        "the outlier-step share counts a step whose every token ratio is inside [0.5, 2]",
+        "moe_rl/lab/noise.py",
+        'is None else f > 0 for r in rows)',
+        'is None else f >= 0 for r in rows)',
+        ("tests/unit/test_compare.py", "tests/unit/test_noise_design.py"),
+    ),
+    Mutant(
+        "the demo's mechanism claim lets R2 sit inside the chaos null's own difference",
+        "benchmarks/demo_kernels.py",
+        "return all(d < -floor for d in arm)",
+        "return all(d < 0 for d in arm)",
+        ("tests/unit/test_demo_kernels.py",),
+    ),
 )
 
 
