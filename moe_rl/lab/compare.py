@@ -19,12 +19,14 @@ on a user's recipe, N seeds each, from one start; a seed-paired table and a pict
 - **Signals**: SIGTERM / SIGINT / SIGHUP are passed on to every child run
   (:func:`moe_rl.lab.runner.forwarding_signals`): each saves at its next step, no further run
   starts, and the command ends with 128 + the signal; the same command continues.
-- **Result**: per arm the final reward (mean of the last 5 steps), the final held-out accuracy and
-  the flip rates per router (``flip/step/router_rate``, ``flip/drift/router_rate``, means over the
-  steps), averaged over seeds, and each arm's difference to the first arm paired by seed
-  (:func:`moe_rl.lab.stats.paired`: mean, 95% t interval, sign-flip p), printed and written as
-  ``compare.csv``, ``compare.md`` and ``compare.json`` beside ``compare.png`` (reward and held-out
-  accuracy per arm: the median over seeds with a min-max band).
+- **Result**: per arm the final reward (mean of the last 5 steps), the final held-out accuracy, its
+  mean over training (AUC), the share of RL steps with a token ratio to pi_old outside [0.5, 2]
+  (where routing's ratio outliers show) and the flip rates per router (``flip/step/router_rate``,
+  ``flip/drift/router_rate``, means over the steps), averaged over seeds, and each arm's
+  difference to the first arm paired by seed (:func:`moe_rl.lab.stats.paired`: mean, 95% t
+  interval, sign-flip p), printed and written as ``compare.csv``, ``compare.md`` and
+  ``compare.json`` beside ``compare.png`` (reward, held-out accuracy and the running share of
+  ratio-outlier steps per arm: the median over seeds with a min-max band).
 
 With ``jobs`` 1 the runs train one after another in this process (the trainer's own signal
 handling stops them); with more, each is a ``moe-rl train`` child process, ``jobs`` at a time.
