@@ -231,8 +231,8 @@ MUTANTS = (
     Mutant(
         "the outlier-step share counts a step whose every token ratio is inside [0.5, 2]",
         "moe_rl/lab/noise.py",
-        'is None else f > 0 for r in rows)',
-        'is None else f >= 0 for r in rows)',
+        "is None else f > 0 for r in rows)",
+        "is None else f >= 0 for r in rows)",
         ("tests/unit/test_compare.py", "tests/unit/test_noise_design.py"),
     ),
     Mutant(
