@@ -472,12 +472,8 @@ def _band(curves: list[tuple[list, list]]) -> tuple[list, list, list, list]:
 def _running_outlier_share(rl: list[dict]) -> tuple[list, list]:
     """Per RL step, the share of the steps so far (those that logged it) with any token ratio
     outside [0.5, 2]: the running form of the table's ``outlier_steps``."""
-    xs, ys = series(rl, "ratio/token_frac_outside_0.5_2")
-    out, hits = [], 0
-    for i, y in enumerate(ys):
-        hits += y > 0
-        out.append(hits / (i + 1))
-    return xs, out
+    logged = [r for r in rl if r.get("ratio/token_frac_outside_0.5_2") is not None]
+    return [r["step"] for r in logged], [outlier_steps(logged[: i + 1]) for i in range(len(logged))]
 
 
 def plot(runs: dict[str, dict[int, dict]], out_png: Path) -> Path:
