@@ -165,7 +165,10 @@ def plot(analysis: dict, results: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     cells = list(analysis["cells"])
-    fig, axes = plt.subplots(2, max(1, len(cells)), figsize=(5.5 * max(1, len(cells)), 8), squeeze=False)
+    cols = len(cells) + ("ladder" in analysis)
+    fig, axes = plt.subplots(2, max(1, cols), figsize=(5.5 * max(1, cols), 8), squeeze=False)
+    if "ladder" in analysis:
+        plot_ladder(analysis["ladder"], axes[0][-1], axes[1][-1])
     for j, cell in enumerate(cells):
         c = analysis["cells"][cell]
         ax = axes[0][j]
@@ -205,6 +208,49 @@ def plot(analysis: dict, results: dict, png: Path) -> None:
     plt.close(fig)
 
 
+def plot_ladder(lad: dict, top, bottom) -> None:
+    """Design (c)'s primary, drawn: each seed's critical learning rate per model and arm (a
+    censored ladder drawn above the top rung), and each seed's margin per model with the contrast
+    (first model's margin minus the second's), mean and 95% interval."""
+    models = list(lad["models"])
+    high, low = list(lad["models"][models[0]]["arms"])
+    found = [
+        lr for m in models for row in lad["models"][m]["arms"].values() for lr in row["critical_lr"].values()
+    ]
+    above = 1.25 * max(found, default=1.0)
+    for i, model in enumerate(models):
+        for j, (arm, row) in enumerate(lad["models"][model]["arms"].items()):
+            seeds = sorted(set(row["critical_lr"]) | set(row["censored"]))
+            xs = [k + 0.12 * (2 * i + j) - 0.18 for k in range(len(seeds))]
+            ys = [row["critical_lr"].get(s, float("nan")) for s in seeds]
+            top.scatter(xs, ys, marker="os"[i], label=f"{model} {arm}", alpha=0.8)
+            cens = [x for x, s in zip(xs, seeds) if s in row["censored"]]
+            top.scatter(cens, [above] * len(cens), marker="^", color="grey")
+        if i == 0:
+            top.set_xticks(range(len(seeds)), [str(s) for s in seeds], fontsize=8)
+    top.set_yscale("log")
+    top.set_xlabel("seed")
+    top.set_ylabel("critical learning rate (lowest rung that fell)")
+    top.set_title("critical learning rate per seed (^: none fell)", fontsize=9)
+    top.legend(fontsize=7)
+    series = [(m, lad["models"][m]["margins"], lad["models"][m]["margin"]) for m in models]
+    seeds = sorted(set(series[0][1]) & set(series[1][1]))
+    diffs = {s: series[0][1][s] - series[1][1][s] for s in seeds}
+    series.append((f"{models[0]} - {models[1]}", diffs, lad["contrast"]))
+    for i, (_, per_seed, stat) in enumerate(series):
+        pts = list(per_seed.values())
+        bottom.scatter([i] * len(pts), pts, s=14, alpha=0.6)
+        if stat.get("n") and math.isfinite(stat["ci95"][0]):
+            lo, hi = stat["ci95"]
+            bottom.errorbar([i + 0.15], [stat["mean"]], yerr=[[stat["mean"] - lo], [hi - stat["mean"]]],
+                            fmt="o", color="k", capsize=3)  # fmt: skip
+    bottom.axhline(0, color="grey", lw=0.8)
+    bottom.set_xticks(range(len(series)), [n for n, _, _ in series], fontsize=8)
+    bottom.set_ylabel(f"log2(critical LR {high} / {low})")
+    bottom.set_title(f"margin per seed; primary: the contrast (p = {lad['contrast'].get('p', float('nan')):.2f})",
+                     fontsize=9)  # fmt: skip
+
+
 def report(plan: dict, specs: list[noise.RunSpec], preset: str, t0: float) -> Path:
     results, cost = collect(specs)
     analysis = noise.analyse(plan, results)
@@ -238,7 +284,9 @@ def report(plan: dict, specs: list[noise.RunSpec], preset: str, t0: float) -> Pa
         if key in analysis:
             print(f"{key}: {headline(analysis)[key]}")
     for cell, c in analysis["cells"].items():
-        print(f"{cell}: chaos spread {c['chaos_spread']:.4f}")
+        spread = c["chaos_spread"]
+        measured = spread is not None and math.isfinite(spread)
+        print(f"{cell}: chaos spread {f'{spread:.4f}' if measured else 'not measured (no CHAOS arm)'}")
         for arm, row in c["arms"].items():
             d = row.get("auc_diff")
             diff = (

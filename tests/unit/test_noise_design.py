@@ -318,7 +318,7 @@ def test_design_c_critical_lr_is_the_lowest_rung_that_fell():
     assert noise.critical_lr([fell_reward, None, None], lrs, 0.2) == 1.0  # the bottom fell: decided
 
 
-def test_design_c_contrast_is_the_moe_margin_over_the_dense_one_paired_by_seed():
+def test_design_c_contrast_is_the_moe_margin_over_the_dense_one_paired_by_seed(tmp_path):
     lad = PLAN_C["ladder"]
     ok, bad = _run([0.8, 0.8, 0.8]), _run([0.8, 0.3, 0.3])
     results = {}
@@ -341,6 +341,10 @@ def test_design_c_contrast_is_the_moe_margin_over_the_dense_one_paired_by_seed()
     assert lad_out["models"]["dense"]["margins"][300] == 0.0
     assert lad_out["contrast"]["n"] == 6 and lad_out["contrast"]["p"] == pytest.approx(2 / 64)
     assert out["success"] == {"contrast_n": 6, "met": True}
+    import benchmarks.noise as bench
+
+    bench.plot(out, results, tmp_path / "c.png")  # the ladder's column draws censored seeds too
+    assert (tmp_path / "c.png").stat().st_size > 0
     del results[("dense-lr4e-5", "GSPO", 305)]  # a seed's ladder unfinished: no verdict yet
     assert noise.analyse(PLAN_C, results)["success"] == {"contrast_n": 5, "met": None}
 
