@@ -271,30 +271,53 @@ def plot(doc: dict, caps: list[str], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--caps", nargs="+", default=list(CAPS), choices=CAPS)
+def kernel_check_args(doc: str, caps: tuple, default: list, argv) -> argparse.Namespace:
+    """The command line of a kernel check: ``--caps``, ``--jobs``, ``--write-plan``, ``--report``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--caps", nargs="+", default=list(default), choices=caps)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--write-plan", action="store_true", help="write the pre-registration and stop")
     ap.add_argument("--report", action="store_true", help="only report what finished")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def write_plan(path: Path, bench: str, plan: dict) -> None:
+    """A kernel check's pre-registration: its plan, at this commit."""
+    write_json(path, {"bench": bench, "commit": commit(), "headline": {"caps": plan["caps"]}, "plan": plan})
+    print(f"wrote {path}")
+
+
+def run_caps(caps: list[str], walls_file: Path, run_one) -> dict:
+    """Each kernel set in turn (``run_one(cap)`` -> exit status, resumable), after checking that
+    torch runs it on this machine; the wall time of a whole, uninterrupted run is recorded once per
+    set into ``walls_file``. A run that fails ends the command (rerunning it continues). Returns
+    the recorded walls."""
+    walls = json.loads(walls_file.read_text()) if walls_file.exists() else {}
+    for cap in caps:
+        got = capability(cap)
+        if got.lower() != cap.lower():
+            sys.exit(f"--caps {cap}: torch runs {got!r} under ATEN_CPU_CAPABILITY={cap} on this machine")
+        t0 = time.perf_counter()
+        rc = run_one(cap)
+        if rc:
+            sys.exit(f"the check under {cap} ended with {rc}: rerun the same command to continue")
+        if cap not in walls:
+            walls[cap] = {"capability": got, "wall_s": time.perf_counter() - t0}
+            walls_file.parent.mkdir(parents=True, exist_ok=True)
+            write_json(walls_file, walls)
+    return walls
+
+
+def main(argv=None) -> None:
+    args = kernel_check_args(__doc__, CAPS, CAPS, argv)
     if args.write_plan:
-        write_json(PLAN_FILE, {"bench": "demo_kernels", "commit": commit(), "headline": {"caps": PLAN["caps"]},
-                               "plan": PLAN})  # fmt: skip
-        print(f"wrote {PLAN_FILE}")
+        write_plan(PLAN_FILE, "demo_kernels", PLAN)
         return
     walls_file = RUNS / "walls.json"
-    walls = json.loads(walls_file.read_text()) if walls_file.exists() else {}
-    if not args.report:
-        for cap in args.caps:
-            got = capability(cap)
-            res = run_cap(cap, args.jobs)
-            if res["returncode"] == 0 and cap not in walls:  # the wall time of a whole, uninterrupted demo
-                walls[cap] = {"capability": got, "wall_s": res["wall_s"]}
-                walls_file.parent.mkdir(parents=True, exist_ok=True)
-                write_json(walls_file, walls)
-            elif res["returncode"] != 0:
-                sys.exit(f"the demo under {cap} ended with {res['returncode']}: rerun to continue")
+    if args.report:
+        walls = json.loads(walls_file.read_text()) if walls_file.exists() else {}
+    else:
+        walls = run_caps(args.caps, walls_file, lambda cap: run_cap(cap, args.jobs)["returncode"])
     print(f"wrote {report(args.caps, walls)}")
 
 

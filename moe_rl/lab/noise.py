@@ -315,6 +315,27 @@ def critical_lr(rungs: list[dict | None], lrs: list[float], drop: float) -> floa
     return math.inf
 
 
+def next_rungs(plan: dict, results: dict[tuple[str, str, int], dict], seeds: list[int] | None = None) -> list:
+    """Each ladder climbed from the bottom: per model, arm (the plan's ``margin`` pair) and seed, the
+    ``(cell, arm, seed)`` of its lowest rung not finished yet, unless a lower rung's run fell (its
+    critical learning rate is then known: :func:`critical_lr` reads no higher rung). Empty once
+    every ladder is decided."""
+    lad = plan["ladder"]
+    drop = float(lad["heldout_drop"])
+    out = []
+    for cells in lad["models"].values():
+        for arm in lad["margin"]:
+            for seed in plan["seeds"] if seeds is None else seeds:
+                for cell in cells:
+                    r = results.get((cell, arm, seed))
+                    if r is None:
+                        out.append((cell, arm, seed))
+                        break
+                    if fell(r, drop):
+                        break
+    return out
+
+
 def ladder(plan: dict, results: dict[tuple[str, str, int], dict]) -> dict:
     """Per model and arm, each seed's critical learning rate; per model and seed, the margin
     log2(critical LR of ``high`` / critical LR of ``low``) (a ladder censored above its top counts

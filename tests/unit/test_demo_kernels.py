@@ -57,3 +57,18 @@ def test_the_kernel_spread_is_the_range_of_one_run_across_kernel_sets():
 
 def test_the_committed_preregistration_is_the_plan():
     assert json.loads(dk.PLAN_FILE.read_text())["plan"] == dk.PLAN
+
+
+def test_run_caps_refuses_a_kernel_set_torch_does_not_run_and_records_only_whole_runs(monkeypatch, tmp_path):
+    import pytest
+
+    monkeypatch.setattr(dk, "capability", lambda cap: {"avx512": "AVX2"}.get(cap, cap.upper()))
+    walls = tmp_path / "walls.json"
+    with pytest.raises(SystemExit, match="avx512"):  # this machine would run AVX2 twice
+        dk.run_caps(["avx512"], walls, lambda cap: 0)
+    with pytest.raises(SystemExit, match="rerun"):
+        dk.run_caps(["default"], walls, lambda cap: 143)  # stopped: no wall recorded
+    assert not walls.exists()
+    got = dk.run_caps(["default", "avx2"], walls, lambda cap: 0)
+    assert got.keys() == {"default", "avx2"} and json.loads(walls.read_text()) == got
+    assert dk.run_caps(["avx2"], walls, lambda cap: 0)["avx2"] == got["avx2"]  # kept, not remeasured
