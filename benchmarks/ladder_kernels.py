@@ -143,11 +143,18 @@ def specs_of(plan: dict, root: Path, keys: list) -> list[noise.RunSpec]:
 def climb(plan: dict, root: Path, cap: str, jobs: int) -> None:
     """Every ladder of ``plan`` under ``cap``, rung by rung from the bottom (resumable)."""
     os.environ["ATEN_CPU_CAPABILITY"] = cap  # the runs are child processes: they inherit it
+    before = None
     while True:
         results, _ = collect(noise.run_specs(plan, root))
         todo = noise.next_rungs(plan, results)
         if not todo:
             return
+        if todo == before:  # they ran and ended without finishing (the trainer stopped them)
+            raise RuntimeError(
+                f"{len(todo)} runs ended without finishing, e.g. {specs_of(plan, root, todo)[0].out}: "
+                "read its status.json; their ladders stay undecided (--report reads what finished)"
+            )
+        before = todo
         log.info("%s: %d ladders climb a rung", cap, len(todo))
         execute(plan, specs_of(plan, root, todo), jobs=jobs)
 

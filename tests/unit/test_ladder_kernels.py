@@ -102,3 +102,11 @@ def test_rungs_moved_counts_how_far_the_kernels_moved_each_ladder():
 def test_the_committed_preregistration_is_the_scripts_plan():
     assert json.loads(lk.PLAN_FILE.read_text())["plan"] == lk.PLAN
     assert not set(lk.SEEDS) - set(noise.load_plan("c")["seeds"])  # design (c)'s own seeds: a check
+
+
+def test_climb_stops_with_a_clear_error_when_runs_end_without_finishing(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
+    monkeypatch.setattr(lk, "execute", lambda plan, specs, *, jobs: None)  # every run "stopped"
+    monkeypatch.setattr(lk, "collect", lambda specs: ({}, []))
+    with pytest.raises(RuntimeError, match="ended without finishing"):
+        lk.climb(PLAN, tmp_path, "default", jobs=2)  # not a loop that never ends
