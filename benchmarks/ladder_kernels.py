@@ -191,6 +191,14 @@ def report(caps: list[str], walls: dict) -> Path:
         "machine": machine(),
         "commit": commit(),
         "headline": {
+            "claims_hold_under_every_set": (
+                all(c["all_hold"] for c in per_cap.values())
+                if per_cap and None not in [c["all_hold"] for c in per_cap.values()]
+                else None
+            ),
+            "ladders_moved": {cap: c["ladders_moved"] for cap, c in per_cap.items()},
+            "largest_move_rungs": {cap: c["largest_move"] for cap, c in per_cap.items()},
+            "runs_finished": sum(c["runs"] for c in per_cap.values()),
             "per_kernel_set": per_cap,
             "reference": {
                 "kernels": "this machine's own (AVX-512)",
