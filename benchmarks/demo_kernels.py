@@ -291,7 +291,7 @@ def run_caps(caps: list[str], walls_file: Path, run_one) -> dict:
     """Each kernel set in turn (``run_one(cap)`` -> exit status, resumable), after checking that
     torch runs it on this machine; the wall time of a whole, uninterrupted run is recorded once per
     set into ``walls_file``. A run that fails ends the command (rerunning it continues). Returns
-    the recorded walls."""
+    the recorded walls (with no ``caps``: those recorded so far)."""
     walls = json.loads(walls_file.read_text()) if walls_file.exists() else {}
     for cap in caps:
         got = capability(cap)
@@ -313,11 +313,8 @@ def main(argv=None) -> None:
     if args.write_plan:
         write_plan(PLAN_FILE, "demo_kernels", PLAN)
         return
-    walls_file = RUNS / "walls.json"
-    if args.report:
-        walls = json.loads(walls_file.read_text()) if walls_file.exists() else {}
-    else:
-        walls = run_caps(args.caps, walls_file, lambda cap: run_cap(cap, args.jobs)["returncode"])
+    caps = [] if args.report else args.caps  # --report: the walls recorded, nothing run
+    walls = run_caps(caps, RUNS / "walls.json", lambda cap: run_cap(cap, args.jobs)["returncode"])
     print(f"wrote {report(args.caps, walls)}")
 
 

@@ -23,7 +23,6 @@ kernels, the same seeds); how many ladders' critical rungs the kernels moved.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -87,38 +86,27 @@ def plan_of(seeds: list[int] = SEEDS) -> dict:
     return {**noise.load_plan("c"), "seeds": list(seeds)}
 
 
-def claims(plan: dict, results: dict) -> dict:
-    """The four pre-registered claims (PLAN["claims"]) read from ``results`` (by (cell, arm, seed));
-    each None while a ladder it reads is undecided."""
-    lad = noise.ladder(plan, results)
+def claims(plan: dict, results: dict, lad: dict) -> dict:
+    """The four pre-registered claims (PLAN["claims"]) read from ``results`` (by (cell, arm, seed))
+    and their ladders ``lad`` (:func:`moe_rl.lab.noise.ladder`); each None while a ladder is
+    undecided."""
+    if lad["success"]["contrast_n"] != len(plan["seeds"]):
+        return dict.fromkeys(PLAN["claims"])
     high, low = plan["ladder"]["margin"]
-    decided = lad["success"]["contrast_n"] == len(plan["seeds"])
-    moe = lad["models"]["moe"]["arms"]
-
-    def crit(arm: str, seed: int) -> float:
-        row = moe[arm]
-        return math.inf if seed in row["censored"] else row["critical_lr"][seed]
-
-    shares = [
-        r["gauges"]["ratio/routing_share"]
-        for (cell, _, seed), r in results.items()
-        if cell in plan["ladder"]["models"]["moe"] and seed in plan["seeds"]
-    ]
+    crit = critical_rungs(lad)
+    moe_cells = plan["ladder"]["models"]["moe"]
+    shares = [r["gauges"]["ratio/routing_share"] for (cell, _, _), r in results.items() if cell in moe_cells]
     return {
-        "moe_same_rung": all(crit(high, s) <= crit(low, s) for s in plan["seeds"]) if decided else None,
-        "no_larger_headroom": bool(lad["contrast"]["mean"] <= 0) if decided else None,
-        "lr_breaks_both": (
-            not any(row["censored"] for m in lad["models"].values() for row in m["arms"].values())
-            if decided
-            else None
-        ),
-        "routing_small": bool(mean(shares) < ROUTING_SHARE_MAX) if decided and shares else None,
+        "moe_same_rung": all(crit[f"moe/{high}/{s}"] <= crit[f"moe/{low}/{s}"] for s in plan["seeds"]),
+        "no_larger_headroom": bool(lad["contrast"]["mean"] <= 0),
+        "lr_breaks_both": all(math.isfinite(lr) for lr in crit.values()),
+        "routing_small": bool(mean(shares) < ROUTING_SHARE_MAX) if shares else None,
     }
 
 
-def critical_rungs(plan: dict, results: dict) -> dict:
-    """``"model/arm/seed" -> critical learning rate`` (inf: censored) of every decided ladder."""
-    lad = noise.ladder(plan, results)
+def critical_rungs(lad: dict) -> dict:
+    """``"model/arm/seed" -> critical learning rate`` (inf: censored) of every decided ladder of
+    ``lad`` (:func:`moe_rl.lab.noise.ladder`)."""
     out = {}
     for model, m in lad["models"].items():
         for arm, row in m["arms"].items():
@@ -159,17 +147,22 @@ def climb(plan: dict, root: Path, cap: str, jobs: int) -> None:
         execute(plan, specs_of(plan, root, todo), jobs=jobs)
 
 
+def read_ladders(plan: dict, root: Path) -> tuple[dict, dict, list]:
+    """The finished runs under ``root`` (by (cell, arm, seed)), their ladders, their cost rows."""
+    results, cost = collect(noise.run_specs(plan, root))
+    return results, noise.ladder(plan, results), cost
+
+
 def report(caps: list[str], walls: dict) -> Path:
     plan = plan_of()
-    ref_results, _ = collect(noise.run_specs(plan, noise.runs_root(plan)))
-    ref = critical_rungs(plan, ref_results)
+    ref_results, ref_lad, _ = read_ladders(plan, noise.runs_root(plan))
+    ref = critical_rungs(ref_lad)
     per_cap, runs = {}, {}
     for cap in caps:
-        results, cost = collect(noise.run_specs(plan, RUNS / cap))
-        rungs = critical_rungs(plan, results)
-        lad = noise.ladder(plan, results)
+        results, lad, cost = read_ladders(plan, RUNS / cap)
+        rungs = critical_rungs(lad)
         moved = rungs_moved(plan, ref, rungs)
-        got = claims(plan, results)
+        got = claims(plan, results, lad)
         per_cap[cap] = {
             "capability": walls.get(cap, {}).get("capability"),
             "wall_s": walls.get(cap, {}).get("wall_s"),
@@ -185,17 +178,13 @@ def report(caps: list[str], walls: dict) -> Path:
             "largest_move": max((abs(v) for v in moved.values()), default=None),
         }
         runs[cap] = {f"{c}/{a}/s{s}": r for (c, a, s), r in results.items()}
-    ref_lad = noise.ladder(plan, ref_results)
+    holds = [c["all_hold"] for c in per_cap.values()]
     doc = {
         "bench": "ladder_kernels",
         "machine": machine(),
         "commit": commit(),
         "headline": {
-            "claims_hold_under_every_set": (
-                all(c["all_hold"] for c in per_cap.values())
-                if per_cap and None not in [c["all_hold"] for c in per_cap.values()]
-                else None
-            ),
+            "claims_hold_under_every_set": all(holds) if holds and None not in holds else None,
             "ladders_moved": {cap: c["ladders_moved"] for cap, c in per_cap.items()},
             "largest_move_rungs": {cap: c["largest_move"] for cap, c in per_cap.items()},
             "runs_finished": sum(c["runs"] for c in per_cap.values()),
@@ -204,7 +193,7 @@ def report(caps: list[str], walls: dict) -> Path:
                 "kernels": "this machine's own (AVX-512)",
                 "critical_lr": ref,
                 "contrast": ref_lad["contrast"],
-                "claims": claims(plan, ref_results),
+                "claims": claims(plan, ref_results, ref_lad),
             },
         },
         "plan": PLAN,
@@ -252,15 +241,12 @@ def main(argv=None) -> None:
     if args.write_plan:
         write_plan(PLAN_FILE, "ladder_kernels", PLAN)
         return
-    walls_file = RUNS / "walls.json"
-    if args.report:
-        walls = json.loads(walls_file.read_text()) if walls_file.exists() else {}
-    else:
-        walls = run_caps(
-            args.caps,
-            walls_file,
-            lambda cap: runner.stop_cleanly(lambda: climb(plan_of(), RUNS / cap, cap, args.jobs)),
-        )
+    caps = [] if args.report else args.caps  # --report: the walls recorded, nothing run
+    walls = run_caps(
+        caps,
+        RUNS / "walls.json",
+        lambda cap: runner.stop_cleanly(lambda: climb(plan_of(), RUNS / cap, cap, args.jobs)),
+    )
     print(f"wrote {report(args.caps, walls)}")
 
 

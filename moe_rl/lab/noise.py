@@ -315,7 +315,7 @@ def critical_lr(rungs: list[dict | None], lrs: list[float], drop: float) -> floa
     return math.inf
 
 
-def next_rungs(plan: dict, results: dict[tuple[str, str, int], dict], seeds: list[int] | None = None) -> list:
+def next_rungs(plan: dict, results: dict[tuple[str, str, int], dict]) -> list:
     """Each ladder climbed from the bottom: per model, arm (the plan's ``margin`` pair) and seed, the
     ``(cell, arm, seed)`` of its lowest rung not finished yet, unless a lower rung's run fell (its
     critical learning rate is then known: :func:`critical_lr` reads no higher rung). Empty once
@@ -325,7 +325,7 @@ def next_rungs(plan: dict, results: dict[tuple[str, str, int], dict], seeds: lis
     out = []
     for cells in lad["models"].values():
         for arm in lad["margin"]:
-            for seed in plan["seeds"] if seeds is None else seeds:
+            for seed in plan["seeds"]:
                 for cell in cells:
                     r = results.get((cell, arm, seed))
                     if r is None:

@@ -30,6 +30,14 @@ def _ladders(falls_at: dict[tuple[str, str], list[int | None]], share: float = 0
     return out
 
 
+def _claims(results: dict) -> dict:
+    return lk.claims(PLAN, results, noise.ladder(PLAN, results))
+
+
+def _critical(results: dict) -> dict:
+    return lk.critical_rungs(noise.ladder(PLAN, results))
+
+
 # design (c)'s seeds 300-302 on the machine's own kernels (rung index: 0 = 4e-5 .. 3 = 1e-4)
 REFERENCE = {
     ("moe", "GRPO"): [3, 2, 2],
@@ -45,7 +53,7 @@ def test_a_ladder_climbs_from_the_bottom_and_stops_at_its_first_fall():
     ]
     cells = MODELS["moe"]
     results = {(cells[0], "GRPO", 300): OK, (cells[1], "GRPO", 300): FELL, (cells[0], "GSPO", 300): OK}
-    todo = noise.next_rungs(PLAN, results, seeds=[300])
+    todo = noise.next_rungs({**PLAN, "seeds": [300]}, results)
     assert (cells[1], "GSPO", 300) in todo  # its bottom held: one rung up
     assert not any(a == "GRPO" and c in cells for c, a, _ in todo)  # fell at 6e-5: decided
     assert noise.next_rungs(PLAN, _ladders(REFERENCE)) == []  # every ladder decided: done
@@ -74,25 +82,25 @@ def test_climb_runs_rung_by_rung_under_the_kernel_set_and_never_above_a_fall(mon
 
 
 def test_the_four_claims_hold_on_the_reference_and_each_fails_on_its_own_counterexample():
-    assert lk.claims(PLAN, _ladders(REFERENCE)) == dict.fromkeys(
+    assert _claims(_ladders(REFERENCE)) == dict.fromkeys(
         ("moe_same_rung", "no_larger_headroom", "lr_breaks_both", "routing_small"), True
     )
     gspo_higher = {**REFERENCE, ("moe", "GSPO"): [2, 3, 2]}  # seed 301: GSPO survives 8e-5, GRPO not
-    got = lk.claims(PLAN, _ladders(gspo_higher))
+    got = _claims(_ladders(gspo_higher))
     assert got["moe_same_rung"] is False and got["no_larger_headroom"] is True  # mean contrast 0
     headroom = {**gspo_higher, ("dense", "GSPO"): [2, 2, 3]}
-    assert lk.claims(PLAN, _ladders(headroom))["no_larger_headroom"] is False  # contrast 0, +0.64, -0.32
+    assert _claims(_ladders(headroom))["no_larger_headroom"] is False  # contrast 0, +0.64, -0.32
     censored = {**REFERENCE, ("dense", "GRPO"): [None, 3, 2]}
-    assert lk.claims(PLAN, _ladders(censored))["lr_breaks_both"] is False
-    assert lk.claims(PLAN, _ladders(REFERENCE, share=0.2))["routing_small"] is False
+    assert _claims(_ladders(censored))["lr_breaks_both"] is False
+    assert _claims(_ladders(REFERENCE, share=0.2))["routing_small"] is False
     partial = _ladders(REFERENCE)
     del partial[(MODELS["dense"][2], "GRPO", 302)]  # a ladder undecided: no claim read yet
-    assert set(lk.claims(PLAN, partial).values()) == {None}
+    assert set(_claims(partial).values()) == {None}
 
 
 def test_rungs_moved_counts_how_far_the_kernels_moved_each_ladder():
-    ref = lk.critical_rungs(PLAN, _ladders(REFERENCE))
-    other = lk.critical_rungs(PLAN, _ladders({**REFERENCE, ("moe", "GRPO"): [2, None, 2]}))
+    ref = _critical(_ladders(REFERENCE))
+    other = _critical(_ladders({**REFERENCE, ("moe", "GRPO"): [2, None, 2]}))
     assert ref["moe/GRPO/300"] == pytest.approx(1e-4) and other["moe/GRPO/301"] == math.inf
     moved = lk.rungs_moved(PLAN, ref, other)
     assert moved["moe/GRPO/300"] == -1 and moved["moe/GRPO/301"] == 2 and moved["dense/GSPO/302"] == 0
