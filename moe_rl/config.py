@@ -47,6 +47,21 @@ from moe_rl.names import (
 )
 from moe_rl.sglang_config import SGLangConfig
 from moe_rl.tasks.config import TaskConfig
+from moe_rl.tasks.tokenizer import model_tokenizer
+
+RECIPE_PATHS = (
+    "model.tokenizer",
+    "model.hf_path",
+    "checkpoint.load",
+    "task.jsonl.path",
+    "task.jsonl.heldout_path",
+    "task.jsonl.reward_fn",
+    "rollout.sglang.model_path",
+)
+"""The recipe keys naming files the run reads. Written in a recipe file, a relative one is relative
+to that file's folder (made absolute as it loads); given on the command line (an override), to the
+current folder. Where a run writes (train.out_dir, checkpoint.dir, rollout.weight_sync_dir) stays
+relative to the current folder: ``moe-rl train recipes/x.yaml`` writes under ./runs, not recipes/."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,8 +70,8 @@ class ModelConfig:
 
     vocab_size: int = 104
     "Vocabulary size: at least the tokenizer's, divisible by parallel.tensor_parallel."
-    tokenizer: str = "char"
-    "char (the built-in character tokenizer, 104 ids) or a local Hugging Face tokenizer directory."
+    tokenizer: str | None = None
+    "char (the built-in character tokenizer, 104 ids) or a local Hugging Face tokenizer directory; None: model.hf_path's own (its tokenizer.json; char when it has none, said in one line), char without model.hf_path."
     hidden_size: int = 128
     "Model width."
     num_layers: int = 4
@@ -107,6 +122,8 @@ class ModelConfig:
     "Local Hugging Face Qwen3-MoE checkpoint to start from (None: random init)."
 
     def __post_init__(self) -> None:
+        if self.tokenizer is None:  # the model's own, as verl and TRL take it
+            object.__setattr__(self, "tokenizer", model_tokenizer(self.hf_path))
         check_choices(self, "model")
         require_positive(self, "model", "vocab_size", "hidden_size", "num_layers", "num_attention_heads")
         require_positive(self, "model", "num_query_groups", "head_dim", "moe_ffn_hidden_size", "num_experts")
@@ -739,5 +756,7 @@ def _model_field(name: str, value: object) -> object:
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Load a YAML recipe (following ``include``) and apply ``section.field=value`` overrides."""
-    return recipe_from_dict(read_recipe_data(path), overrides)
+    """Load a YAML recipe (following ``include``) and apply ``section.field=value`` overrides. The
+    files it names (:data:`RECIPE_PATHS`) are relative to the recipe file's folder; overrides' to the
+    current folder."""
+    return recipe_from_dict(read_recipe_data(path, RECIPE_PATHS), overrides)
