@@ -278,6 +278,9 @@ RolloutCorrection = Literal["none", "tis", "seq_tis", "icepop", "icepop_mask", "
 class AlgoConfig:
     """Policy-gradient algorithm, clip band, KL, routing replay and rollout correction (docs/algorithms.md)."""
 
+    moved_keys: ClassVar[dict[str, str]] = {"beta": "kl_coef"}
+    "algo.beta (the KL coefficient before the trainer built a reference) is algo.kl_coef."
+
     name: str = "gspo"
     "Loss in moe_rl.losses.LOSSES (names in moe_rl.names.LOSS_NAMES): grpo | gspo | gspo_token."
     eps_low: float | None = None
@@ -288,8 +291,12 @@ class AlgoConfig:
     "Dual-clip constant c > 1: for A < 0 the objective is at least c * A (verl's clip_ratio_c in its vanilla loss, slime's eps_clip_c; TRL's delta only when delta >= 1 + eps_high; verl's GSPO has none); None: off."
     aggregation: LossAggregation = "seq_mean"
     "seq_mean (mean over tokens of a sequence, then over sequences) | token_mean (all tokens equal)."
-    beta: float = 0.0
-    "Coefficient of the k3 KL(pi_theta || pi_ref) penalty (GSPO's authors use 0). A recipe with an RL stage must keep 0 until the trainer builds a reference policy (refused at load)."
+    kl_coef: float = 0.0
+    "Coefficient of the KL(pi_theta || pi_ref) loss term, pi_ref the RL stage's starting weights, frozen (verl's actor.use_kl_loss with kl_loss_coef, TRL's beta); 0: off (GSPO's authors and verl's default); docs/algorithms.md#kl-to-a-reference."
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    "Estimator of the KL term and of the reward penalty, with d = log pi_ref - log pi_theta: k1 = -d | k2 = d^2/2 | k3 = e^d - 1 - d (verl's kl_loss_type kl | mse | low_var_kl; TRL's beta: k3)."
+    kl_reward_coef: float = 0.0
+    "KL in the reward instead (or as well): each sequence's reward minus kl_reward_coef times the sum over its tokens of algo.kl_estimator of pi_old against pi_ref, before the group advantages (verl's algorithm.use_kl_in_reward with kl_ctrl.kl_coef); 0: off."
     adv_eps: float = 1e-6
     "Epsilon in A_i = (r_i - mean) / (std + eps)."
     adv_std_normalize: bool = True
@@ -314,7 +321,7 @@ class AlgoConfig:
     def __post_init__(self) -> None:
         check_choices(self, "algo")
         require_registered(self.name, LOSS_NAMES, "algo.name")
-        require(self.beta >= 0, f"algo.beta must be >= 0, got {self.beta}")
+        require_positive(self, "algo", "kl_coef", "kl_reward_coef", strict=False)
         require(
             self.adv_eps > 0 if self.adv_std_normalize else self.adv_eps >= 0,
             f"algo.adv_eps={self.adv_eps} must be > 0: A = (r - mean) / (std + eps) needs a positive eps "
@@ -704,14 +711,6 @@ class Recipe:
             "model.dtype=bfloat16 needs CUDA (nccl); set model.dtype=float32 on CPU",
         )
         # known before anything trains (they used to fail when the RL stage began, after SFT)
-        # the losses take a reference's log-probs (pure functions, tested with beta > 0), but no stage
-        # computes them: a run with beta > 0 passed check, crashed at its first RL step and left a
-        # checkpoint that blocked the rerun
-        require(
-            self.algo.beta == 0 or "rl" not in self.train.stages,
-            f"algo.beta={self.algo.beta}: a KL penalty needs a reference policy, which the trainer does not "
-            "build yet; set algo.beta=0 (verl's default, use_kl_loss=False; GSPO's authors use 0)",
-        )
         require(
             self.task.name != "jsonl"
             or "sft" not in self.train.stages

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from moe_rl.tasks.base import Task
     from moe_rl.tasks.tokenizer import Tokenizer
     from moe_rl.trainer.metrics import MetricsSink
+    from moe_rl.trainer.reference import Reference
 
 log = logging.getLogger(__name__)
 RANK_LOGGER = "moe_rl.rank"
@@ -76,6 +77,8 @@ class Run:
     "SIGTERM / SIGINT seen while :func:`moe_rl.trainer.run.run` runs the stages (installed there)."
     hooks: list[StepHook]
     "Called after each optimizer step (:mod:`moe_rl.trainer.hooks`); the flip probe is the first."
+    reference: Reference | None
+    "The KL term's reference, the RL stage's starting weights (:mod:`moe_rl.trainer.reference`); None without one."
 
     def __init__(self, recipe: Recipe, *, write_recipe: bool = True):
         from moe_rl.megatron.parallel import init_parallel
@@ -119,6 +122,7 @@ class Run:
         )
         self.signals = StopSignals()
         self.hooks = [FlipProbe(), RoutingShareProbe()]
+        self.reference = None
         self._bar = None
         self._derived_from: Run | None = None
         if write_recipe:

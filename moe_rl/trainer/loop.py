@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moe_rl import dist
+from moe_rl.trainer.reference import start_reference
 from moe_rl.trainer.rl import encode_prompts, local_prompts, rewards_of, rl_step, sampling_for
 from moe_rl.trainer.samples import samples_due, write_samples
 from moe_rl.trainer.sentinel import Sentinel, SentinelVerdict
@@ -74,6 +75,7 @@ def _start(run: Run) -> Sentinel:
     run.ensure_engine()
     run.state.step, run.state.stage = run.state.step_of("rl"), "rl"
     run.optimizer.lr_scale = run.state.lr_scale
+    run.reference = start_reference(run)  # the stage's starting weights, for a KL term (else None)
     if run.state.step == 0:
         if run.checkpointer.last_good is None:  # the start is the first "last good" state to roll back to
             run.save()
