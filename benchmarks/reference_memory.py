@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
             "swap_rss_mb": by[size, "swap"]["rss_delta_bytes"] / 1e6,
             "replica_rss_mb": by[size, "replica"]["rss_delta_bytes"] / 1e6,
             "weights_mb": by[size, "swap"]["policy_weight_bytes"] / 1e6,
-            "replica_over_swap": by[size, "replica"]["rss_delta_bytes"] / max(by[size, "swap"]["rss_delta_bytes"], 1),
+            "replica_over_swap": by[size, "replica"]["rss_delta_bytes"]
+            / max(by[size, "swap"]["rss_delta_bytes"], 1),
         }
         for size in SIZES
     }

@@ -63,12 +63,14 @@ SUMMARY_KEYS: dict[str, tuple[str, ...]] = {
     ),
 }
 "The metrics ``moe-rl train`` prints at the end, per stage (every metric is in metrics.jsonl)."
+SUMMARY_PERCENT = ("reward/accuracy", "eval/accuracy", "flip/step/rate", "flip/drift/rate", "clip/token_frac")
+"The rates among them: shown in percent with a % sign (metrics.jsonl keeps the fractions)."
 
 
 def summary_table(results: dict[str, dict[str, float]], seconds: float, out_dir: str) -> str:
     """The final summary of ``moe-rl train``: a line with the wall time and where every metric is,
     then a ``stage  metric  last`` table of the :data:`SUMMARY_KEYS` each stage logged, at its last
-    step (RL's ``eval/accuracy``: the final evaluation; rates as fractions, as in metrics.jsonl)."""
+    step (RL's ``eval/accuracy``: the final evaluation; rates in percent, :data:`SUMMARY_PERCENT`)."""
     table = [
         (stage, key, float(metrics[key]))
         for stage, metrics in results.items()
@@ -81,7 +83,8 @@ def summary_table(results: dict[str, dict[str, float]], seconds: float, out_dir:
     width = max(len("metric"), *(len(key) for _, key, _ in table))
     out, shown = [head, f"{'stage':<5}  {'metric':<{width}}  last"], set()
     for stage, key, v in table:
-        out.append(f"{'' if stage in shown else stage:<5}  {key:<{width}}  {v:.4g}")
+        value = f"{v:.2%}" if key in SUMMARY_PERCENT else f"{v:.4g}"
+        out.append(f"{'' if stage in shown else stage:<5}  {key:<{width}}  {value}")
         shown.add(stage)
     return "\n".join(out)
 
@@ -154,7 +157,12 @@ def compare_parser() -> argparse.ArgumentParser:
         help="comma-separated arms of moe_rl/lab/arms.py ARMS: GRPO, GRPO+R2, GRPO+R3, GRPO+TIS, GSPO, "
         "GSPO+R2 (default: %(default)s); the first is the one the others are compared with",
     )
-    p.add_argument("--seeds", default="1", help="seeds (paired replicates) per arm (default: 1)")
+    p.add_argument(
+        "--seeds",
+        default="1",
+        help="seeds (paired replicates) of every arm: a count N (seeds 0..N-1) or the seeds themselves, "
+        "comma-separated: 9001,9002,9003 (one alone: 9001,) (default: 1)",
+    )
     p.add_argument(
         "--jobs",
         default=None,
@@ -169,7 +177,7 @@ def compare_parser() -> argparse.ArgumentParser:
 
 def cmd_compare(args) -> int:
     from moe_rl.errors import PathError, UserError
-    from moe_rl.lab.compare import parse_arms, parse_count, run_compare
+    from moe_rl.lab.compare import parse_arms, parse_count, parse_seeds, run_compare
     from moe_rl.lab.runner import stop_cleanly
 
     if not Path(args.recipe).is_file():
@@ -177,7 +185,7 @@ def cmd_compare(args) -> int:
             f"compare recipe {args.recipe} is not a file: give a recipe such as recipes/compare_tiny.yaml"
         )
     arms = parse_arms(args.arms)
-    seeds = parse_count(args.seeds, "--seeds", "how many seeds each arm runs")
+    seeds = parse_seeds(args.seeds)
     jobs = None if args.jobs is None else parse_count(args.jobs, "--jobs", "how many runs train at a time")
     try:
         every = float(args.status_every)
@@ -224,10 +232,11 @@ def cmd_report(args) -> int:
     if bad:
         raise UserError(f"run {bad[0]!r}: write NAME=DIR or DIR")
     runs = dict(r.split("=", 1) if "=" in r else (r.rstrip("/").split("/")[-1], r) for r in args.runs)
-    table, _ = report(runs, args.out)
-    print(table)
     out = Path(args.out)
-    print(f"curves: {out}; table: {out.with_suffix('.csv')}, {out.with_suffix('.md')}")
+    png = out if out.suffix else out.with_suffix(".png")  # the file matplotlib writes for a bare name
+    table, _ = report(runs, png)
+    print(table)
+    print(f"curves: {png}; table: {png.with_suffix('.csv')}, {png.with_suffix('.md')}")
     return 0
 
 
@@ -419,7 +428,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # moe_rl.lab.demo.DEFAULT_RECIPE (a test holds them equal; importing it here costs torch)
     d.add_argument("--out", default="runs/demo", help="where the runs and compare.* go")
     d.add_argument("--jobs", default="2", help="runs at a time (default: 2)")
-    d.add_argument("--seeds", default="3", help="seeds per arm (default: 3, DEMO_SEEDS)")
+    d.add_argument(
+        "--seeds",
+        default="3",
+        help="seeds per arm: a count N (0..N-1) or seeds, 9001,9002,9003 (default: 3, DEMO_SEEDS)",
+    )
     d.add_argument("overrides", nargs="*")
     d.set_defaults(fn=cmd_demo)
     sub.add_parser(

@@ -179,13 +179,9 @@ def score(
 def advantages_of(run: Run, rewards_B: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Group advantages ``adv_B`` of ``rewards_B`` (groups of ``train.group_size`` adjacent rows) and
     their statistics, by ``algo.adv_*``."""
-    algo = run.recipe.algo
+    a, g = run.recipe.algo, run.recipe.train.group_size
     return group_advantages(
-        rewards_B,
-        run.recipe.train.group_size,
-        eps=algo.adv_eps,
-        std_normalize=algo.adv_std_normalize,
-        unbiased=algo.adv_std_unbiased,
+        rewards_B, g, eps=a.adv_eps, std_normalize=a.adv_std_normalize, unbiased=a.adv_std_unbiased
     )
 
 

@@ -7,6 +7,7 @@ Every rank of a torchrun / Slurm job calls :func:`run` with the same recipe.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable
 
 import torch
@@ -16,6 +17,7 @@ from moe_rl.tasks.base import make_rng
 from moe_rl.trainer.context import Run, checkpoint_root
 from moe_rl.trainer.hooks import OptimizerStep, StepHook
 from moe_rl.trainer.loop import run_rl
+from moe_rl.trainer.progress import Progress
 from moe_rl.trainer.run_lock import hold_run_dir
 from moe_rl.trainer.sft import run_sft
 from moe_rl.trainer.state import Checkpointer
@@ -71,10 +73,16 @@ def run(
     """
     with hold_run_dir(recipe.train.out_dir):  # one run per folder (run_lock.py), before any write
         check_out_dir(recipe, resume=resume, fresh=fresh)
+        rank0 = os.environ.get("RANK", "0") == "0"  # no process group yet: torchrun's RANK
+        Progress(recipe.train.out_dir, enabled=rank0).phase(
+            "start", "process groups, the policy and its weights"
+        )
         the_run = Run(recipe, write_recipe=False)  # written once the resume, if any, succeeded
         try:
             for hook in hooks:
                 the_run.add_hook(hook)
+            if resume:
+                the_run.phases.phase("resume", "the newest intact checkpoint")
             resumed = resume and the_run.resume()
             the_run.write_recipe()
             if not resumed and recipe.checkpoint.load:
@@ -108,7 +116,9 @@ def _run_stages(run: Run, resumed: bool) -> dict[str, dict[str, float]]:
         run.state.finished.append(stage)
         run.state.completed[stage] = steps
         run.state.step = 0
+        run.phases.phase("checkpoint", f"the finished {stage} stage")
         run.save()
+    run.phases.phase("done")
     if resumed and not results:
         done = ", ".join(f"{s} {run.state.completed.get(s, '?')} steps" for s in run.state.finished)
         log.info(

@@ -20,7 +20,7 @@ import torch
 
 from moe_rl.config import AlgoConfig
 from moe_rl.losses import group_advantages, sequence_kl
-from tests.unit.test_losses import counts, grad, make_batch, run
+from tests.unit.test_losses import grad, make_batch, run
 
 ALGOS = ("grpo", "gspo", "gspo_token")
 
@@ -58,7 +58,12 @@ def trl_agg(per_token_loss, mask, loss_type):
     return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-MOE_AGG = {"seq-mean-token-mean": "seq_mean", "token-mean": "token_mean", "grpo": "seq_mean", "bnpo": "token_mean"}
+MOE_AGG = {
+    "seq-mean-token-mean": "seq_mean",
+    "token-mean": "token_mean",
+    "grpo": "seq_mean",
+    "bnpo": "token_mean",
+}
 VERL_NAME = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
 
 
@@ -81,8 +86,13 @@ def test_the_kl_loss_term_is_verls(name, estimator, agg):
     lp, rf = clean(logp, mask), clean(ref, mask)
     theirs = coef * verl_agg(verl_kld(lp, rf, VERL_NAME[estimator]), mask, agg)
     torch.testing.assert_close(with_kl - base, theirs, rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(grad(with_kl, logp) - grad(base, logp), grad(theirs, logp), rtol=1e-10, atol=1e-14)
-    assert float(m1["loss/kl"]) == pytest.approx(float(theirs.detach()), rel=1e-12) and float(m0["loss/kl"]) == 0.0
+    torch.testing.assert_close(
+        grad(with_kl, logp) - grad(base, logp), grad(theirs, logp), rtol=1e-10, atol=1e-14
+    )
+    assert (
+        float(m1["loss/kl"]) == pytest.approx(float(theirs.detach()), rel=1e-12)
+        and float(m0["loss/kl"]) == 0.0
+    )
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo"])
@@ -118,7 +128,10 @@ def test_the_estimators_are_referencemds():
     torch.testing.assert_close(k3(logp, ref), torch.exp(d) - 1 - d)
     # sampled from p, the three estimate KL(p || q); k1 and k3 without bias
     g = torch.Generator().manual_seed(0)
-    p, q = torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64), torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    p, q = (
+        torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64),
+        torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64),
+    )
     x = torch.multinomial(p, 400_000, replacement=True, generator=g)
     exact = float((p * (p / q).log()).sum())
     for fn in (k1, k3):
@@ -236,7 +249,9 @@ def test_the_reference_forward_replays_the_training_routes(tmp_path, parallel_in
                 own = run.policy.logprobs(batch.tokens_BT, temperature=recipe.train.temperature).logp_BT
         m = batch.mask_BT.bool()
         torch.testing.assert_close(got[m], want[m], rtol=0, atol=1e-5)
-        torch.testing.assert_close(got[m], batch.ref_logp_BT[m], rtol=0, atol=1e-5)  # the same weights as at step 0
+        torch.testing.assert_close(
+            got[m], batch.ref_logp_BT[m], rtol=0, atol=1e-5
+        )  # the same weights as at step 0
         assert float((own[m] - want[m]).abs().max()) > 1e-3  # its own routing would give other log-probs
     finally:
         run.close()

@@ -56,7 +56,8 @@ def test_megatron_logs_at_warning_unless_verbose(restore_logging, capsys, verbos
 
 
 def test_summary_table_shows_the_key_metrics_of_each_stage():
-    """The stages' key metrics, one per line under their stage, values in 4 significant digits;
+    """The stages' key metrics, one per line under their stage, values in 4 significant digits (rates
+    in percent, with their % sign);
     the other metrics (in metrics.jsonl) and non-numbers left out; the wall time and the JSONL path
     on the first line. Planted bugs killed: the full dict printed; a key metric dropped; a stage
     name repeated on every line."""
@@ -81,8 +82,8 @@ def test_summary_table_shows_the_key_metrics_of_each_stage():
         "       grad_norm               5.833",
         "       step_s                  0.3796",
         "rl     reward/mean             0.25",
-        "       eval/accuracy           0.5",
-        "       flip/step/rate          0.001234",
+        "       eval/accuracy           50.00%",  # rates in percent (issue 49: one unit per quantity)
+        "       flip/step/rate          0.12%",
         "       experts/load_imbalance  1.432",
         "       time/step               2.5",
     ]
