@@ -108,19 +108,22 @@ def cmd_train(args) -> int:
 
 
 def cmd_check(args) -> int:
-    """Load and validate a recipe (and its task's data) without starting anything; print it resolved."""
+    """Load and validate a recipe (and its task's data) without starting anything; print it resolved,
+    then what it detected (the model, tokenizer, data layout, reward signature, run) as YAML comments."""
     from pathlib import Path
 
     import yaml
 
     from moe_rl.config import load_recipe, to_dict
+    from moe_rl.detected import detected
     from moe_rl.preflight import check_hf_path, preflight
 
     recipe = load_recipe(args.recipe, args.overrides)
     tokenizer = recipe.model.tokenizer
     check_hf_path(recipe)  # the folder it starts from: here, with config.json and weights
+    tok = task = None
     if tokenizer == "char" or Path(tokenizer).is_dir():
-        preflight(recipe)
+        tok, task = preflight(recipe)
     else:  # a cluster recipe checked on another machine: its fields are checked, its data cannot be
         logging.getLogger("moe_rl").warning(
             "model.tokenizer=%s is not here: the task's data, prompt lengths and held-out split are "
@@ -128,6 +131,7 @@ def cmd_check(args) -> int:
             tokenizer,
         )
     print(yaml.safe_dump(to_dict(recipe), sort_keys=False))
+    print("# detected:\n" + "\n".join(f"#   {line}" for line in detected(recipe, tok, task)))
     return 0
 
 

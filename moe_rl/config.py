@@ -744,6 +744,8 @@ def recipe_from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) ->
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (data or {}).items()}
     for k, v in parse_overrides(overrides):
         set_path(data, k, v)
+    if isinstance(data.get("algo"), dict) and data["algo"].get("beta") in (0, 0.0):
+        del data["algo"]["beta"]  # every recipe.yaml saved before algo.kl_coef holds algo.beta: 0.0
     if isinstance(data.get("model"), dict):
         data["model"] = with_hf_architecture(data["model"], _model_field)
     return build_dataclass(Recipe, data)

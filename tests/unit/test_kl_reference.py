@@ -300,10 +300,12 @@ def test_the_kl_in_the_reward_shapes_the_advantages(tmp_path, parallel_info, var
         run.close()
 
 
-def test_the_reference_is_checkpointed_and_resumed(tmp_path, parallel_info, varied_rewards):
+def test_the_reference_is_checkpointed_and_resumed(tmp_path, parallel_info, varied_rewards, caplog):
     """3 RL steps straight, against 2 steps then the run continued to 3 (``--resume`` with more
     steps): the continued run loads the reference saved at the RL start (not the weights it resumed
-    with), so its third step's KL equals the straight run's."""
+    with), so its third step's KL equals the straight run's. The resume names the RL step it
+    continues after (it said "at rl step 0" before issue 49)."""
+    import logging
     from dataclasses import replace
 
     from moe_rl.trainer.metrics import read_metrics
@@ -317,7 +319,10 @@ def test_the_reference_is_checkpointed_and_resumed(tmp_path, parallel_info, vari
     run(straight)
     cut = rl_only("cut")
     run(replace(cut, train=replace(cut.train, rl_steps=2)))
-    run(cut, resume=True)
+    with caplog.at_level(logging.INFO, logger="moe_rl.trainer.state"):
+        run(cut, resume=True)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resumed from")]
+    assert len(said) == 1 and said[0].endswith("after rl step 2 (the stage finished)"), said
     want = {r["step"]: r for r in read_metrics(tmp_path / "straight" / "metrics.jsonl", "rl")}
     got = {r["step"]: r for r in read_metrics(tmp_path / "cut" / "metrics.jsonl", "rl")}
     assert sorted(got) == sorted(want) == [0, 1, 2]
