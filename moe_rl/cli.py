@@ -287,7 +287,8 @@ def cmd_export(args) -> int:
         policy = build_policy(recipe.model, recipe.parallel, info)
         if source and what != "model.hf_path":  # build_policy imported model.hf_path
             load_checkpoint(source, policy.model, load_rng=False)
-        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+        dtype_name = args.dtype or recipe.model.dtype  # the dtype the policy trained in, unless asked
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
         with _replacing_file(Path(args.out)):
             export_hf(policy, args.out, tokenizer=load_tokenizer(recipe.model.tokenizer), dtype=dtype)
     except NonFiniteWeights as e:
@@ -295,7 +296,12 @@ def cmd_export(args) -> int:
     finally:
         if owns_dist:
             destroy_parallel()
-    print(f"exported to {args.out} from " + (f"{source} ({what})" if source else what))
+    why = "--dtype" if args.dtype else "model.dtype, the dtype the policy trained in; --dtype to choose"
+    print(
+        f"exported to {args.out} from "
+        + (f"{source} ({what})" if source else what)
+        + f" in {dtype_name} ({why})"
+    )
     return 0
 
 
@@ -415,7 +421,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="export the randomly initialised policy when nothing else is given",
     )
-    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    e.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bfloat16", "float32"],
+        help="the weights' dtype in the export (default: model.dtype, the dtype the policy trained in)",
+    )
     e.add_argument(
         "--overwrite",
         action="store_true",
