@@ -12,18 +12,13 @@ import time
 from pathlib import Path
 
 from moe_rl.argparsing import ArgParser, one_line_errors
-
-QUIET_LOGGERS = ("megatron",)
-"Libraries whose INFO lines (DDP buckets, optimizer config, FSDP detection) show only with ``-v``."
-QUIET_WARNING_MODULES = ("megatron",)
-"""Modules whose warnings are off unless ``-v``: megatron-core's (Transformer Engine / Apex
-fallbacks on CPU, its deprecations such as "tp_group is None"); every one a start printed was
-raised there (measured with every warning shown)."""
+from moe_rl.quiet import quiet_dependencies
 
 
 def _setup_logging(verbose: bool) -> None:
     """Log lines as ``HH:MM:SS LEVEL name: message`` (DEBUG with ``-v``); megatron-core's loggers at
-    WARNING and its known warnings off, unless ``verbose`` (then INFO, and every warning). Under
+    WARNING and the dependencies' warnings no user caused off (:mod:`moe_rl.quiet`), unless
+    ``verbose`` (then INFO, and every warning). Under
     torchrun or Slurm (``WORLD_SIZE`` > 1) each line names its rank, and ranks other than 0 log
     warnings and errors only, unless ``verbose``: one progress line per step, not one per rank."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1") or 1), os.environ.get("RANK", "0")
@@ -35,14 +30,7 @@ def _setup_logging(verbose: bool) -> None:
         datefmt="%H:%M:%S",
     )
     logging.getLogger("moe_rl.rank").setLevel(logging.INFO)  # each rank's one start line
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
-    if verbose:
-        return
-    import warnings
-
-    for module in QUIET_WARNING_MODULES:
-        warnings.filterwarnings("ignore", module=module)
+    quiet_dependencies(verbose)  # megatron-core's INFO lines and the warnings it causes: -v shows them
 
 
 SUMMARY_KEYS: dict[str, tuple[str, ...]] = {

@@ -76,7 +76,14 @@ class ModelNotFound(LookupError):
 
 def model_not_found(message: str) -> dict:
     """OpenAI's error object for an unknown ``model`` (status 404)."""
-    return {"error": {"message": message, "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+    return {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
 
 
 def check_kind(value: Any, kind: str) -> bool:

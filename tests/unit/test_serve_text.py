@@ -197,7 +197,14 @@ def test_generate_stop_strings_cut_tokens_and_text(scripted):
 def test_completions_choices_n_max_tokens_and_usage(scripted, sglang_openai):
     c, _ = scripted
     models = sglang_openai[0] or {}
-    body = {"model": "tiny-moe", "prompt": ["ab", "cde"], "n": 3, "max_tokens": 4, "seed": 1, "temperature": 0.5}
+    body = {
+        "model": "tiny-moe",
+        "prompt": ["ab", "cde"],
+        "n": 3,
+        "max_tokens": 4,
+        "seed": 1,
+        "temperature": 0.5,
+    }
     r = c.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     out = r.json()
