@@ -16,6 +16,7 @@ plain lists of ``moe_rl.names``, so importing this module imports no torch. Vali
 from __future__ import annotations
 
 import importlib.util
+import os
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -31,6 +32,7 @@ from moe_rl.configlib import (
     require_in,
     require_positive,
     require_registered,
+    resolve_paths,
     set_path,
 )
 from moe_rl.configlib import read_yaml_with_includes as read_recipe_data
@@ -59,9 +61,11 @@ RECIPE_PATHS = (
     "rollout.sglang.model_path",
 )
 """The recipe keys naming files the run reads. Written in a recipe file, a relative one is relative
-to that file's folder (made absolute as it loads); given on the command line (an override), to the
-current folder. Where a run writes (train.out_dir, checkpoint.dir, rollout.weight_sync_dir) stays
-relative to the current folder: ``moe-rl train recipes/x.yaml`` writes under ./runs, not recipes/."""
+to that file's folder; given on the command line (an override) or in a dict built in Python, to the
+current folder; either is made absolute as the recipe loads (so the recipe.yaml a run saves reads
+the same files from anywhere). Where a run writes (train.out_dir, checkpoint.dir,
+rollout.weight_sync_dir) stays relative to the current folder: ``moe-rl train recipes/x.yaml``
+writes under ./runs, not recipes/."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -736,7 +740,9 @@ class Recipe:
 
 
 def recipe_from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Build a :class:`Recipe` from a parsed YAML mapping plus overrides.
+    """Build a :class:`Recipe` from a parsed YAML mapping plus overrides. Relative paths of
+    :data:`RECIPE_PATHS` left in it (overrides, a mapping built in code) are made absolute against
+    the current folder (:func:`load_recipe` has made a file's own absolute against its folder).
 
     With ``model.hf_path``, the model's architecture fields the recipe leaves unset are read from
     that folder's ``config.json``, and one it sets that disagrees is refused
@@ -744,6 +750,9 @@ def recipe_from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) ->
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (data or {}).items()}
     for k, v in parse_overrides(overrides):
         set_path(data, k, v)
+    # what is still relative (an override, a dict built in Python) is relative to the current folder;
+    # made absolute now, so that the recipe.yaml a run saves names the same files from anywhere
+    data = resolve_paths(data, os.getcwd(), RECIPE_PATHS)
     if isinstance(data.get("algo"), dict) and data["algo"].get("beta") in (0, 0.0):
         del data["algo"]["beta"]  # every recipe.yaml saved before algo.kl_coef holds algo.beta: 0.0
     if isinstance(data.get("model"), dict):

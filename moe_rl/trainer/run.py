@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from moe_rl.config import Recipe
+from moe_rl.mainguard import check_main_guard
 from moe_rl.tasks.base import make_rng
 from moe_rl.trainer.context import Run, checkpoint_root
 from moe_rl.trainer.hooks import OptimizerStep, StepHook
@@ -71,6 +72,7 @@ def run(
     (:class:`~moe_rl.trainer.signals.StopRequested`). ``hooks``: called after each optimizer step
     of every stage, after the flip probe (:meth:`Run.add_hook`, :mod:`moe_rl.trainer.hooks`).
     """
+    check_main_guard("training")  # a checkpoint save starts a child process: the script needs its guard
     with hold_run_dir(recipe.train.out_dir):  # one run per folder (run_lock.py), before any write
         check_out_dir(recipe, resume=resume, fresh=fresh)
         rank0 = os.environ.get("RANK", "0") == "0"  # no process group yet: torchrun's RANK

@@ -91,14 +91,32 @@ def test_a_relative_recipe_path_gives_the_same_files(project, monkeypatch):
 
 
 def test_command_line_paths_are_relative_to_the_current_folder(project, monkeypatch):
+    """(made absolute against it as the recipe loads)"""
     monkeypatch.chdir(project)
     recipe = load_recipe(
         project / "exp" / "my.yaml",
         ["task.jsonl.path=exp/data/test.jsonl", "model.tokenizer=char", "task.jsonl.reward_fn=mod:fn"],
     )
-    assert recipe.task.jsonl.path == "exp/data/test.jsonl"
+    assert recipe.task.jsonl.path == str(project / "exp" / "data" / "test.jsonl")
     assert recipe.task.jsonl.reward_fn == "mod:fn"
     assert recipe.model.tokenizer == "char"
+
+
+def test_the_saved_recipe_reads_the_same_files_from_its_own_folder(project, tmp_path, monkeypatch):
+    """A run's recipe.yaml (to_dict of the resolved recipe) loads back to the same recipe from the
+    run's folder, whatever held the paths relative: the file, an override, a dict."""
+    from moe_rl.config import recipe_from_dict, to_dict
+
+    monkeypatch.chdir(project)
+    recipe = load_recipe(project / "exp" / "my.yaml", ["task.jsonl.heldout_path=exp/data/test.jsonl"])
+    saved = tmp_path / "run" / "recipe.yaml"
+    write(saved, to_dict(recipe))
+    monkeypatch.chdir(tmp_path)
+    assert load_recipe(saved) == recipe
+    monkeypatch.chdir(project)
+    task = {"name": "jsonl", "jsonl": {"path": "exp/data/train.jsonl"}}
+    built = recipe_from_dict({"task": task, "train": {"stages": ["rl"]}})
+    assert built.task.jsonl.path == str(project / "exp" / "data" / "train.jsonl")
 
 
 def test_module_functions_char_and_absolute_paths_are_kept(tmp_path):
