@@ -225,7 +225,9 @@ def cmd_report(args) -> int:
         raise UserError(f"run {bad[0]!r}: write NAME=DIR or DIR")
     runs = dict(r.split("=", 1) if "=" in r else (r.rstrip("/").split("/")[-1], r) for r in args.runs)
     out = Path(args.out)
-    png = out if out.suffix else out.with_suffix(".png")  # the file matplotlib writes for a bare name
+    png = (
+        out if out.suffix or out.is_dir() else out.with_suffix(".png")
+    )  # matplotlib adds .png to a bare name
     table, _ = report(runs, png)
     print(table)
     print(f"curves: {png}; table: {png.with_suffix('.csv')}, {png.with_suffix('.md')}")

@@ -177,7 +177,7 @@ def test_the_paired_difference_pairs_runs_by_seed():
             "--seeds '9001,x': give a count (3) or seeds >= 0 separated by commas (9001,9002,9003)",
         ),
         (
-            ["--seeds", "-1,2"],
+            ["--seeds=-1,2"],
             "--seeds '-1,2': give a count (3) or seeds >= 0 separated by commas (9001,9002,9003)",
         ),
         (["--seeds", "5,5"], "--seeds '5,5' names a seed twice: give each once"),
