@@ -9,7 +9,8 @@ and the time left, so that slow can be told from stuck.
   ``sft step 12/300 | 0.83 s/step | ETA 3:59 | loss ...``.
   Seconds per step are the phase's wall time so far over its steps so far (evaluations included).
 - ``<out_dir>/progress.json`` holds the same (phase, step, total, s/step, ETA, the shown fields),
-  rewritten atomically at every change: ``moe-rl compare`` reads it for its status lines.
+  rewritten atomically at every change while the run lives (removed when it ends, as a lock file
+  is): ``moe-rl compare`` reads it for its status lines.
 """
 
 from __future__ import annotations
@@ -92,6 +93,13 @@ class Progress:
 
     def close(self) -> None:
         self._close_bar()
+
+    def remove(self) -> None:
+        """The run ended (however): ``progress.json`` goes (a run killed outright leaves it, and the
+        next start of the run replaces it)."""
+        self._close_bar()
+        if self.enabled:
+            (self.out_dir / PROGRESS_FILE).unlink(missing_ok=True)
 
     def _bar_step(self, done: int, fields: dict[str, str]) -> None:
         if self._bar is None:

@@ -76,25 +76,31 @@ def run(
     with hold_run_dir(recipe.train.out_dir):  # one run per folder (run_lock.py), before any write
         check_out_dir(recipe, resume=resume, fresh=fresh)
         rank0 = os.environ.get("RANK", "0") == "0"  # no process group yet: torchrun's RANK
-        Progress(recipe.train.out_dir, enabled=rank0).phase(
-            "start", "process groups, the policy and its weights"
-        )
-        the_run = Run(recipe, write_recipe=False)  # written once the resume, if any, succeeded
+        progress = Progress(recipe.train.out_dir, enabled=rank0)
+        progress.phase("start", "process groups, the policy and its weights")
         try:
-            for hook in hooks:
-                the_run.add_hook(hook)
-            if resume:
-                the_run.phases.phase("resume", "the newest intact checkpoint")
-            resumed = resume and the_run.resume()
-            the_run.write_recipe()
-            if not resumed and recipe.checkpoint.load:
-                the_run.checkpointer.load_weights(recipe.checkpoint.load)
-            if not resumed and recipe.train.start_jitter:
-                jitter_weights(the_run.policy, recipe.train.start_jitter, recipe.train.seed)
-            with the_run.signals:
-                return _run_stages(the_run, resumed)
+            return _run(recipe, resume, hooks)
         finally:
-            the_run.close()
+            progress.remove()  # progress.json says where a live run is: it goes with the run
+
+
+def _run(recipe: Recipe, resume: bool, hooks) -> dict[str, dict[str, float]]:
+    the_run = Run(recipe, write_recipe=False)  # written once the resume, if any, succeeded
+    try:
+        for hook in hooks:
+            the_run.add_hook(hook)
+        if resume:
+            the_run.phases.phase("resume", "the newest intact checkpoint")
+        resumed = resume and the_run.resume()
+        the_run.write_recipe()
+        if not resumed and recipe.checkpoint.load:
+            the_run.checkpointer.load_weights(recipe.checkpoint.load)
+        if not resumed and recipe.train.start_jitter:
+            jitter_weights(the_run.policy, recipe.train.start_jitter, recipe.train.seed)
+        with the_run.signals:
+            return _run_stages(the_run, resumed)
+    finally:
+        the_run.close()
 
 
 def _run_stages(run: Run, resumed: bool) -> dict[str, dict[str, float]]:
