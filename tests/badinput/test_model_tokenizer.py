@@ -90,24 +90,22 @@ def test_an_explicit_tokenizer_is_kept(tmp_path, start_copy, caplog):
     assert not caplog.records
 
 
-@recipe_case
-def test_check_refuses_a_tokenizer_that_disagrees_with_the_models_vocabulary(cli, tmp_path, start_copy):
-    """48 ids against the model's 104 rows: another model's tokenizer (the char tokenizer on a
-    Qwen3 folder is the same story at 104 against 151,936)."""
-    own_tokenizer(start_copy, 48)
-    cli("check", hf_recipe(tmp_path, start_copy)).one_line(
-        r"configuration error: model\.tokenizer=.*model has 48 ids and model\.hf_path=.*model a vocabulary "
-        r"of 104: they disagree .* give the model's own tokenizer"
-    )
+REFUSED = {
+    # 48 ids against the model's 104 rows: another model's tokenizer (the char tokenizer on a Qwen3
+    # folder is the same story at 104 against 151,936)
+    48: r"configuration error: model\.tokenizer=.*model has 48 ids and model\.hf_path=.*model a vocabulary "
+    r"of 104: they disagree .* give the model's own tokenizer",
+    # more ids than the model has rows
+    200: r"configuration error: model\.hf_path=.*'s model\.vocab_size=104 is smaller than the tokenizer's "
+    r"\d+ ids .*give the model's own tokenizer",
+}
 
 
 @recipe_case
-def test_check_refuses_a_tokenizer_larger_than_the_model(cli, tmp_path, start_copy):
-    own_tokenizer(start_copy, 200)
-    cli("check", hf_recipe(tmp_path, start_copy)).one_line(
-        r"configuration error: model\.hf_path=.*'s model\.vocab_size=104 is smaller than the tokenizer's "
-        r"\d+ ids .*give the model's own tokenizer"
-    )
+@pytest.mark.parametrize("ids", sorted(REFUSED))
+def test_check_refuses_a_tokenizer_whose_vocabulary_disagrees_with_the_models(cli, tmp_path, start_copy, ids):
+    own_tokenizer(start_copy, ids)
+    cli("check", hf_recipe(tmp_path, start_copy)).one_line(REFUSED[ids])
 
 
 @recipe_case
