@@ -43,28 +43,31 @@ SGLANG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 class RankedSGLangEngine:
-    """SGLangEngine on every rank; weight pushes and (colocated) memory calls from rank 0 only,
-    between barriers, so no engine releases its memory while another rank still generates."""
+    """SGLangEngine on every rank; weight pushes and (colocated) memory calls from rank 0 only.
+
+    Colocated, the memory calls come from the trainer, ordered with its own memory and between
+    barriers on every rank (:mod:`moe_rl.trainer.colocate`): every rank's inner engine follows
+    which tags are resident, rank 0's makes the calls."""
 
     def __init__(self, inner: SGLangEngine, rank: int):
         self.inner, self.rank = inner, rank
         inner.auto_memory = False
+        inner.calls_memory = rank == 0
 
     @property
     def weight_version(self) -> str:
         return self.inner.weight_version
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
-        if self.inner.colocated:
-            if self.rank == 0:
-                self.inner.resume_memory()
-            dist.barrier()
-        rollouts = self.inner.generate(prompts, n, sampling)
-        if self.inner.colocated:
-            dist.barrier()
-            if self.rank == 0:
-                self.inner.release_memory()
-        return rollouts
+        return self.inner.generate(prompts, n, sampling)
+
+    def resume_memory(self, phase: str = "rollout") -> None:
+        """Colocated: the engines take back what ``phase`` needs (rank 0 calls them)."""
+        self.inner.resume_memory(phase)
+
+    def release_memory(self) -> None:
+        """Colocated: the engines give back all their memory (rank 0 calls them)."""
+        self.inner.release_memory()
 
     def update_weights(self, source: HFStateSource, version: str) -> str:
         if self.rank == 0:
@@ -291,6 +294,7 @@ def launch_fleet(recipe: Recipe, out: Path, model_path: str, *, multi_node: bool
                 module=cfg.module,
                 gpu_ids=mask,
                 enable_memory_saver=cfg.colocate,
+                enable_weights_cpu_backup=cfg.colocate,  # a rollout after a rollout keeps its weights
                 api_key=cfg.api_key,
                 admin_api_key=cfg.admin_api_key,
             )
@@ -347,6 +351,8 @@ def build_sglang_engine(
     key = cfg.admin_api_key or cfg.api_key
     kw = {"timeout_s": rollout_cfg.timeout_s, "retries": rollout_cfg.retries}
     engines = [SGLangClient(u, api_key=key, **kw) for u in urls]
+    if cfg.colocate and fleet is None and (cfg.url is not None or isinstance(cfg.engines, list)):
+        check_colocated_servers(engines)
     front = SGLangClient(router_url, api_key=cfg.api_key, **kw) if router_url else engines[0]
     sync = _weight_sync(rollout_cfg, out, engines) if rank == 0 else None
     inner = SGLangEngine(
@@ -364,6 +370,21 @@ def build_sglang_engine(
         verify_every=rollout_cfg.verify_every,
     )
     return RankedSGLangEngine(inner, rank)
+
+
+def check_colocated_servers(engines: list[SGLangClient]) -> None:
+    """Attached colocated engines must release memory (``--enable-memory-saver``) and keep their
+    weights across a release (``--enable-weights-cpu-backup``: without it SGLang frees them, and a
+    rollout that follows another without a push would serve garbage). A server that does not say
+    (``moe-rl serve``, which keeps its weights) is taken as it is."""
+    for e in engines:
+        info = e.server_info()
+        for flag in ("enable_memory_saver", "enable_weights_cpu_backup"):
+            if info.get(flag) is False:
+                raise ConfigError(
+                    f"rollout.sglang.colocate=true but {e.base_url} runs without --{flag.replace('_', '-')}: "
+                    "relaunch it with --enable-memory-saver --enable-weights-cpu-backup, or set colocate=false"
+                )
 
 
 def _launch_on_rank0(recipe: Recipe, out: Path, model_path: str, multi_node: bool, rank: int):
