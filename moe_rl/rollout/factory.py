@@ -72,18 +72,26 @@ class RankedSGLangEngine:
     def update_weights(self, source: HFStateSource, version: str) -> str:
         if self.rank == 0:
             self.inner.update_weights(source, version)
-        else:
-            from moe_rl.rollout.weight_sync.session import source_tensors
+        else:  # the source's gathers are collective (and a colocated push's payloads): take part
+            contribute = getattr(self.inner.weight_sync, "contribute", None)
+            if contribute is not None:
+                contribute(source)
+            else:
+                from moe_rl.rollout.weight_sync.session import source_tensors
 
-            for _ in source_tensors(source, dist.group_device()):  # the gathers are collective: take part
-                pass
+                for _ in source_tensors(source, dist.group_device()):
+                    pass
             self.inner.weight_version = version
         dist.barrier()
         return version
 
     def close(self) -> None:
+        """Rank 0: the weight sync and its launched engines (and router); another node's first rank:
+        the engines it launched."""
         if self.rank == 0:
             self.inner.close()
+        elif self.inner.launcher is not None:
+            self.inner.launcher.stop()
 
 
 def trainer_gpus(env: dict[str, str] | None = None) -> list[int]:
@@ -140,13 +148,10 @@ def spans_nodes(env: Mapping[str, str] | None = None) -> bool:
 def trainer_spans_nodes(env: Mapping[str, str] | None = None) -> bool:
     """Whether the trainer's ranks are on more than one node, the same answer on every rank
     (collective): :func:`spans_nodes` on any rank, or ranks on different hosts."""
-    import torch.distributed as tdist
-
     here = (socket.gethostname(), spans_nodes(env))
     if dist.world_size() < 2:
         return here[1]
-    every: list = [None] * dist.world_size()
-    tdist.all_gather_object(every, here)
+    every = dist.all_gather_object(here)
     return any(flag for _, flag in every) or len({host for host, _ in every}) > 1
 
 
@@ -257,18 +262,33 @@ def engine_gpus(cfg: SGLangConfig, n: int, trainer: list[int]) -> list[tuple[int
         raise ConfigError(str(e)) from e
 
 
-def launch_fleet(recipe: Recipe, out: Path, model_path: str, *, multi_node: bool | None = None):
-    """Rank 0: launch the engines (and the router with 2+) the recipe asks for, logging under
+def launch_fleet(
+    recipe: Recipe,
+    out: Path,
+    model_path: str,
+    *,
+    multi_node: bool | None = None,
+    masks: list[tuple[int, ...] | None] | None = None,
+    first: int = 0,
+    address: tuple[str, str] | None = None,
+    router: bool = True,
+):
+    """Launch the engines (and the router with 2+) the recipe asks for on this node, logging under
     ``out/logs``; returns (Fleet, engine URLs, router URL).
 
     ``multi_node``: whether the trainer spans several nodes (None: :func:`spans_nodes`); the
-    engines then listen where the other nodes reach them (:func:`engine_address`)."""
+    engines then listen where the other nodes reach them (:func:`engine_address`). One node's
+    share of colocated engines across nodes (:func:`moe_rl.rollout.colocated.launch_on_every_node`):
+    ``masks`` their GPUs, ``first`` the index of the first, ``address`` this node's (bind, dial),
+    no ``router``."""
     from moe_rl.rollout.sglang_launcher import SGLangLauncher, SGLangServerConfig
-    from moe_rl.rollout.sglang_router import Fleet, SGLangRouterLauncher
+    from moe_rl.rollout.sglang_router import Fleet
 
     cfg = recipe.rollout.sglang
-    bind, dial = engine_address(cfg, multi_node=spans_nodes() if multi_node is None else multi_node)
-    masks = engine_gpus(cfg, cfg.num_engines, trainer_gpus())
+    bind, dial = address or engine_address(
+        cfg, multi_node=spans_nodes() if multi_node is None else multi_node
+    )
+    masks = engine_gpus(cfg, cfg.num_engines, trainer_gpus()) if masks is None else masks
     dtype = SGLANG_DTYPES[recipe.rollout_dtype]
     if dtype != recipe.model.dtype:
         log.info(
@@ -280,7 +300,7 @@ def launch_fleet(recipe: Recipe, out: Path, model_path: str, *, multi_node: bool
     launchers = []
     fleet = Fleet(launchers)
     try:
-        for i, mask in enumerate(masks):
+        for i, mask in enumerate(masks, first):
             server_cfg = SGLangServerConfig(
                 model_path=model_path,
                 tp_size=cfg.tp,
@@ -306,22 +326,31 @@ def launch_fleet(recipe: Recipe, out: Path, model_path: str, *, multi_node: bool
             launchers.append(launcher)
             launcher.start()
         urls = [launcher.url for launcher in launchers]
-        router_url = cfg.router_url
-        if len(urls) > 1 and router_url is None:
-            fleet.router = SGLangRouterLauncher(
-                urls,
-                host=bind,
-                policy=cfg.router_policy,
-                api_key=cfg.api_key,
-                log_path=Path(out) / "logs" / "sglang-router.log",
-                request_timeout_s=recipe.rollout.timeout_s,
-            )
-            fleet.router.start()
-            router_url = f"http://{host_port(dial, fleet.router.port)}"  # not 0.0.0.0 / ::
+        router_url = start_router(recipe, out, fleet, urls, (bind, dial)) if router else None
     except BaseException:
         fleet.stop()
         raise
     return fleet, urls, router_url
+
+
+def start_router(recipe: Recipe, out: Path, fleet, urls: list[str], address: tuple[str, str]) -> str | None:
+    """The router URL: ``rollout.sglang.router_url``, else (2+ engines) sglang-router launched here
+    over ``urls`` at ``address`` (bind, dial), owned by ``fleet``; None for one engine."""
+    from moe_rl.rollout.sglang_router import SGLangRouterLauncher
+
+    cfg = recipe.rollout.sglang
+    if len(urls) < 2 or cfg.router_url is not None:
+        return cfg.router_url
+    fleet.router = SGLangRouterLauncher(
+        urls,
+        host=address[0],
+        policy=cfg.router_policy,
+        api_key=cfg.api_key,
+        log_path=Path(out) / "logs" / "sglang-router.log",
+        request_timeout_s=recipe.rollout.timeout_s,
+    )
+    fleet.router.start()
+    return f"http://{host_port(address[1], fleet.router.port)}"  # not 0.0.0.0 / ::
 
 
 def build_sglang_engine(
@@ -345,7 +374,12 @@ def build_sglang_engine(
             from moe_rl.megatron.hf import export_hf
 
             export_hf(policy, model_path, tokenizer=tokenizer)
-        fleet, urls, router_url = _launch_on_rank0(recipe, out, model_path, multi_node, rank)
+        if cfg.colocate and multi_node:  # colocated engines on every node (slime's layout)
+            from moe_rl.rollout.colocated import launch_on_every_node
+
+            fleet, urls, router_url = launch_on_every_node(recipe, out, model_path, rank)
+        else:
+            fleet, urls, router_url = _launch_on_rank0(recipe, out, model_path, multi_node, rank)
     if len(urls) > 1 and router_url is None:
         raise ConfigError("rollout.sglang.engines lists several URLs: set rollout.sglang.router_url too")
     key = cfg.admin_api_key or cfg.api_key
@@ -354,7 +388,8 @@ def build_sglang_engine(
     if cfg.colocate and fleet is None and (cfg.url is not None or isinstance(cfg.engines, list)):
         check_colocated_servers(engines)
     front = SGLangClient(router_url, api_key=cfg.api_key, **kw) if router_url else engines[0]
-    sync = _weight_sync(rollout_cfg, out, engines) if rank == 0 else None
+    tensor = rollout_cfg.weight_sync == "tensor"  # every rank builds its own GPU's payloads
+    sync = _weight_sync(rollout_cfg, out, engines) if rank == 0 or tensor else None
     inner = SGLangEngine(
         front,
         engines=engines,
@@ -426,8 +461,13 @@ def _weight_sync(rollout_cfg: RolloutConfig, out: Path, engines: list[SGLangClie
     tp_sizes = [rollout_cfg.sglang.tp] * len(engines)
     if rollout_cfg.weight_sync == "disk":
         return DiskWeightSync(engines, rollout_cfg.weight_sync_dir or Path(out) / "weights")
-    if rollout_cfg.weight_sync == "tensor":
-        return TensorWeightSync(engines, tp_sizes=tp_sizes, timeout_s=rollout_cfg.timeout_s)
+    if rollout_cfg.weight_sync == "tensor":  # collective: every rank builds its engine rank's payloads
+        from moe_rl.rollout.colocated import colocated_payload_ranks
+
+        ranks = colocated_payload_ranks(rollout_cfg.sglang, len(engines))
+        return TensorWeightSync(
+            engines, tp_sizes=tp_sizes, timeout_s=rollout_cfg.timeout_s, payload_ranks=ranks
+        )
     return DistributedWeightSync(
         engines,
         tp_sizes=tp_sizes,
