@@ -69,10 +69,17 @@ class RankedSGLangEngine:
         """Colocated: the engines give back all their memory (rank 0 calls them)."""
         self.inner.release_memory()
 
+    def take_push_probes(self) -> list | None:
+        """Rank 0's probes of a due push check, on every rank (collective when one is due)."""
+        if self.inner.verifier.score_due is None:
+            return None
+        return dist.broadcast_object(self.inner.take_push_probes())
+
     def update_weights(self, source: HFStateSource, version: str) -> str:
         if self.rank == 0:
             self.inner.update_weights(source, version)
         else:  # the source's gathers are collective (and a colocated push's payloads): take part
+            self.inner.verifier.count(version)  # a check is due on every rank alike
             contribute = getattr(self.inner.weight_sync, "contribute", None)
             if contribute is not None:
                 contribute(source)
@@ -403,6 +410,8 @@ def build_sglang_engine(
         max_concurrency=cfg.max_concurrency,
         colocated=cfg.colocate,
         verify_every=rollout_cfg.verify_every,
+        vocab_size=tokenizer.vocab_size,
+        context=model_cfg.max_seq_len,
     )
     return RankedSGLangEngine(inner, rank)
 

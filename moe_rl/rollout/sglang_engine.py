@@ -104,6 +104,8 @@ class SGLangEngine:
         max_concurrency: int = 256,
         colocated: bool = False,
         verify_every: int = 0,
+        vocab_size: int | None = None,
+        context: int | None = None,
     ):
         self.client, self.engines, self.pad_id = client, list(engines or [client]), pad_id
         self.num_layers, self.topk, self.num_experts = num_layers, topk, num_experts
@@ -122,8 +124,9 @@ class SGLangEngine:
         "Resume before each rollout or push and release after it here (False: the caller orders them)."
         self._warned_direct = False
         self.last_push = None
-        self.verifier = PushVerifier(verify_every, num_layers, num_experts)
-        "Reads pushed weights back by name after the first push and every ``verify_every`` (0: never)."
+        self.verifier = PushVerifier(verify_every, num_layers, num_experts, vocab_size, context or 128)
+        """Checks the first push and every ``verify_every``-th (0: never): read-back by name, and (with
+        ``vocab_size``) the engines' scores of a probe at the next rollout (:meth:`take_push_probes`)."""
 
     def served_version(self) -> str:
         """The weight_version every engine serves; SGLangError if they disagree."""
@@ -152,6 +155,8 @@ class SGLangEngine:
             return self._generate(prompts, n, sampling)
 
     def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
+        if self.calls_memory:  # the rank that calls the engines probes them for a due push check
+            self.verifier.probe(self.engines)
         rows = [list(p) for p in prompts for _ in range(n)]
         params = [
             to_sglang_sampling_params(sampling, None if sampling.seed is None else sampling.seed + b)
@@ -408,7 +413,7 @@ class SGLangEngine:
         """Push ``source`` to every engine; they then serve ``version`` (checked per engine)."""
         if self.weight_sync is None:
             raise ValueError("SGLangEngine(weight_sync=...) is needed to push weights")
-        source, tee = self.verifier.tee(source)
+        source, tee = self.verifier.tee(source, version)
         try:
             with self._phase("push"):
                 self.last_push = self.weight_sync.push(source, version)
@@ -424,6 +429,12 @@ class SGLangEngine:
         self._weights_uncertain = None
         self.weight_version = version
         return version
+
+    def take_push_probes(self) -> list | None:
+        """The engines' side of the push check due at this rollout (:mod:`~moe_rl.rollout.weight_sync.verify`:
+        each engine's continuation of a fixed prompt with its log-probs), for the trainer to score
+        (:func:`~moe_rl.rollout.weight_sync.verify.check_scores`); None when none is due."""
+        return self.verifier.take()
 
     def close(self) -> None:
         """Destroy the weight-update group and stop launched servers (and the router)."""

@@ -358,7 +358,31 @@ class Run:
         trainer's memory on the host where it shares the GPUs (:meth:`memory_for_engine`)."""
         with self.memory_for_engine("rollout"):  # a rollout reads no trainer tensor
             rollouts = self.engine.generate(prompt_ids, n, sampling)
+        self.check_push()
         return rollouts.to(self.info.device)
+
+    @torch.no_grad()
+    def check_push(self) -> None:
+        """After a rollout that took a due push check's probes (``rollout.verify_every``): the
+        trainer scores the tokens each engine scored, without route noise; WeightSyncError when an
+        engine's scores are off (:func:`moe_rl.rollout.weight_sync.verify.check_scores`)."""
+        take = getattr(self.engine, "take_push_probes", None)
+        probes = take() if take is not None else None
+        if not probes:
+            return
+        from moe_rl.rollout.weight_sync.verify import check_scores, score_tolerance
+
+        noise, self.policy.route_noise = self.policy.route_noise, RouteNoise()
+        try:
+            mine = [
+                self.policy.logprobs(torch.tensor([p.tokens])).logp_BT[0, p.prompt_len :].tolist()
+                for p in probes
+            ]
+        finally:
+            self.policy.route_noise = noise
+        r = self.recipe
+        tolerance = score_tolerance(r.model.dtype, r.rollout_dtype, r.rollout.verify_tolerance)
+        check_scores(probes, mine, tolerance, self.engine.weight_version)
 
     def push_weights(self) -> None:
         """The policy's weights to the engine, which then serves version ``optimizer.step_count``."""

@@ -184,7 +184,7 @@ def _launch_worker(rank: int, path_s: str) -> None:
     )
     seen: dict = {}
     engine = factory.build_sglang_engine(
-        recipe, policy=None, tokenizer=SimpleNamespace(pad_id=0), out=path, rank=rank
+        recipe, policy=None, tokenizer=SimpleNamespace(pad_id=0, vocab_size=16), out=path, rank=rank
     )
     fleet = engine.inner.launcher
     seen["launched_here"] = [lc.url for lc in fleet.launchers] if fleet is not None else []
@@ -196,7 +196,7 @@ def _launch_worker(rank: int, path_s: str) -> None:
     _Launcher.fail = rank == 1  # node 1 cannot launch: every rank says so
     try:
         factory.build_sglang_engine(
-            recipe, policy=None, tokenizer=SimpleNamespace(pad_id=0), out=path, rank=rank
+            recipe, policy=None, tokenizer=SimpleNamespace(pad_id=0, vocab_size=16), out=path, rank=rank
         )
     except Exception as e:  # noqa: BLE001 - what each rank raised
         seen["failure"] = f"{type(e).__name__}: {e}"
