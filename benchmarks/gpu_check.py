@@ -6,6 +6,9 @@ Sections, in order, each timed; a failure is recorded (traceback summary) and th
 
 - ``device``: torch / CUDA / Triton versions, the device, and its measured dense matmul rate
   (bf16 8192^3 ``torch.mm`` timed with CUDA events; fp32 on CPU). Every rate below divides by it.
+- ``colocated``: colocated SGLang's two CUDA checks (``benchmarks.gpu_colocated``): a push's CUDA IPC
+  bucket opened by an unrelated process with SGLang's own deserializer, bit for bit; ``HostOffload``
+  on CUDA storages, device memory freed and taken back (``torch.cuda.mem_get_info``), bit-equal.
 - ``tests``: ``pytest tests/gpu`` in a subprocess (junit XML parsed): every test's id and outcome.
 - ``rl_step``: one trainer ``rl_step`` of the tiny policy with the embedded engine for every
   algorithm (grpo, gspo, gspo_token) x routing (none, r2, r3), and a resume check: 2 steps in one
@@ -53,14 +56,17 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu_colocated import colocated_headline, section_colocated  # noqa: E402
+
 ALGOS = ("grpo", "gspo", "gspo_token")
 ROUTINGS = ("none", "r2", "r3")
-SECTIONS = ("device", "tests", "rl_step", "kernels", "moe_1b", "mismatch")
+SECTIONS = ("device", "colocated", "tests", "rl_step", "kernels", "moe_1b", "mismatch")
 SECTION_S = {"device": 30, "tests": 120, "rl_step": 60, "kernels": 150, "moe_1b": 75, "mismatch": 45}
 """Each section's cap in seconds on the GPU (480 in all: `make gpu-check`'s budget; the run's
 remaining budget caps each too). In-process sections check their cap between items (a mode, a
 kernel configuration, an RL step), so one long item can run past it."""
 DRY_SECTION_S = {"device": 10, "tests": 40, "rl_step": 40, "kernels": 30, "moe_1b": 30, "mismatch": 30}
+SECTION_S["colocated"] = DRY_SECTION_S["colocated"] = 30  # benchmarks.gpu_colocated
 
 # -- what the GPU machine lacks (`make gpu-wheels`) --------------------------------------------------
 WHEELS_EXTRA = ("pytest", "pytest-timeout", "pip")
@@ -976,6 +982,7 @@ def section_mismatch(ck: Check, cap: float) -> dict:
 
 SECTION_FNS = {
     "device": section_device,
+    "colocated": section_colocated,
     "tests": section_tests,
     "rl_step": section_rl_step,
     "kernels": section_kernels,
@@ -995,6 +1002,9 @@ def headline(doc: dict) -> dict:
     if "matmul" in d:
         h["matmul_tflops"] = d["matmul"]["tflops"]
         h["matmul_dtype"] = d["matmul"]["dtype"]
+    c = _result(s.get("colocated"))
+    if c:
+        h["colocated"] = colocated_headline(c)
     t = _result(s.get("tests"))
     if t:
         h["tests"] = {k: t.get(k) for k in ("passed", "failed", "error", "skipped")}
