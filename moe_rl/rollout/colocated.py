@@ -6,7 +6,7 @@ trainer (slime's layout): ``rollout.sglang.engines`` engines in all, spread even
 each node's tiled over its trainer GPUs (or ``rollout.sglang.gpus``) ``rollout.sglang.tp`` at a
 time (:func:`colocated_placement`). The first rank of each node launches that node's engines,
 listening where every node reaches them, and rank 0 starts sglang-router over all of them
-(:func:`launch_on_every_node`). A colocated push hands each engine rank a CUDA IPC handle to a
+(:func:`moe_rl.rollout.factory.launch_on_every_node`). A colocated push hands each engine rank a CUDA IPC handle to a
 bucket built by the trainer rank on the same GPU (:func:`colocated_payload_ranks`, read by
 :class:`~moe_rl.rollout.weight_sync.tensor.TensorWeightSync`): a handle opens only on a GPU its
 reader sees, and an engine's ``CUDA_VISIBLE_DEVICES`` holds its own GPUs alone.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,7 +27,6 @@ from moe_rl import dist
 from moe_rl.config import ConfigError
 
 if TYPE_CHECKING:
-    from moe_rl.config import Recipe
     from moe_rl.sglang_config import SGLangConfig
 
 Placement = list[tuple[int, tuple[int, ...] | None]]
@@ -43,10 +41,23 @@ def node_of(env: Mapping[str, str] | None = None) -> int:
     return int(env.get("RANK", "0") or 0) // max(1, int(env.get("LOCAL_WORLD_SIZE", "1") or 1))
 
 
+def trainer_gpus(env: dict[str, str] | None = None) -> list[int]:
+    """Physical GPU ids this node's trainer ranks use (rank i on visible device i)."""
+    env = os.environ if env is None else env
+    if not torch.cuda.is_available():
+        return []
+    local = int(env.get("LOCAL_WORLD_SIZE", "1"))
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    ids = (
+        [int(x) for x in visible.split(",") if x.strip()]
+        if visible
+        else list(range(torch.cuda.device_count()))
+    )
+    return ids[:local]
+
+
 def rank_gpu() -> int | None:
     """This rank's GPU as the node numbers them (its ``CUDA_VISIBLE_DEVICES`` entry), None without CUDA."""
-    from moe_rl.rollout.factory import trainer_gpus
-
     if not torch.cuda.is_available():
         return None
     gpus = trainer_gpus({**os.environ, "LOCAL_WORLD_SIZE": str(torch.cuda.device_count())})
@@ -110,85 +121,3 @@ def colocated_payload_ranks(cfg: SGLangConfig, engines: int) -> list[list[int]] 
     if any(g is None for _, g in layout):
         return None
     return payload_ranks(colocated_placement(cfg, engines, layout), layout)
-
-
-def own_address(cfg: SGLangConfig, node: int, env: Mapping[str, str] | None = None) -> tuple[str, str]:
-    """(bind, dial) of engines launched on ``node``: rank 0's node as
-    :func:`moe_rl.rollout.factory.engine_address` says; another node at its own routable address,
-    the local end of its route to ``$MASTER_ADDR`` (all interfaces with a wildcard host)."""
-    from moe_rl.rollout.factory import engine_address
-    from moe_rl.rollout.weight_sync.address import is_loopback, is_wildcard, route_address
-
-    if node == 0:
-        return engine_address(cfg, multi_node=True, env=env)
-    env = os.environ if env is None else env
-    if cfg.host is not None and not is_wildcard(cfg.host):
-        raise ConfigError(
-            f"rollout.sglang.host={cfg.host} names one address, but colocated engines run on every node: leave "
-            "it unset (each node's routable address) or use 0.0.0.0 with rollout.sglang.api_key"
-        )
-    master = env.get("MASTER_ADDR")
-    address = route_address(master) if master else None
-    if not address or is_loopback(address.strip("[]")):
-        raise ConfigError(
-            f"node {node} has no routable address toward $MASTER_ADDR={master} for its colocated engines: "
-            "run the trainer with MASTER_ADDR set to rank 0's routable address"
-        )
-    address = address.strip("[]")
-    return (cfg.host, address) if cfg.host is not None else (address, address)
-
-
-def launch_on_every_node(recipe: Recipe, out: Path, model_path: str, rank: int):
-    """Each node's first rank launches that node's colocated engines; rank 0 the router over all
-    of them. Every rank returns (its Fleet or None, every engine URL in placement order, router
-    URL); a failure on any node is raised on every rank. Collective."""
-    from moe_rl.rollout.factory import launch_fleet, start_router
-    from moe_rl.rollout.sglang_launcher import SGLangLaunchError
-
-    cfg = recipe.rollout.sglang
-    layout = trainer_layout()
-    node = layout[rank][0]
-    fleet = urls = failure = None
-    try:
-        placement = colocated_placement(cfg, cfg.num_engines, layout)
-        if rank == min(r for r, (n, _) in enumerate(layout) if n == node):
-            mine = [i for i, (n, _) in enumerate(placement) if n == node]
-            fleet, urls, _ = launch_fleet(
-                recipe,
-                out,
-                model_path,
-                masks=[placement[i][1] for i in mine],
-                first=mine[0],
-                address=own_address(cfg, node),
-                router=False,
-            )
-    except Exception as e:  # noqa: BLE001 - raised on every rank below
-        failure = e
-    every = dist.all_gather_object((urls or [], _said(failure, node)))
-    errors = [err for _, err in every if err is not None]
-    router_url = None
-    if not errors and rank == 0:
-        try:
-            router_url = start_router(
-                recipe, out, fleet, [url for node_urls, _ in every for url in node_urls], own_address(cfg, 0)
-            )
-        except Exception as e:  # noqa: BLE001 - raised on every rank below
-            failure = e
-    router_url, error = dist.broadcast_object((router_url, _said(failure, node) if rank == 0 else None))
-    errors += [error] if error else []
-    if errors:
-        if fleet is not None:
-            fleet.stop()
-        is_config, message = errors[0]
-        raise (ConfigError(message) if is_config else SGLangLaunchError(message)) from failure
-    return fleet, [url for node_urls, _ in every for url in node_urls], router_url
-
-
-def _said(failure: Exception | None, node: int) -> tuple[bool, str] | None:
-    """A failure as every rank can raise it: (is a ConfigError, one line naming the node)."""
-    if failure is None:
-        return None
-    first = (str(failure).splitlines() or [""])[0] or type(failure).__name__
-    return isinstance(
-        failure, ConfigError
-    ), f"node {node} could not launch its colocated SGLang engines: {first}"

@@ -21,11 +21,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from moe_rl import dist
 from moe_rl.config import ConfigError
 from moe_rl.dist import host_port
+from moe_rl.rollout.colocated import trainer_gpus
 from moe_rl.rollout.sglang_client import SGLangClient, url_host
 from moe_rl.rollout.sglang_engine import SGLangEngine
 from moe_rl.rollout.types import HFStateSource, Rollouts, SamplingParams
@@ -99,21 +98,6 @@ class RankedSGLangEngine:
             self.inner.close()
         elif self.inner.launcher is not None:
             self.inner.launcher.stop()
-
-
-def trainer_gpus(env: dict[str, str] | None = None) -> list[int]:
-    """Physical GPU ids this node's trainer ranks use (rank i on visible device i)."""
-    env = os.environ if env is None else env
-    if not torch.cuda.is_available():
-        return []
-    local = int(env.get("LOCAL_WORLD_SIZE", "1"))
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    ids = (
-        [int(x) for x in visible.split(",") if x.strip()]
-        if visible
-        else list(range(torch.cuda.device_count()))
-    )
-    return ids[:local]
 
 
 def pin_nccl_for_engines(recipe, *, nccl: bool) -> str | None:
@@ -382,8 +366,6 @@ def build_sglang_engine(
 
             export_hf(policy, model_path, tokenizer=tokenizer)
         if cfg.colocate and multi_node:  # colocated engines on every node (slime's layout)
-            from moe_rl.rollout.colocated import launch_on_every_node
-
             fleet, urls, router_url = launch_on_every_node(recipe, out, model_path, rank)
         else:
             fleet, urls, router_url = _launch_on_rank0(recipe, out, model_path, multi_node, rank)
@@ -483,3 +465,83 @@ def _weight_sync(rollout_cfg: RolloutConfig, out: Path, engines: list[SGLangClie
         master_address=rollout_cfg.sglang.trainer_address,
         timeout_s=rollout_cfg.timeout_s,
     )
+
+
+def own_address(cfg: SGLangConfig, node: int, env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """(bind, dial) of engines launched on ``node``: rank 0's node as
+    :func:`moe_rl.rollout.factory.engine_address` says; another node at its own routable address,
+    the local end of its route to ``$MASTER_ADDR`` (all interfaces with a wildcard host)."""
+
+    if node == 0:
+        return engine_address(cfg, multi_node=True, env=env)
+    env = os.environ if env is None else env
+    if cfg.host is not None and not is_wildcard(cfg.host):
+        raise ConfigError(
+            f"rollout.sglang.host={cfg.host} names one address, but colocated engines run on every node: leave "
+            "it unset (each node's routable address) or use 0.0.0.0 with rollout.sglang.api_key"
+        )
+    master = env.get("MASTER_ADDR")
+    address = route_address(master) if master else None
+    if not address or is_loopback(address.strip("[]")):
+        raise ConfigError(
+            f"node {node} has no routable address toward $MASTER_ADDR={master} for its colocated engines: "
+            "run the trainer with MASTER_ADDR set to rank 0's routable address"
+        )
+    address = address.strip("[]")
+    return (cfg.host, address) if cfg.host is not None else (address, address)
+
+
+def launch_on_every_node(recipe: Recipe, out: Path, model_path: str, rank: int):
+    """Each node's first rank launches that node's colocated engines; rank 0 the router over all
+    of them. Every rank returns (its Fleet or None, every engine URL in placement order, router
+    URL); a failure on any node is raised on every rank. Collective."""
+    from moe_rl.rollout.colocated import colocated_placement, trainer_layout
+    from moe_rl.rollout.sglang_launcher import SGLangLaunchError
+
+    cfg = recipe.rollout.sglang
+    layout = trainer_layout()
+    node = layout[rank][0]
+    fleet = urls = failure = None
+    try:
+        placement = colocated_placement(cfg, cfg.num_engines, layout)
+        if rank == min(r for r, (n, _) in enumerate(layout) if n == node):
+            mine = [i for i, (n, _) in enumerate(placement) if n == node]
+            fleet, urls, _ = launch_fleet(
+                recipe,
+                out,
+                model_path,
+                masks=[placement[i][1] for i in mine],
+                first=mine[0],
+                address=own_address(cfg, node),
+                router=False,
+            )
+    except Exception as e:  # noqa: BLE001 - raised on every rank below
+        failure = e
+    every = dist.all_gather_object((urls or [], _said(failure, node)))
+    errors = [err for _, err in every if err is not None]
+    router_url = None
+    if not errors and rank == 0:
+        try:
+            router_url = start_router(
+                recipe, out, fleet, [url for node_urls, _ in every for url in node_urls], own_address(cfg, 0)
+            )
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            failure = e
+    router_url, error = dist.broadcast_object((router_url, _said(failure, node) if rank == 0 else None))
+    errors += [error] if error else []
+    if errors:
+        if fleet is not None:
+            fleet.stop()
+        is_config, message = errors[0]
+        raise (ConfigError(message) if is_config else SGLangLaunchError(message)) from failure
+    return fleet, [url for node_urls, _ in every for url in node_urls], router_url
+
+
+def _said(failure: Exception | None, node: int) -> tuple[bool, str] | None:
+    """A failure as every rank can raise it: (is a ConfigError, one line naming the node)."""
+    if failure is None:
+        return None
+    first = (str(failure).splitlines() or [""])[0] or type(failure).__name__
+    return isinstance(
+        failure, ConfigError
+    ), f"node {node} could not launch its colocated SGLang engines: {first}"

@@ -166,7 +166,7 @@ def _launch_worker(rank: int, path_s: str) -> None:
     from types import SimpleNamespace
 
     from moe_rl.config import recipe_from_dict
-    from moe_rl.rollout import colocated, factory, sglang_launcher, sglang_router
+    from moe_rl.rollout import factory, sglang_launcher, sglang_router
 
     path = Path(path_s)
     os.environ.update(
@@ -174,7 +174,7 @@ def _launch_worker(rank: int, path_s: str) -> None:
     )
     torch.distributed.init_process_group("gloo", init_method=f"file://{path}/store", rank=rank, world_size=2)
     here = ("127.0.0.1", "127.0.0.1")  # both "nodes" are this machine: loopback is routable between them
-    colocated.own_address = lambda cfg, node, env=None: here
+    factory.own_address = lambda cfg, node, env=None: here
     factory.engine_address = lambda cfg, multi_node, env=None: here
     factory.check_reachable = lambda *a, **k: None
     sglang_launcher.SGLangLauncher, sglang_router.SGLangRouterLauncher = _Launcher, _Router
