@@ -344,12 +344,33 @@ def start_router(recipe: Recipe, out: Path, fleet, urls: list[str], address: tup
     return f"http://{host_port(address[1], fleet.router.port)}"  # not 0.0.0.0 / ::
 
 
+def engine_start(recipe: Recipe, *, policy: Policy, tokenizer: Tokenizer, out: Path) -> str | None:
+    """The checkpoint launched engines start from: ``rollout.sglang.model_path``, else ``policy`` as
+    it is now, exported with ``tokenizer`` to ``out/hf_init`` (collective); None for attached engines."""
+    cfg = recipe.rollout.sglang
+    if cfg.url is not None or isinstance(cfg.engines, list):
+        return None
+    if cfg.model_path:
+        return cfg.model_path
+    from moe_rl.megatron.hf import export_hf
+
+    path = str(Path(out) / "hf_init")
+    export_hf(policy, path, tokenizer=tokenizer)
+    return path
+
+
 def build_sglang_engine(
-    recipe: Recipe, *, policy: Policy, tokenizer: Tokenizer, out: Path, rank: int
+    recipe: Recipe,
+    *,
+    policy: Policy,
+    tokenizer: Tokenizer,
+    out: Path,
+    rank: int,
+    model_path: str | None = None,
 ) -> RankedSGLangEngine:
     """The SGLang engine of ``recipe`` on trainer rank ``rank``: attach to the recipe's URLs, or
-    launch engines on rank 0 (from ``policy`` exported with ``tokenizer`` to ``out/hf_init``
-    unless rollout.sglang.model_path names a checkpoint; logs and disk weight sync under ``out``)."""
+    launch engines (from ``model_path``, else :func:`engine_start`'s; logs and disk weight sync
+    under ``out``)."""
     rollout_cfg, model_cfg = recipe.rollout, recipe.model
     cfg = rollout_cfg.sglang
     fleet, router_url = None, cfg.router_url
@@ -360,11 +381,7 @@ def build_sglang_engine(
             urls, router_url, multi_node=multi_node, what="rollout.sglang.url / engines / router_url"
         )
     else:
-        model_path = cfg.model_path or str(Path(out) / "hf_init")
-        if not cfg.model_path:  # the server starts from the policy as it is now
-            from moe_rl.megatron.hf import export_hf
-
-            export_hf(policy, model_path, tokenizer=tokenizer)
+        model_path = model_path or engine_start(recipe, policy=policy, tokenizer=tokenizer, out=out)
         if cfg.colocate and multi_node:  # colocated engines on every node (slime's layout)
             fleet, urls, router_url = launch_on_every_node(recipe, out, model_path, rank)
         else:

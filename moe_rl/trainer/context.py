@@ -343,12 +343,12 @@ class Run:
             )
             self.engine_gives_routes = True  # free: captured during generation
         else:
-            from moe_rl.rollout.factory import build_sglang_engine
+            from moe_rl.rollout.factory import build_sglang_engine, engine_start
 
+            kw = {"policy": self.policy, "tokenizer": self.tok, "out": self.out}
+            start = engine_start(self.recipe, **kw)  # the export reads the weights: before they leave
             with self.memory_for_engine("launch"):  # colocated: engines start beside no trainer state
-                self.engine = build_sglang_engine(
-                    self.recipe, policy=self.policy, tokenizer=self.tok, out=self.out, rank=self.info.rank
-                )
+                self.engine = build_sglang_engine(self.recipe, rank=self.info.rank, model_path=start, **kw)
             self.engine_gives_routes = self.recipe.algo.routing == "r3"
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
