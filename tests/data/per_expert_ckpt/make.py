@@ -17,8 +17,18 @@ import torch
 
 warnings.filterwarnings("ignore")
 HERE = Path(__file__).parent
-MODEL = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
-             head_dim=8, moe_ffn_hidden_size=32, num_experts=4, moe_router_topk=2, max_seq_len=64)
+MODEL = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=8,
+    moe_ffn_hidden_size=32,
+    num_experts=4,
+    moe_router_topk=2,
+    max_seq_len=64,
+)
 
 
 def batch(step: int):
