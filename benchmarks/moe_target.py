@@ -143,7 +143,7 @@ def drawn_on_device():
 
 @torch.no_grad()
 def draw(policy, std: float = 0.02) -> None:
-    for name, p in policy.model.named_parameters():
+    for p in policy.model.parameters():
         if p.dim() == 1:
             p.fill_(1.0)
         else:
