@@ -355,3 +355,27 @@ def test_a_stacked_projection_takes_one_gradient_add_in_ddp(parallel_info, tiny_
     )
     for w, g in zip(weights, want):
         torch.testing.assert_close(w.main_grad, g, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_weighted_swiglu_computes_the_unfused_values(parallel_info, tiny_model_cfg, monkeypatch):
+    """``bias_activation_fusion`` (on where CUDA and Triton are) runs megatron-core's weighted SwiGLU
+    function: its formula and its hand-written backward (here eagerly, its compiler off: the CPU form of
+    the fused op) give the unfused path's outputs and gradients, the routing probabilities' included."""
+    import torch._dynamo
+
+    from moe_rl.megatron.local_layers import GroupedExperts
+
+    ours, _ = _pair(tiny_model_cfg)
+    experts = next(m for m in ours.modules() if isinstance(m, GroupedExperts))
+    x = torch.randn(9, tiny_model_cfg.hidden_size, requires_grad=True)
+    probs = torch.rand(9, requires_grad=True)
+    cnt = torch.tensor([2, 0, 4, 3])
+    results = []
+    for fused in (False, True):
+        monkeypatch.setattr(experts, "_fused_glu", fused)
+        with torch._dynamo.config.patch(disable=True):
+            y, _ = experts(x, cnt, probs)
+            w = torch.linspace(-1, 1, y.numel()).view_as(y)
+            results.append((y, *torch.autograd.grad((y * w).sum(), [x, probs, experts.linear_fc1.weight])))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
