@@ -126,7 +126,7 @@ NEWEST_DEV ?= pytest pytest-timeout transformers tokenizers
 MEGATRON_NEWEST_TESTS ?= tests/unit/test_megatron_versions.py tests/unit/test_checkpoint_specs.py \
 	tests/unit/test_local_layers.py tests/unit/test_policy.py tests/unit/test_optim.py \
 	tests/unit/test_routing_replay.py tests/unit/test_replay_pitfall.py tests/unit/test_packing.py tests/unit/test_packed_rope.py \
-	tests/unit/test_hf.py tests/unit/test_decode.py \
+	tests/unit/test_hf.py tests/unit/test_decode.py tests/unit/test_dispatch.py tests/unit/test_checkpoint_old_layout.py \
 	'tests/dist/test_parallel_equivalence.py::test_layout_matches_single_process[layout0]' \
 	'tests/dist/test_hf_parallel.py::test_import_export_at_layout[tp2ep2]'
 
