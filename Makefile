@@ -32,10 +32,10 @@ test-dist: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q tests/gpu
 
-# planted bugs against the tests (benchmarks/mutate.py): on demand, not in CI; MUTATE_REV=<commit> for an older one
+# planted bugs against the tests (tools/mutate.py): on demand, not in CI; MUTATE_REV=<commit> for an older one
 MUTATE_REV ?= HEAD
 mutate: $(STAMP)
-	$(BIN)/python -m benchmarks.mutate --rev $(MUTATE_REV)
+	$(BIN)/python -m tools.mutate --rev $(MUTATE_REV)
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
@@ -70,7 +70,7 @@ gpu-wheels: $(STAMP)
 	# pyproject's dependencies and build requirements + what the check needs, less torch and
 	# triton (the GPU's own), numpy (the image's), tensorboard (optional); megatron-core without
 	# its dependencies (torch, numpy, packaging)
-	$(BIN)/python -m benchmarks.gpu_check --requirements $(GPU_WHEELS_EXTRA) > $(WHL)/requirements.txt
+	$(BIN)/python -m tools.gpu_check --requirements $(GPU_WHEELS_EXTRA) > $(WHL)/requirements.txt
 	$(GPU_DOWNLOAD) -r $(WHL)/requirements.txt
 	$(GPU_DOWNLOAD) --no-deps "$(GPU_MEGATRON)"
 	du -sh $(WHL)
@@ -88,7 +88,7 @@ gpu-check:
 	$(GPU_VENV)/bin/python -m pip install -q --no-index --find-links $(WHL) -r $(WHL)/requirements.txt
 	$(GPU_VENV)/bin/python -m pip install -q --no-index --find-links $(WHL) --no-deps "$(GPU_MEGATRON)"
 	$(GPU_VENV)/bin/python -m pip install -q --no-index --find-links $(WHL) --no-deps -e .
-	PYTHONUNBUFFERED=1 MOE_RL_COMMIT=$(GPU_COMMIT) timeout -k 15 $(GPU_CHECK_S) $(GPU_VENV)/bin/python -m benchmarks.gpu_check \
+	PYTHONUNBUFFERED=1 MOE_RL_COMMIT=$(GPU_COMMIT) timeout -k 15 $(GPU_CHECK_S) $(GPU_VENV)/bin/python -m tools.gpu_check \
 		--budget-s $$(( $(GPU_CHECK_S) - 20 )) $(GPU_CHECK_ARGS)
 
 # SGLang's own weight-push decoding for tests/unit/test_sglang_weight_push.py: each version's wheel

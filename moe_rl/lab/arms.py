@@ -44,7 +44,7 @@ VARIANTS: dict[str, dict] = {
     "GRPO+R3+gates": {"of": "GRPO+R3", "overrides": {"algo": {"replay_gate_weights": True}}},
 }
 """Issue 31's arms, each an arm of :data:`ARMS` plus overrides (the noise design's ``extra_arms``,
-recipes/demo/noise.plan.yaml, pre-registered with these values; a test holds them equal): the
+studies/noise/noise.plan.yaml, pre-registered with these values; a test holds them equal): the
 chaos null (GRPO from a start jittered by 1e-7, a no-op whose spread is the yardstick for every
 arm difference), GRPO with the routers frozen in RL, and R3 with the engine's gate weights
 replayed too. ``moe-rl compare`` takes them by name; the benchmarks that default to every arm

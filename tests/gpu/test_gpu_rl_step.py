@@ -5,7 +5,7 @@ the same code (``make gpu-check``, docs/gpu_check.md)."""
 import pytest
 import torch
 
-from benchmarks.gpu_check import ALGOS, ROUTINGS, one_rl_step, resume_check
+from tools.gpu_check import ALGOS, ROUTINGS, one_rl_step, resume_check
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_check import EXTRA_MODES, SECTIONS, requirements
+from tools.gpu_check import EXTRA_MODES, SECTIONS, requirements
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def test_dry_run_finishes_every_section(tmp_path):
     env.pop("OUT", None)
     t0, cpu0 = time.perf_counter(), _children_cpu_s()
     res = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(tmp_path)],
+        [sys.executable, "-m", "tools.gpu_check", "--dry-run", "--out", str(tmp_path)],
         cwd=ROOT,
         env=env,
         capture_output=True,

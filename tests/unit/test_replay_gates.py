@@ -223,19 +223,3 @@ def test_replayed_gates_pass_the_live_gates_gradient_to_the_router(parallel_info
     assert all(
         p.grad is not None and p.grad.any() for p in policy.model.decoder.layers[0].mlp.experts.parameters()
     )
-
-
-def test_the_noise_plans_frozen_and_gates_arms_load_as_the_keys_they_name():
-    """The pre-registered plan (recipes/demo/noise.plan.yaml) names these arms by recipe keys: each
-    loads, and sets what its name says."""
-    from moe_rl.config import load_recipe
-    from moe_rl.lab import noise
-    from moe_rl.lab.arms import DEMO
-
-    plan = noise.load_plan()
-    frozen = load_recipe(DEMO, noise.run_overrides(plan, "moe-noise", "GRPO+frozen", 100))
-    gates = load_recipe(DEMO, noise.run_overrides(plan, "moe-noise", "GRPO+R3+gates", 100))
-    assert (
-        frozen.train.freeze_router and frozen.algo.routing == "none" and not frozen.algo.replay_gate_weights
-    )
-    assert gates.algo.replay_gate_weights and gates.algo.routing == "r3" and not gates.train.freeze_router

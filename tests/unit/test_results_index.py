@@ -1,12 +1,12 @@
-"""benchmarks/results/INDEX.md (issue 33, item 8) is what ``python -m benchmarks.index`` writes:
+"""benchmarks/results/INDEX.md (issue 33, item 8) is what ``python -m tools.index`` writes:
 every result file listed, the current one of each series the newest commit's."""
 
-from benchmarks import index
+from tools import index
 
 
 def test_the_index_is_current():
     assert index.INDEX.read_text() == index.render(), (
-        "benchmarks/results/INDEX.md is stale: run python -m benchmarks.index"
+        "benchmarks/results/INDEX.md is stale: run python -m tools.index"
     )
 
 

@@ -5,16 +5,16 @@ is turned alone: rollout precision (``old_logprobs`` rollout or recompute, no co
 minibatches per rollout batch, response length, routing granularity at equal active size, depth.
 Each (cell, arm, seed) is one run from its cell's SFT start (cached by SFT signature), judged by
 ``moe_rl.lab.collapse.CRITERION`` and :data:`LEARNING`. The plan is data in
-recipes/demo/phase.plan.yaml, written by ``--write-plan`` to
+studies/collapse/phase.plan.yaml, written by ``--write-plan`` to
 benchmarks/results/phase-preregistration.json before any run.
 
-    python -m benchmarks.phase --write-plan
-    python -m benchmarks.phase --stage screen [--jobs 2] [--cells base,minibatches-4] [--dry-run]
-    python -m benchmarks.phase --stage confirm [--jobs 2]     # the best-separating screened cell
-    python -m benchmarks.phase --stage repro [--variant cpu|gpu] [--jobs 2]
-    python -m benchmarks.phase --stage explore [--jobs 2]    # cells outside the plan (EXPLORE)
-    python -m benchmarks.phase --stage screen --report        # tabulate the finished runs only
-    python -m benchmarks.phase --stage smoke                  # tiny end-to-end check
+    python -m studies.collapse.phase --write-plan
+    python -m studies.collapse.phase --stage screen [--jobs 2] [--cells base,minibatches-4] [--dry-run]
+    python -m studies.collapse.phase --stage confirm [--jobs 2]     # the best-separating screened cell
+    python -m studies.collapse.phase --stage repro [--variant cpu|gpu] [--jobs 2]
+    python -m studies.collapse.phase --stage explore [--jobs 2]    # cells outside the plan (EXPLORE)
+    python -m studies.collapse.phase --stage screen --report        # tabulate the finished runs only
+    python -m studies.collapse.phase --stage smoke                  # tiny end-to-end check
 
 Runs: runs/phase/<cell>/<arm>-s<seed>/ (repro: runs/phase/repro-<variant>/<cell>/...); a finished
 run writes status.json and a rerun skips it. Report: benchmarks/results/phase-<machine>-<stage>-
@@ -34,9 +34,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks import collapse
 from benchmarks.common import RESULTS, SMOKE_BASE, commit, machine, positive_int, result_path
-from benchmarks.volatility import PAPER
 from moe_rl.config import load_recipe
 from moe_rl.lab import runner
 from moe_rl.lab.arms import ARMS, DEMO, ROOT, arm_overrides, flatten, start_overrides
@@ -45,13 +43,15 @@ from moe_rl.lab.results import write_json
 from moe_rl.lab.runner import STATUS_FILE, arm_command, cpu_seconds, local_launch, run_when_ready
 from moe_rl.lab.starts import CACHE, cached_start, sft_key, warm_start
 from moe_rl.lab.stats import lstsq, mean
+from studies.collapse import collapse
+from studies.collapse.volatility import PAPER
 
-log = logging.getLogger("benchmarks.phase")
+log = logging.getLogger("studies.collapse.phase")
 PLAN_FILE = ROOT / "benchmarks" / "results" / "phase-preregistration.json"
 RUNS = ROOT / "runs" / "phase"
 
-# -- the pre-registered plan: data in recipes/demo/phase.plan.yaml ------------------------------
-PLAN_YAML = ROOT / "recipes" / "demo" / "phase.plan.yaml"
+# -- the pre-registered plan: data in studies/collapse/phase.plan.yaml ------------------------------
+PLAN_YAML = Path(__file__).resolve().parent / "phase.plan.yaml"
 "The plan as data beside the demo recipe (its comments say what each entry means)."
 
 
@@ -377,7 +377,7 @@ def runs_span_s(statuses: list[dict]) -> float:
 
 
 def analyse(items: list[tuple], statuses: list[dict]) -> list[dict]:
-    """Per run: ``benchmarks.collapse.analyse_run`` plus its cell, CPU time and :func:`learned`."""
+    """Per run: ``studies.collapse.collapse.analyse_run`` plus its cell, CPU time and :func:`learned`."""
     runs = []
     for (c, a, s, _), st in zip(items, statuses):
         r = collapse.analyse_run(a, s, st)
@@ -770,7 +770,7 @@ def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
 
 # -- driver --------------------------------------------------------------------------------------
 def parse(argv):
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.phase", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m studies.collapse.phase", description=__doc__.split("\n")[0])
     ap.add_argument("--stage", default="screen", choices=("screen", "confirm", "repro", "explore", "smoke"))
     ap.add_argument("--cells", default=None, help="comma-separated cells (default: the stage's)")
     ap.add_argument("--variant", default="cpu", choices=REPRO_VARIANTS, help="repro settings")

@@ -4,7 +4,7 @@ import json
 
 
 def test_routing_instruments_smoke(tmp_path, parallel_info):
-    from benchmarks.routing_instruments import main
+    from studies.routing_instruments.routing_instruments import main
 
     out = tmp_path / "ri.json"
     res = main(["--preset", "smoke", "--out", str(out)])

@@ -5,9 +5,9 @@
 once per ATen CPU kernel set (``ATEN_CPU_CAPABILITY``: ``default``, ``avx2``, ``avx512``; the
 machine's own is the last where it has AVX-512), each into its own folder. Per kernel set, per seed
 and arm: the share of RL steps with a token ratio outside [0.5, 2] (the mechanism R2 removes,
-:func:`moe_rl.lab.noise.outlier_steps`) and the held-out accuracy AUC (the outcome,
-:func:`moe_rl.lab.noise.auc`); every arm's seed-paired difference to GRPO
-(:func:`moe_rl.lab.noise.analyse`); the demo's two claims (:func:`mechanism`, :func:`within_noise`);
+:func:`studies.noise.design.outlier_steps`) and the held-out accuracy AUC (the outcome,
+:func:`studies.noise.design.auc`); every arm's seed-paired difference to GRPO
+(:func:`studies.noise.design.analyse`); the demo's two claims (:func:`mechanism`, :func:`within_noise`);
 across kernel sets, whether they hold under each, and how far the kernels alone move one run.
 
 The plan, predictions and rule are pre-registered by ``--write-plan`` into
@@ -15,9 +15,9 @@ benchmarks/results/demo_kernels-dial-preregistration.json, committed before the 
 demo's, GRPO + R3 under routing noise, is ``demo_kernels-preregistration.json`` with its result
 ``demo_kernels-cpu2-x86_64-noise-demo-f26aa0b.json``).
 
-    python -m benchmarks.demo_kernels --write-plan
-    python -m benchmarks.demo_kernels [--caps default avx2 avx512]   # resumable (moe-rl compare)
-    python -m benchmarks.demo_kernels --report                      # what finished
+    python -m studies.noise.demo_kernels --write-plan
+    python -m studies.noise.demo_kernels [--caps default avx2 avx512]   # resumable (moe-rl compare)
+    python -m studies.noise.demo_kernels --report                      # what finished
 
 Runs: runs/demo-kernels-dial/<cap>/<arm>/s<seed>/. Result: benchmarks/results/demo_kernels-<machine>-
 dial-demo-<commit>.json + .png, ``headline``: per kernel set the paired differences to GRPO (AUC and
@@ -37,21 +37,23 @@ import time
 from pathlib import Path
 
 from benchmarks.common import RESULTS, commit, machine, result_path
-from moe_rl.lab import noise
 from moe_rl.lab.arms import DEMO_ARMS, DEMO_SEEDS, arm_dir
 from moe_rl.lab.demo import DEFAULT_RECIPE
 from moe_rl.lab.report import load_arm
 from moe_rl.lab.results import write_json
 from moe_rl.lab.runner import STATUS_FILE
 from moe_rl.lab.stats import mean, paired
+from studies.noise import design as noise
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUNS = ROOT / "runs" / "demo-kernels-dial"
 CAPS = ("default", "avx2", "avx512")
 PLAN_FILE = RESULTS / "demo_kernels-dial-preregistration.json"
 REF, ARM, NULL = DEMO_ARMS
 "GRPO, the arm the demo is about (GRPO + R2) and the chaos null."
 OUTLIERS = "ratio/steps_outside_0.5_2"
+# as pre-registered (PLAN_FILE holds it, a test holds them equal): its text names the paths of the
+# time (benchmarks/, moe_rl/lab/noise.py, recipes/demo/*.plan.yaml), now in studies/noise/
 PLAN = {
     "recipe": DEFAULT_RECIPE,
     "arms": list(DEMO_ARMS),
@@ -135,7 +137,7 @@ def run_cap(cap: str, jobs: int) -> dict:
 
 
 def collect(caps: list[str]) -> dict[tuple[str, str, int], dict]:
-    """(cap, arm, seed) -> :func:`moe_rl.lab.noise.summarize_run` of every finished run."""
+    """(cap, arm, seed) -> :func:`studies.noise.design.summarize_run` of every finished run."""
     out = {}
     for cap in caps:
         for arm in DEMO_ARMS:

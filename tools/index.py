@@ -6,9 +6,9 @@ newest commit in this branch's history (``git rev-list HEAD``), the others super
 whose commit is not in the history (made in a worktree, on a branch that was rebased) is marked so.
 Each row says which docs cite the file. Pre-registrations (no commit in the name) are listed apart.
 
-    python -m benchmarks.index            # rewrite INDEX.md
-    python -m benchmarks.index --check    # exit 1 when INDEX.md is not what it would write
-    python -m benchmarks.index --prune    # delete superseded files no doc, test or code names
+    python -m tools.index            # rewrite INDEX.md
+    python -m tools.index --check    # exit 1 when INDEX.md is not what it would write
+    python -m tools.index --prune    # delete superseded files no doc, test or code names
 
 ``tests/unit/test_results_index.py`` holds INDEX.md to what this writes.
 """
@@ -29,7 +29,7 @@ INDEX = RESULTS / "INDEX.md"
 NAME = re.compile(
     r"^(?P<series>.+)-(?P<commit>[0-9a-f]{7,40})(?P<dirty>-dirty)?(?P<part>-[a-z]+)?\.(?P<ext>\w+)$"
 )
-CITERS = ("README.md", "docs", "tests", "benchmarks", "moe_rl", "recipes")
+CITERS = ("README.md", "docs", "tests", "benchmarks", "studies", "tools", "moe_rl", "recipes", "kernels")
 "Where a result may be named (the results folder itself excluded)."
 
 
@@ -118,7 +118,7 @@ def render() -> str:
     lines = [
         "# Benchmark results: which is current",
         "",
-        "Written by `python -m benchmarks.index` (a test holds this file to it). Per series "
+        "Written by `python -m tools.index` (a test holds this file to it). Per series "
         "(`<bench>-<machine>-<preset>`), the result of the newest commit in the history is current; "
         "older ones are superseded and kept while a doc cites them (`--prune` deletes the rest). "
         "A result's own JSON has a `headline` with the figures its issue names.",
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     text = render()
     if args.check:
         if not INDEX.exists() or INDEX.read_text() != text:
-            print(f"{INDEX} is stale: run python -m benchmarks.index", file=sys.stderr)
+            print(f"{INDEX} is stale: run python -m tools.index", file=sys.stderr)
             return 1
         return 0
     from moe_rl.lab.results import write_text

@@ -22,7 +22,7 @@ GRPO + R2 and GSPO over LR at the reference shape, and experts / top-k over LR. 
 of the depth trend says where the ~10% per step of the GSPO paper's 48-layer Qwen3-30B-A3B
 falls on these curves (``where_10pct`` in the JSON).
 
-    python -m benchmarks.volatility --preset smoke|cpu|gpu [--out FILE.json] [--cache DIR]
+    python -m studies.collapse.volatility --preset smoke|cpu|gpu [--out FILE.json] [--cache DIR]
 
 Writes benchmarks/results/volatility-<machine>-<preset>-<commit>.json and .png.
 """
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from moe_rl.trainer.context import Run
     from moe_rl.trainer.rl import RLBatch
 
-log = logging.getLogger("benchmarks.volatility")
+log = logging.getLogger("studies.collapse.volatility")
 PAPER = {"layers": 48, "experts": 128, "topk": 8, "flip_per_step": 0.10}
 "Qwen3-30B-A3B as the GSPO paper reports it: about 10% of activated experts change per step."
 
@@ -541,7 +541,9 @@ def plot(results: list[dict], fit: dict, p: dict, out_png: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.volatility", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m studies.collapse.volatility", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--preset", default="cpu", choices=PRESETS)
     ap.add_argument(
         "--out", default=None, help="result JSON (default: benchmarks/results/...); PNG beside it"

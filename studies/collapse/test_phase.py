@@ -2,19 +2,16 @@
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks/ is a package there
-
-from benchmarks import phase
 from moe_rl.config import ConfigError, load_recipe
 from moe_rl.lab import arms, starts
 from moe_rl.lab.arms import DEMO, ROOT, flatten
 from moe_rl.lab.collapse import CRITERION
 from moe_rl.lab.starts import sft_key
+from studies.collapse import phase
 
 
 def _keys(overrides: dict) -> set[str]:

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from benchmarks import ladder_kernels as lk
-from moe_rl.lab import noise
+from studies.noise import design as noise
+from studies.noise import ladder_kernels as lk
 
 PLAN = lk.plan_of()
 MODELS = PLAN["ladder"]["models"]

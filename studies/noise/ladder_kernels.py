@@ -1,19 +1,19 @@
 """Issue 31, design (c) under another CPU kernel set: does the README's reading of the critical
 learning-rate ladders hold when ATen's CPU kernels change (``ATEN_CPU_CAPABILITY``)?
 
-Design (c) (recipes/demo/ladder.plan.yaml, benchmarks/results/noise-cpu2-x86_64-c-67f5e3b.json) ran
+Design (c) (studies/noise/ladder.plan.yaml, benchmarks/results/noise-cpu2-x86_64-c-67f5e3b.json) ran
 on this machine's own kernels (AVX-512). This check reruns its ladders for seeds 300-302 under
 another kernel set, from the same SFT starts (design (a)'s, cached), each ladder climbed from the
-bottom until a rung falls (:func:`moe_rl.lab.noise.next_rungs`: the critical learning rate needs no
+bottom until a rung falls (:func:`studies.noise.design.next_rungs`: the critical learning rate needs no
 higher rung), and reads four claims (:func:`claims`) under it, beside the same seeds' ladders on
 the machine's own kernels. How far the kernels alone move a ladder's critical rung is reported too.
 
 The plan, predictions and rule are pre-registered by ``--write-plan`` into
 benchmarks/results/ladder_kernels-preregistration.json, committed before the runs.
 
-    python -m benchmarks.ladder_kernels --write-plan
-    python -m benchmarks.ladder_kernels [--caps default] [--jobs 2]   # resumable
-    python -m benchmarks.ladder_kernels --report                      # what finished
+    python -m studies.noise.ladder_kernels --write-plan
+    python -m studies.noise.ladder_kernels [--caps default] [--jobs 2]   # resumable
+    python -m studies.noise.ladder_kernels --report                      # what finished
 
 Runs: runs/noise-c-kernels/<cap>/<cell>/<arm>-s<seed>/. Result: benchmarks/results/ladder_kernels-
 <machine>-c-<commit>.json + .png, ``headline``: per kernel set every ladder's critical learning
@@ -29,19 +29,22 @@ import os
 from pathlib import Path
 
 from benchmarks.common import RESULTS, commit, machine, result_path
-from benchmarks.demo_kernels import kernel_check_args, run_caps, write_plan
-from benchmarks.noise import collect, execute
-from moe_rl.lab import noise, runner
+from moe_rl.lab import runner
 from moe_rl.lab.results import write_json
 from moe_rl.lab.stats import mean
+from studies.noise import design as noise
+from studies.noise.demo_kernels import kernel_check_args, run_caps, write_plan
+from studies.noise.noise import collect, execute
 
-log = logging.getLogger("benchmarks.ladder_kernels")
-ROOT = Path(__file__).resolve().parents[1]
+log = logging.getLogger("studies.noise.ladder_kernels")
+ROOT = Path(__file__).resolve().parents[2]
 RUNS = ROOT / "runs" / "noise-c-kernels"
 PLAN_FILE = RESULTS / "ladder_kernels-preregistration.json"
 CAPS = ("default", "avx2")
 SEEDS = [300, 301, 302]
 ROUTING_SHARE_MAX = 0.1
+# as pre-registered (PLAN_FILE holds it, a test holds them equal): its text names the paths of the
+# time (benchmarks/, moe_rl/lab/noise.py, recipes/demo/*.plan.yaml), now in studies/noise/
 PLAN = {
     "design": "c",
     "plan": "recipes/demo/ladder.plan.yaml (design (c)), seeds 300-302 only",
@@ -88,7 +91,7 @@ def plan_of(seeds: list[int] = SEEDS) -> dict:
 
 def claims(plan: dict, results: dict, lad: dict) -> dict:
     """The four pre-registered claims (PLAN["claims"]) read from ``results`` (by (cell, arm, seed))
-    and their ladders ``lad`` (:func:`moe_rl.lab.noise.ladder`); each None while a ladder is
+    and their ladders ``lad`` (:func:`studies.noise.design.ladder`); each None while a ladder is
     undecided."""
     if lad["success"]["contrast_n"] != len(plan["seeds"]):
         return dict.fromkeys(PLAN["claims"])
@@ -106,7 +109,7 @@ def claims(plan: dict, results: dict, lad: dict) -> dict:
 
 def critical_rungs(lad: dict) -> dict:
     """``"model/arm/seed" -> critical learning rate`` (inf: censored) of every decided ladder of
-    ``lad`` (:func:`moe_rl.lab.noise.ladder`)."""
+    ``lad`` (:func:`studies.noise.design.ladder`)."""
     out = {}
     for model, m in lad["models"].items():
         for arm, row in m["arms"].items():

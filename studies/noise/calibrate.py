@@ -1,7 +1,7 @@
-"""Calibrate routing noise at identical weights (moe_rl.lab.calibrate): per-router, per-slot and
+"""Calibrate routing noise at identical weights (studies.noise.calibration): per-router, per-slot and
 any-layer two-pass disagreement and k3 for each sigma, against the R3 paper's figures.
 
-    python -m benchmarks.calibrate recipes/demo/closest.yaml [--sigmas 0,0.01,0.03,0.05,0.1]
+    python -m studies.noise.calibrate recipes/demo/closest.yaml [--sigmas 0,0.01,0.03,0.05,0.1]
         [--prompts 16] [--preset closest] [overrides ...]
 
 Writes benchmarks/results/calibrate-<machine>-<preset>-<commit>.json + .png (``headline``: the
@@ -16,12 +16,12 @@ from pathlib import Path
 
 from benchmarks.common import machine, result_path
 from moe_rl.argparsing import ArgParser, one_line_errors
-from moe_rl.lab.calibrate import DEFAULT_SIGMAS, calibrate, format_rows, plot
 from moe_rl.lab.results import write_json
+from studies.noise.calibration import DEFAULT_SIGMAS, calibrate, format_rows, plot
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = ArgParser(prog="python -m benchmarks.calibrate", description=__doc__.split("\n\n")[0])
+    p = ArgParser(prog="python -m studies.noise.calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "recipe", type=Path, help="the recipe whose start is calibrated (e.g. recipes/demo/closest.yaml)"
     )

@@ -18,13 +18,13 @@ smoothed reward curve; a run the trainer stops (non-finite steps) counts as
 collapsed too. Reported per arm: collapsed runs / runs, final and best reward, held-out accuracy,
 clip fractions at both granularities, flip rates, the sequence log-ratio range; curves in a PNG.
 
-    python -m benchmarks.collapse --preset smoke|cpu-short|cpu|gpu [--jobs 2] [--arms GRPO,GSPO]
+    python -m studies.collapse.collapse --preset smoke|cpu-short|cpu|gpu [--jobs 2] [--arms GRPO,GSPO]
         [--set optim.lr=1e-3 ...] [--tag NAME]
     # a paper-scale recipe, unchanged (arms are overrides), each arm launched and waited for:
-    python -m benchmarks.collapse --recipe recipes/cluster/qwen3_30b_a3b_gspo.yaml --seeds 1 \\
+    python -m studies.collapse.collapse --recipe recipes/cluster/qwen3_30b_a3b_gspo.yaml --seeds 1 \\
         --launch "sbatch --wait --nodes=3 launch/slurm.sbatch"      # SGLANG_NODES=1 in the env
-    python -m benchmarks.collapse --recipe ... --dry-run             # print the arm commands
-    python -m benchmarks.collapse --recipe ... --report-only         # tabulate finished arm dirs
+    python -m studies.collapse.collapse --recipe ... --dry-run             # print the arm commands
+    python -m studies.collapse.collapse --recipe ... --report-only         # tabulate finished arm dirs
 
 Writes benchmarks/results/collapse-<machine>-<preset>-<commit>.json and .png.
 """
@@ -60,7 +60,7 @@ from moe_rl.lab.runner import (
 from moe_rl.lab.starts import CACHE, warm_start
 from moe_rl.lab.stats import mean
 
-log = logging.getLogger("benchmarks.collapse")
+log = logging.getLogger("studies.collapse.collapse")
 
 
 # -- presets -------------------------------------------------------------------------------------
@@ -299,7 +299,9 @@ def plot(runs: list[dict], out_png: Path) -> Path:
 
 # -- driver --------------------------------------------------------------------------------------
 def parse(argv):
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.collapse", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m studies.collapse.collapse", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--preset", default="cpu-short", choices=PRESETS)
     ap.add_argument(
         "--recipe", default=None, help="base recipe used unchanged (default: the demo + the preset)"

@@ -18,7 +18,7 @@ Cells are cached as they finish under ``runs/bench_cache/mismatch/<preset>/`` (a
 them); the result is ``benchmarks/results/mismatch-<machine>-<preset>-<commit>.json`` + ``.png``
 with a ``headline``.
 
-    python -m benchmarks.mismatch --preset smoke|cpu
+    python -m studies.mismatch.mismatch --preset smoke|cpu
 """
 
 from __future__ import annotations

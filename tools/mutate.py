@@ -9,7 +9,7 @@ a *survivor* when they pass. A mutant whose line the commit does not have is *no
 (an older commit). The unmutated copy runs every test first: a baseline that fails stops the run.
 
     make mutate                                     # HEAD
-    python -m benchmarks.mutate --rev 3821f12       # the same mutants against an older commit's tests
+    python -m tools.mutate --rev 3821f12       # the same mutants against an older commit's tests
 
 On demand, not in CI (a few minutes). Writes ``benchmarks/results/mutate-<machine>-planted-<rev>.json`` and
 ``.png`` with a ``headline`` (killed, survivors, kill ratio).
@@ -209,17 +209,17 @@ MUTANTS = (
     ),
     Mutant(
         "design (b)'s deciding stage runs without its gate",
-        "benchmarks/noise.py",
+        "studies/noise/noise.py",
         'if verdict["passed"] is not True:',
         "if False:",
-        ("tests/unit/test_noise_design.py",),
+        ("studies/noise/test_design.py",),
     ),
     Mutant(
         "a run's routing share the mean of its per-step shares (one flat step swings it)",
-        "moe_rl/lab/noise.py",
+        "studies/noise/design.py",
         'gauges["ratio/routing_share"] = routing_share(arm["rl"])',
         'gauges["ratio/routing_share"] = gauges["ratio/routing_share_step_mean"]',
-        ("tests/unit/test_noise_design.py",),
+        ("studies/noise/test_design.py",),
     ),
     Mutant(
         "the stacked experts' fused gradient add leaves DDP's hook adding each expert's gradient too",
@@ -230,17 +230,17 @@ MUTANTS = (
     ),
     Mutant(
         "the outlier-step share counts a step whose every token ratio is inside [0.5, 2]",
-        "moe_rl/lab/noise.py",
+        "moe_rl/lab/stats.py",
         "is None else f > 0 for r in rows)",
         "is None else f >= 0 for r in rows)",
-        ("tests/unit/test_compare.py", "tests/unit/test_noise_design.py"),
+        ("tests/unit/test_compare.py", "studies/noise/test_design.py"),
     ),
     Mutant(
         "the demo's mechanism claim lets R2 sit inside the chaos null's own difference",
-        "benchmarks/demo_kernels.py",
+        "studies/noise/demo_kernels.py",
         "return all(d < -floor for d in arm)",
         "return all(d < 0 for d in arm)",
-        ("tests/unit/test_demo_kernels.py",),
+        ("studies/noise/test_demo_kernels.py",),
     ),
 )
 

@@ -4,7 +4,7 @@ outcome) and the kernels' own spread, by hand; the committed pre-registration is
 import json
 import math
 
-from benchmarks import demo_kernels as dk
+from studies.noise import demo_kernels as dk
 
 
 def _runs(cap: str, outliers: dict[str, list[float]], aucs: dict[str, list[float]]) -> dict:

@@ -1,5 +1,5 @@
 """Issue 31 design (a): the plan's runs are what it says, the analysis is hand-checked, and the
-committed pre-registration is the plan in recipes/demo/noise.plan.yaml."""
+committed pre-registration is the plan in studies/noise/noise.plan.yaml."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import math
 
 import pytest
 
-from moe_rl.lab import noise
 from moe_rl.lab.stats import kaplan_meier, log_rank_p, paired, sign_flip_p
+from studies.noise import design as noise
 
 PLAN = noise.load_plan()
 
 
 def test_the_committed_preregistration_is_the_plan():
-    from benchmarks.noise import PLAN_FILE
+    from studies.noise.noise import PLAN_FILE
 
     assert json.loads(PLAN_FILE.read_text())["plan"] == PLAN
 
@@ -198,9 +198,9 @@ PLAN_B = noise.load_plan("b")
 
 
 def test_design_b_preregistration_is_its_plan_and_its_runs_are_valid_recipes():
-    from benchmarks.noise import plan_file
     from moe_rl.config import load_recipe
     from moe_rl.lab.arms import DEMO
+    from studies.noise.noise import plan_file
 
     assert json.loads(plan_file("b").read_text())["plan"] == PLAN_B
     assert noise.runs_root(PLAN_B).name == "noise-b" and noise.runs_root(PLAN).name == "noise"
@@ -242,7 +242,7 @@ def test_design_b_gate_reads_the_drift_ratio_and_routing_share():
 
 
 def test_design_b_runs_its_deciding_stage_only_after_the_gate_passed(tmp_path, monkeypatch):
-    import benchmarks.noise as bench
+    import studies.noise.noise as bench
     from moe_rl.lab import runner
 
     ran: list[int] = []
@@ -279,10 +279,10 @@ PLAN_C = noise.load_plan("c")
 
 
 def test_design_c_preregistration_is_its_plan_and_its_ladder_shares_one_start_per_model():
-    from benchmarks.noise import plan_file
     from moe_rl.config import load_recipe
     from moe_rl.lab.arms import DEMO
     from moe_rl.lab.starts import sft_key
+    from studies.noise.noise import plan_file
 
     assert json.loads(plan_file("c").read_text())["plan"] == PLAN_C
     assert len(noise.run_specs(PLAN_C)) == 96
@@ -341,7 +341,7 @@ def test_design_c_contrast_is_the_moe_margin_over_the_dense_one_paired_by_seed(t
     assert lad_out["models"]["dense"]["margins"][300] == 0.0
     assert lad_out["contrast"]["n"] == 6 and lad_out["contrast"]["p"] == pytest.approx(2 / 64)
     assert out["success"] == {"contrast_n": 6, "met": True}
-    import benchmarks.noise as bench
+    import studies.noise.noise as bench
 
     bench.plot(out, results, tmp_path / "c.png")  # the ladder's column draws censored seeds too
     assert (tmp_path / "c.png").stat().st_size > 0
@@ -353,7 +353,7 @@ def test_design_d_preregistration_is_its_plan_on_fresh_seeds_from_design_as_star
     """Design (d), the confirmation of design (a)'s R3 + gates lead: its committed plan, seeds no
     other design used, design (a)'s SFT start (same start overrides), the arm's effect switched on
     by its overrides, and its own success rule."""
-    from benchmarks.noise import plan_file
+    from studies.noise.noise import plan_file
 
     plan_d = noise.load_plan("d")
     assert json.loads(plan_file("d").read_text())["plan"] == plan_d
@@ -372,3 +372,18 @@ def test_design_d_preregistration_is_its_plan_on_fresh_seeds_from_design_as_star
     assert noise.runs_root(plan_d).name == "noise-d"
     rule = plan_d["success_rule"]
     assert rule == {"arm": "GRPO+R3+gates", "decides": "moe-noise", "controls": ["moe-quiet"]}
+
+
+def test_the_noise_plans_frozen_and_gates_arms_load_as_the_keys_they_name():
+    """The pre-registered plan (studies/noise/noise.plan.yaml) names these arms by recipe keys: each
+    loads, and sets what its name says."""
+    from moe_rl.config import load_recipe
+    from moe_rl.lab.arms import DEMO
+
+    plan = noise.load_plan()
+    frozen = load_recipe(DEMO, noise.run_overrides(plan, "moe-noise", "GRPO+frozen", 100))
+    gates = load_recipe(DEMO, noise.run_overrides(plan, "moe-noise", "GRPO+R3+gates", 100))
+    assert (
+        frozen.train.freeze_router and frozen.algo.routing == "none" and not frozen.algo.replay_gate_weights
+    )
+    assert gates.algo.replay_gate_weights and gates.algo.routing == "r3" and not gates.train.freeze_router

@@ -1,8 +1,8 @@
 """Issue 31's designs as pre-registered plans: (a) routing noise on vs off, every arm, plus the
-dense-equivalent (recipes/demo/noise.plan.yaml); (b) a router learning-rate dial on countdown, a
-higher-entropy task (recipes/demo/dial.plan.yaml); (c) each arm's critical learning rate in the
-MoE and the dense-equivalent (recipes/demo/ladder.plan.yaml, :func:`ladder`).
-``python -m benchmarks.noise [--design b|c]`` runs and reports them.
+dense-equivalent (studies/noise/noise.plan.yaml); (b) a router learning-rate dial on countdown, a
+higher-entropy task (studies/noise/dial.plan.yaml); (c) each arm's critical learning rate in the
+MoE and the dense-equivalent (studies/noise/ladder.plan.yaml, :func:`ladder`).
+``python -m studies.noise.noise [--design b|c]`` runs and reports them.
 
 A run is (cell, arm, seed): recipes/demo/base.yaml + the plan's ``cell_base`` + the cell's parts
 (``noise``, ``dense``, ``dial_30``, ...) + the arm's overrides + the seed's, from the cell's SFT
@@ -28,14 +28,15 @@ import yaml
 
 from moe_rl.lab.arms import ARMS, FIRST_SEED, ROOT, arm_dir, flatten
 from moe_rl.lab.collapse import collapse_verdict
-from moe_rl.lab.stats import kaplan_meier, log_rank_p, mean, paired
+from moe_rl.lab.stats import auc, kaplan_meier, log_rank_p, mean, outlier_steps, paired, routing_share
 
-PLAN_YAML = ROOT / "recipes" / "demo" / "noise.plan.yaml"
+HERE = Path(__file__).resolve().parent
+PLAN_YAML = HERE / "noise.plan.yaml"
 DESIGNS = {
     "a": PLAN_YAML,
-    "b": ROOT / "recipes" / "demo" / "dial.plan.yaml",
-    "c": ROOT / "recipes" / "demo" / "ladder.plan.yaml",
-    "d": ROOT / "recipes" / "demo" / "gates.plan.yaml",
+    "b": HERE / "dial.plan.yaml",
+    "c": HERE / "ladder.plan.yaml",
+    "d": HERE / "gates.plan.yaml",
 }
 "Each design's plan file."
 RUNS = ROOT / "runs" / "noise"
@@ -149,16 +150,6 @@ def stages(plan: dict) -> list[int]:
 
 
 # -- per run --------------------------------------------------------------------------------------
-def auc(evals: list[tuple[int, float]]) -> float:
-    """Trapezoid area under (steps done, held-out accuracy) from the first evaluation to the last,
-    divided by the steps between them: a mean accuracy over training (nan with < 2 evaluations)."""
-    pts = sorted((int(s), float(a)) for s, a in evals)
-    if len(pts) < 2 or pts[-1][0] == pts[0][0]:
-        return math.nan
-    area = sum((x1 - x0) * (y0 + y1) / 2 for (x0, y0), (x1, y1) in zip(pts, pts[1:]))
-    return area / (pts[-1][0] - pts[0][0])
-
-
 def summarize_run(arm: dict) -> dict:
     """What the analysis reads of one finished run (``arm``: :func:`moe_rl.lab.report.load_arm`)."""
     evals = [(r["step"], r["eval/accuracy"]) for r in arm["eval"] if r.get("eval/accuracy") is not None]
@@ -180,29 +171,6 @@ def summarize_run(arm: dict) -> dict:
         "evals": evals,
         "gauges": gauges,
     }
-
-
-def outlier_steps(rows: list[dict]) -> float:
-    """The fraction of a run's RL steps (those that logged it) with any token ratio to pi_old
-    outside [0.5, 2] (``ratio/token_frac_outside_0.5_2`` > 0): where routing's outliers show
-    (nan if no step logged it)."""
-    return mean(None if (f := r.get("ratio/token_frac_outside_0.5_2")) is None else f > 0 for r in rows)
-
-
-def routing_share(rows: list[dict]) -> float:
-    """A run's routing share, its steps pooled: 1 - sum Var(log rho, replayed) / sum Var(log rho,
-    natural) over the steps that logged both (nan if none or no natural variance).
-
-    The mean of the per-step shares is the same figure weighted equally per step, which one step
-    with almost no natural variance (all of a probe's ratios ~1: 1e-9 against a run's 4e-4
-    typical) can swing to -2,000; pooling weights each step's share by its natural variance."""
-    pairs = [
-        (r["ratio/log_rho_var_natural"], r["ratio/log_rho_var_replayed"])
-        for r in rows
-        if r.get("ratio/log_rho_var_natural") is not None and r.get("ratio/log_rho_var_replayed") is not None
-    ]
-    natural = sum(n for n, _ in pairs)
-    return 1.0 - sum(v for _, v in pairs) / natural if natural > 0 else math.nan
 
 
 # -- per cell and arm -----------------------------------------------------------------------------

@@ -18,13 +18,13 @@ Sections, in order, each timed; a failure is recorded (traceback summary) and th
 - ``moe_1b``: bf16 RL steps of a ~1.06B-parameter Qwen3-MoE-shaped policy (64 experts top-8):
   tokens/s per trainer phase (``time/<phase>``) and the training phase's model-FLOPs utilisation.
 - ``mismatch``: rollout-vs-trainer routing disagreement, the embedded engine's bf16 copy on CUDA
-  kernels against the fp32 trainer, on the shipped SFT start (``benchmarks.mismatch.measure``).
+  kernels against the fp32 trainer, on the shipped SFT start (``studies.mismatch.mismatch.measure``).
 
 ``--dry-run`` runs the same code on tiny shapes (CPU in CI, well under a minute).
 
-    python -m benchmarks.gpu_check                 # on the GPU: `make gpu-check` (docs/gpu_check.md)
-    python -m benchmarks.gpu_check --dry-run --out /tmp/x
-    python -m benchmarks.gpu_check --requirements  # the wheels `make gpu-wheels` downloads
+    python -m tools.gpu_check                 # on the GPU: `make gpu-check` (docs/gpu_check.md)
+    python -m tools.gpu_check --dry-run --out /tmp/x
+    python -m tools.gpu_check --requirements  # the wheels `make gpu-wheels` downloads
 
 Writes ``benchmarks/results/gpu_check-<machine>-<commit>.json`` + ``.png`` (``-dry`` after the
 machine for a dry run; ``--out DIR`` elsewhere) with a top-level ``headline``, and copies the
@@ -935,9 +935,9 @@ MISMATCH_CELLS = (("bf16", "same"), ("bf16", "fp32"))
 
 
 def section_mismatch(ck: Check, cap: float) -> dict:
-    from benchmarks import mismatch
     from moe_rl.config import load_recipe
     from moe_rl.trainer.run import Run
+    from studies.mismatch import mismatch
 
     need_cuda(ck)
     t_end = time.perf_counter() + cap

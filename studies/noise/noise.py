@@ -3,14 +3,14 @@ dense-equivalent; a router learning-rate dial on countdown, gauged first; each a
 learning rate in the MoE and in the dense-equivalent; a confirmation of (a)'s R3 + gates lead on
 fresh seeds with its noise-off control.
 
-Each plan is data (recipes/demo/{noise,dial,ladder,gates}.plan.yaml), pre-registered by
+Each plan is data (studies/noise/{noise,dial,ladder,gates}.plan.yaml), pre-registered by
 ``--write-plan`` into benchmarks/results/noise[-b|-c|-d]-preregistration.json and committed before any
-run; the runs, the analysis, the gate and the success rule are in :mod:`moe_rl.lab.noise`.
+run; the runs, the analysis, the gate and the success rule are in :mod:`studies.noise.design`.
 
-    python -m benchmarks.noise [--design b|c|d] --write-plan
-    python -m benchmarks.noise [--design b|c|d] [--jobs 2] [--cells moe-noise] [--dry-run]   # resumable
-    python -m benchmarks.noise [--design b|c|d] --report                                 # finished runs only
-    python -m benchmarks.noise --smoke                                                   # tiny end-to-end check
+    python -m studies.noise.noise [--design b|c|d] --write-plan
+    python -m studies.noise.noise [--design b|c|d] [--jobs 2] [--cells moe-noise] [--dry-run]   # resumable
+    python -m studies.noise.noise [--design b|c|d] --report                                 # finished runs only
+    python -m studies.noise.noise --smoke                                                   # tiny end-to-end check
 
 Runs: runs/noise[-b|-c|-d]/<cell>/<arm>-s<seed>/ (a finished run writes status.json; a rerun skips it).
 A plan with stages runs them in order, each later one only once the plan's gate passed.
@@ -28,14 +28,15 @@ import time
 from pathlib import Path
 
 from benchmarks.common import RESULTS, SMOKE_BASE, commit, machine, positive_int, result_path
-from moe_rl.lab import noise, runner
+from moe_rl.lab import runner
 from moe_rl.lab.arms import DEMO
 from moe_rl.lab.report import load_arm
 from moe_rl.lab.results import write_json
 from moe_rl.lab.runner import STATUS_FILE, local_launch, read_status, run_when_ready
 from moe_rl.lab.starts import CACHE, cached_start, warm_start
+from studies.noise import design as noise
 
-log = logging.getLogger("benchmarks.noise")
+log = logging.getLogger("studies.noise.noise")
 PLAN_FILE = RESULTS / "noise-preregistration.json"
 
 
@@ -319,7 +320,7 @@ def run_stages(plan: dict, root: Path, cells: list[str] | None, *, jobs: int, ca
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.noise", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m studies.noise.noise", description=__doc__.split("\n\n")[0])
     ap.add_argument("--design", choices=sorted(noise.DESIGNS), default="a", help="which plan (default a)")
     ap.add_argument("--write-plan", action="store_true", help="write the pre-registration and stop")
     ap.add_argument("--jobs", type=positive_int, default=2, help="runs at a time (one thread each)")
