@@ -40,15 +40,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/gpu" in str(item.fspath) or item.get_closest_marker("gpu"):
             item.add_marker(skip)
-
-
-def mount_tmpfs(path, options: str):
-    """Mount a tmpfs with ``options`` at ``path`` (a real file system to fail on: read-only, full);
-    the test is skipped where mounting is not allowed (not root). Returns the unmount call."""
-    import subprocess
-
-    path.mkdir(exist_ok=True)
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs ({options}) here: {res.stderr.decode().strip()}")
-    return lambda: subprocess.run(["umount", str(path)], check=False)

@@ -936,8 +936,8 @@ MISMATCH_CELLS = (("bf16", "same"), ("bf16", "fp32"))
 
 def section_mismatch(ck: Check, cap: float) -> dict:
     from moe_rl.config import load_recipe
+    from moe_rl.lab import mismatch
     from moe_rl.trainer.run import Run
-    from studies.mismatch import mismatch
 
     need_cuda(ck)
     t_end = time.perf_counter() + cap

@@ -1,4 +1,10 @@
-"""benchmarks/results/INDEX.md: which result of each benchmark is current.
+"""INDEX.md of every results folder: which result of each series is current, where each belongs.
+
+A result lives in the ``results/`` folder of what it measures: a study's in
+``studies/<study>/results/`` (:data:`STUDIES`), everything else (the benchmarks', the GPU check's,
+the planted bugs', the quickstart's timing) in ``benchmarks/results/``. Each folder gets its own
+INDEX.md; a file in the wrong folder (a study's driver's result among the benchmarks', another
+study's or no driver's in a study's) is reported by :func:`misplaced` and fails ``--check``.
 
 Results are named ``<bench>-<machine>-<preset>-<commit>[-dirty][-<part>].<ext>`` (``result_path``).
 Files of one ``<bench>-<machine>-<preset>`` are one series; its current result is the one of the
@@ -6,11 +12,11 @@ newest commit in this branch's history (``git rev-list HEAD``), the others super
 whose commit is not in the history (made in a worktree, on a branch that was rebased) is marked so.
 Each row says which docs cite the file. Pre-registrations (no commit in the name) are listed apart.
 
-    python -m tools.index            # rewrite INDEX.md
-    python -m tools.index --check    # exit 1 when INDEX.md is not what it would write
+    python -m tools.index            # rewrite every INDEX.md
+    python -m tools.index --check    # exit 1 when an INDEX.md is not what it would write, or a file is misplaced
     python -m tools.index --prune    # delete superseded files no doc, test or code names
 
-``tests/unit/test_results_index.py`` holds INDEX.md to what this writes.
+``tests/unit/test_results_index.py`` holds every INDEX.md to what this writes.
 """
 
 from __future__ import annotations
@@ -25,12 +31,39 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-INDEX = RESULTS / "INDEX.md"
+STUDIES = ROOT / "studies"
+INDEX_NAME = "INDEX.md"
 NAME = re.compile(
     r"^(?P<series>.+)-(?P<commit>[0-9a-f]{7,40})(?P<dirty>-dirty)?(?P<part>-[a-z]+)?\.(?P<ext>\w+)$"
 )
 CITERS = ("README.md", "docs", "tests", "benchmarks", "studies", "tools", "moe_rl", "recipes", "kernels")
-"Where a result may be named (the results folder itself excluded)."
+"Where a result may be named (the results folders themselves excluded)."
+
+
+def folders() -> list[Path]:
+    """Every results folder: benchmarks/results, then each study's (sorted)."""
+    return [RESULTS, *sorted(p for p in STUDIES.glob("*/results") if p.is_dir())]
+
+
+def result_files(folder: Path) -> list[str]:
+    """The result files of ``folder`` (its INDEX.md and hidden files left out)."""
+    return sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.is_file() and p.name != INDEX_NAME and not p.name.startswith(".")
+    )
+
+
+def misplaced(folder: Path) -> list[str]:
+    """Files of ``folder`` that belong elsewhere: in benchmarks/results, a result named after a
+    study's driver (``studies/<study>/<name>.py``); in a study's, one named after neither one of its
+    drivers nor the study itself. A result's name starts with what wrote it (``<name>-``)."""
+    drivers = {s.name: {p.stem for p in s.glob("*.py")} | {s.name} for s in STUDIES.iterdir() if s.is_dir()}
+    if folder == RESULTS:
+        owned = set().union(*drivers.values()) if drivers else set()
+        return [n for n in result_files(folder) if n.split("-")[0] in owned]
+    own = drivers.get(folder.parent.name, set())
+    return [n for n in result_files(folder) if n.split("-")[0] not in own]
 
 
 def history() -> dict[str, int]:
@@ -43,7 +76,8 @@ def history() -> dict[str, int]:
 
 def cited() -> dict[str, list[str]]:
     """Result file name -> the files (relative to the checkout) that name it."""
-    names = {p.name for p in RESULTS.iterdir() if p.is_file()}
+    names = {n for folder in folders() for n in result_files(folder)}
+    kept = folders()
     hits: dict[str, list[str]] = defaultdict(list)
     for where in CITERS:
         base = ROOT / where
@@ -51,7 +85,7 @@ def cited() -> dict[str, list[str]]:
             [base] if base.is_file() else [p for p in base.rglob("*") if p.suffix in {".md", ".py", ".yaml"}]
         )
         for f in files:
-            if RESULTS in f.parents or not f.is_file():
+            if any(k in f.parents for k in kept) or not f.is_file():
                 continue
             text = f.read_text(errors="replace")
             paragraphs = re.split(r"\n\s*\n|\n- ", text)
@@ -68,20 +102,18 @@ def cited() -> dict[str, list[str]]:
     return hits
 
 
-def classify() -> tuple[dict[str, list[dict]], list[str]]:
+def classify(folder: Path = RESULTS) -> tuple[dict[str, list[dict]], list[str]]:
     """(series -> files newest first, each ``{"name", "commit", "age", "status"}``), unnamed files."""
     ages = history()
     series: dict[str, list[dict]] = defaultdict(list)
     loose = []
-    for p in sorted(RESULTS.iterdir()):
-        if not p.is_file() or p.name == INDEX.name or p.name.startswith("."):
-            continue
-        m = NAME.match(p.name)
+    for name in result_files(folder):
+        m = NAME.match(name)
         if not m:
-            loose.append(p.name)
+            loose.append(name)
             continue
         commit = m["commit"][:7]
-        series[m["series"]].append({"name": p.name, "commit": commit, "age": ages.get(commit)})
+        series[m["series"]].append({"name": name, "commit": commit, "age": ages.get(commit)})
     for files in series.values():
         known = [f["age"] for f in files if f["age"] is not None]
         newest = min(known) if known else None
@@ -93,12 +125,12 @@ def classify() -> tuple[dict[str, list[dict]], list[str]]:
     return dict(sorted(series.items())), loose
 
 
-def headline_of(name: str) -> str:
+def headline_of(path: Path) -> str:
     """A short rendering of a JSON result's ``headline`` (its first few scalar figures)."""
-    if not name.endswith(".json"):
+    if path.suffix != ".json":
         return ""
     try:
-        head = json.loads((RESULTS / name).read_text()).get("headline")
+        head = json.loads(path.read_text()).get("headline")
     except (OSError, ValueError):
         return ""
     if not isinstance(head, dict):
@@ -112,11 +144,13 @@ def headline_of(name: str) -> str:
     return "; ".join(parts).replace("|", "/")
 
 
-def render() -> str:
-    series, loose = classify()
-    cites = cited()
+def render(folder: Path = RESULTS, cites: dict[str, list[str]] | None = None) -> str:
+    """``folder``'s INDEX.md (``cites``: :func:`cited`, computed when not given)."""
+    series, loose = classify(folder)
+    cites = cited() if cites is None else cites
+    what = "Benchmark" if folder == RESULTS else f"The {folder.parent.name} study's"
     lines = [
-        "# Benchmark results: which is current",
+        f"# {what} results: which is current",
         "",
         "Written by `python -m tools.index` (a test holds this file to it). Per series "
         "(`<bench>-<machine>-<preset>`), the result of the newest commit in the history is current; "
@@ -130,7 +164,7 @@ def render() -> str:
         cur = [f for f in files if f["status"] == "current"]
         commit = cur[0]["commit"] if cur else "-"
         main = [f["name"] for f in cur if f["name"].endswith(".json")] or [f["name"] for f in cur]
-        head = headline_of(main[0]) if main else ""
+        head = headline_of(folder / main[0]) if main else ""
         who = sorted({c for f in cur for c in cites.get(f["name"], [])})
         older = sorted(
             {f"{f['commit']} ({f['status']})" for f in files if f["status"] != "current"},
@@ -148,14 +182,14 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
-def prunable() -> list[str]:
-    """Superseded files that nothing outside the results folder names; never a lent device's
+def prunable() -> list[Path]:
+    """Superseded files that nothing outside the results folders names; never a lent device's
     (``nvidia-*``: measured in a lease, not remade at will)."""
-    series, _ = classify()
     cites = cited()
     return [
-        f["name"]
-        for name, files in series.items()
+        folder / f["name"]
+        for folder in folders()
+        for name, files in classify(folder)[0].items()
         if "-nvidia-" not in f"-{name}-"
         for f in files
         if f["status"] == "superseded" and not cites.get(f["name"])
@@ -168,20 +202,28 @@ def main(argv=None) -> int:
     ap.add_argument("--prune", action="store_true")
     args = ap.parse_args(argv)
     if args.prune:
-        for n in prunable():
-            (RESULTS / n).unlink()
-            print(f"deleted {n}")
-    text = render()
-    if args.check:
-        if not INDEX.exists() or INDEX.read_text() != text:
-            print(f"{INDEX} is stale: run python -m tools.index", file=sys.stderr)
-            return 1
-        return 0
+        for p in prunable():
+            p.unlink()
+            print(f"deleted {p.relative_to(ROOT)}")
     from moe_rl.lab.results import write_text
 
-    write_text(INDEX, text)
-    print(f"wrote {INDEX}")
-    return 0
+    cites, bad = cited(), 0
+    for folder in folders():
+        index, text = folder / INDEX_NAME, render(folder, cites)
+        for name in misplaced(folder):
+            print(
+                f"{folder.relative_to(ROOT)}/{name} belongs in another results folder (tools/index.py)",
+                file=sys.stderr,
+            )
+            bad = 1
+        if args.check:
+            if not index.exists() or index.read_text() != text:
+                print(f"{index.relative_to(ROOT)} is stale: run python -m tools.index", file=sys.stderr)
+                bad = 1
+            continue
+        write_text(index, text)
+        print(f"wrote {index.relative_to(ROOT)}")
+    return bad
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ clip fractions at both granularities, flip rates, the sequence log-ratio range; 
     python -m studies.collapse.collapse --recipe ... --dry-run             # print the arm commands
     python -m studies.collapse.collapse --recipe ... --report-only         # tabulate finished arm dirs
 
-Writes benchmarks/results/collapse-<machine>-<preset>-<commit>.json and .png.
+Writes studies/collapse/results/collapse-<machine>-<preset>-<commit>.json and .png.
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ import warnings
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks.common import SMOKE_BASE, commit, machine, positive_int, result_path
+from moe_rl.argparsing import positive_int
 from moe_rl.lab.arms import ARMS, DEMO, ROOT, arm_overrides, flatten
 from moe_rl.lab.collapse import CRITERION, collapse_verdict, criterion_doc, held_out_drop, smoothed
 from moe_rl.lab.report import CLIPPED_OWN, PANELS, series
-from moe_rl.lab.results import write_json
+from moe_rl.lab.results import commit, machine, result_path, write_json
 from moe_rl.lab.runner import (
     STATUS_FILE,
     arm_command,
@@ -57,8 +57,9 @@ from moe_rl.lab.runner import (
     resumable_run,
     stop_cleanly,
 )
-from moe_rl.lab.starts import CACHE, warm_start
+from moe_rl.lab.starts import CACHE, SMOKE_BASE, warm_start
 from moe_rl.lab.stats import mean
+from studies.collapse import RESULTS
 
 log = logging.getLogger("studies.collapse.collapse")
 
@@ -335,9 +336,7 @@ def parse(argv):
     ap.add_argument(
         "--tag", default=None, help="name of this variant in the result file (default: the preset)"
     )
-    ap.add_argument(
-        "--out", default=None, help="result JSON (default: benchmarks/results/...); PNG beside it"
-    )
+    ap.add_argument("--out", default=None, help="result JSON (default: the study's results/); PNG beside it")
     ap.add_argument("--dry-run", action="store_true", help="print the arm commands and stop")
     ap.add_argument("--report-only", action="store_true", help="analyse the arm directories already there")
     ap.add_argument("--replot", default=None, metavar="JSON", help="redraw the PNG of a result file")
@@ -402,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs = [analyse_run(a, s, st) for (a, s, _, _), st in zip(plan, statuses) if st is not None]
     arms_out = analyse_arms(runs)
     table = format_table(arms_out)
-    path = result_path("collapse", name, args.out)
+    path = result_path("collapse", name, args.out, folder=RESULTS)
     png = plot(runs, path.with_suffix(".png"))
     doc = {
         "bench": "collapse",

@@ -6,7 +6,7 @@ minibatches per rollout batch, response length, routing granularity at equal act
 Each (cell, arm, seed) is one run from its cell's SFT start (cached by SFT signature), judged by
 ``moe_rl.lab.collapse.CRITERION`` and :data:`LEARNING`. The plan is data in
 studies/collapse/phase.plan.yaml, written by ``--write-plan`` to
-benchmarks/results/phase-preregistration.json before any run.
+studies/collapse/results/phase-preregistration.json before any run.
 
     python -m studies.collapse.phase --write-plan
     python -m studies.collapse.phase --stage screen [--jobs 2] [--cells base,minibatches-4] [--dry-run]
@@ -17,7 +17,7 @@ benchmarks/results/phase-preregistration.json before any run.
     python -m studies.collapse.phase --stage smoke                  # tiny end-to-end check
 
 Runs: runs/phase/<cell>/<arm>-s<seed>/ (repro: runs/phase/repro-<variant>/<cell>/...); a finished
-run writes status.json and a rerun skips it. Report: benchmarks/results/phase-<machine>-<stage>-
+run writes status.json and a rerun skips it. Report: studies/collapse/results/phase-<machine>-<stage>-
 <commit>.json + .png (collapse rate per arm per lever level, ingredients per cell, ``headline``).
 """
 
@@ -34,20 +34,20 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.common import RESULTS, SMOKE_BASE, commit, machine, positive_int, result_path
+from moe_rl.argparsing import positive_int
 from moe_rl.config import load_recipe
 from moe_rl.lab import runner
 from moe_rl.lab.arms import ARMS, DEMO, ROOT, arm_overrides, flatten, start_overrides
 from moe_rl.lab.collapse import CRITERION, criterion_doc
-from moe_rl.lab.results import write_json
+from moe_rl.lab.results import commit, machine, result_path, write_json
 from moe_rl.lab.runner import STATUS_FILE, arm_command, cpu_seconds, local_launch, run_when_ready
-from moe_rl.lab.starts import CACHE, cached_start, sft_key, warm_start
+from moe_rl.lab.starts import CACHE, SMOKE_BASE, cached_start, sft_key, warm_start
 from moe_rl.lab.stats import lstsq, mean
-from studies.collapse import collapse
+from studies.collapse import RESULTS, collapse
 from studies.collapse.volatility import PAPER
 
 log = logging.getLogger("studies.collapse.phase")
-PLAN_FILE = ROOT / "benchmarks" / "results" / "phase-preregistration.json"
+PLAN_FILE = RESULTS / "phase-preregistration.json"
 RUNS = ROOT / "runs" / "phase"
 
 # -- the pre-registered plan: data in studies/collapse/phase.plan.yaml ------------------------------
@@ -346,7 +346,7 @@ def same_runs(runs: list[dict], results: Path) -> dict:
     confirmation reports under ``results`` (``phase-*-screen-*.json``, ``phase-*-confirm-*.json``;
     where several hold it, the last by name): identical when every summary number but the times
     and every held-out evaluation are equal. The repro's seeds are those runs' seeds
-    (docs/phase.md), so this says whether a run is reproducible bit for bit."""
+    (studies/collapse/README.md), so this says whether a run is reproducible bit for bit."""
     earlier = {}
     for f in sorted(results.glob("phase-*-screen-*.json")) + sorted(results.glob("phase-*-confirm-*.json")):
         for r in json.loads(f.read_text()).get("runs", []):
@@ -527,7 +527,7 @@ SCALE_INGREDIENTS = ("flip_step",)
 """The ingredients of :data:`PAPER_LEVELS` the scale levers exercise. Their cells run the base's fp32
 engine, so what they log as rollout-vs-trainer disagreement is fp32 round-off (measured at most
 4e-7), not the cross-engine mismatch the R3 paper measures; how that mismatch changes with depth
-and granularity at bf16 is ``benchmarks/mismatch.py``'s (tiny vs deep policy)."""
+and granularity at bf16 is ``studies/mismatch/mismatch.py``'s (tiny vs deep policy)."""
 
 
 def scale_trends(tables: dict[str, dict]) -> dict:
@@ -707,7 +707,7 @@ def report(st: Stage, out: str | None, wall_s: float, cpu_s: float) -> dict:
         raise SystemExit(f"no finished runs of stage {st.name} under {st.root}")
     runs = analyse(items, statuses)
     tables = cell_tables(runs)
-    path = result_path("phase", st.name, out)
+    path = result_path("phase", st.name, out, folder=RESULTS)
     if st.name.startswith("repro"):
         (c,) = st.cells
         replay = next((a for a in st.arms if "+R" in a), None)
@@ -780,7 +780,7 @@ def parse(argv):
     ap.add_argument("--runs-dir", default=str(RUNS), help="run directories go under here")
     ap.add_argument("--cache", default=str(CACHE), help="SFT start cache directory")
     ap.add_argument("--launch", default=None, help="command prefix that runs 'RECIPE overrides' per run")
-    ap.add_argument("--out", default=None, help="result JSON (default: benchmarks/results/); PNG beside")
+    ap.add_argument("--out", default=None, help="result JSON (default: the study's results/); PNG beside")
     ap.add_argument("--dry-run", action="store_true", help="print the run commands and stop")
     ap.add_argument("--report", action="store_true", help="only analyse the finished runs of the stage")
     ap.add_argument("--write-plan", action="store_true", help=f"write the plan to {PLAN_FILE.name} and stop")

@@ -1,4 +1,4 @@
-"""benchmarks/phase.py: the pre-registered plan, its rules, and a smoke stage end to end with resume."""
+"""studies/collapse/phase.py: the pre-registered plan, its rules, and a smoke stage end to end with resume."""
 
 import json
 import math

@@ -24,7 +24,7 @@ falls on these curves (``where_10pct`` in the JSON).
 
     python -m studies.collapse.volatility --preset smoke|cpu|gpu [--out FILE.json] [--cache DIR]
 
-Writes benchmarks/results/volatility-<machine>-<preset>-<commit>.json and .png.
+Writes studies/collapse/results/volatility-<machine>-<preset>-<commit>.json and .png.
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from benchmarks.common import SMOKE_BASE, commit, machine, result_path
 from moe_rl.lab.arms import ARMS, DEMO, flatten
-from moe_rl.lab.results import write_json
+from moe_rl.lab.results import commit, machine, result_path, write_json
 from moe_rl.lab.runner import cpu_seconds
-from moe_rl.lab.starts import CACHE, warm_start
+from moe_rl.lab.starts import CACHE, SMOKE_BASE, warm_start
 from moe_rl.lab.stats import lstsq, mean
 from moe_rl.trainer.hooks import OptimizerStep, StepHook
+from studies.collapse import RESULTS
 
 if TYPE_CHECKING:
     from moe_rl.config import Recipe
@@ -545,9 +545,7 @@ def main(argv: list[str] | None = None) -> dict:
         prog="python -m studies.collapse.volatility", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--preset", default="cpu", choices=PRESETS)
-    ap.add_argument(
-        "--out", default=None, help="result JSON (default: benchmarks/results/...); PNG beside it"
-    )
+    ap.add_argument("--out", default=None, help="result JSON (default: the study's results/); PNG beside it")
     ap.add_argument("--cache", default=str(CACHE), help="SFT start cache directory")
     ap.add_argument(
         "--replot", default=None, metavar="JSON", help="redo the fits and the plot of a result file"
@@ -569,7 +567,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0, c0 = time.perf_counter(), cpu_seconds()
     results, starts = run_sweep(p, Path(args.cache))
     fit = analyse(results, p)
-    path = result_path("volatility", args.preset, args.out)
+    path = result_path("volatility", args.preset, args.out, folder=RESULTS)
     png = plot(results, fit, p, path.with_suffix(".png"))
     doc = {
         "bench": "volatility",

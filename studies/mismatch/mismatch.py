@@ -14,8 +14,10 @@ tokens in fp32 with its own pi_old pass (``moe_rl.trainer.rl.old_policy_pass``).
   (``moe_rl.routing.flip``), the engine's routes against the trainer's natural top-k;
 - the engine's generated tokens per CPU-second (one torch thread).
 
+One cell is :func:`moe_rl.lab.mismatch.measure` (the GPU check measures CUDA kernels with it too).
+
 Cells are cached as they finish under ``runs/bench_cache/mismatch/<preset>/`` (a rerun skips
-them); the result is ``benchmarks/results/mismatch-<machine>-<preset>-<commit>.json`` + ``.png``
+them); the result is ``studies/mismatch/results/mismatch-<machine>-<preset>-<commit>.json`` + ``.png``
 with a ``headline``.
 
     python -m studies.mismatch.mismatch --preset smoke|cpu
@@ -32,16 +34,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import SMOKE_BASE, commit, machine, positive_int, result_path
+from moe_rl.argparsing import positive_int
 from moe_rl.lab.arms import DEMO, flatten
-from moe_rl.lab.results import write_json
-from moe_rl.lab.starts import CACHE, warm_start
+from moe_rl.lab.mismatch import R3_PAPER, measure
+from moe_rl.lab.results import commit, machine, result_path, write_json
+from moe_rl.lab.starts import CACHE, SMOKE_BASE, warm_start
+from studies.mismatch import RESULTS
 
 warnings.filterwarnings("ignore")
 log = logging.getLogger(__name__)
-
-R3_PAPER = {"router_disagreement": 0.10, "token_any_flip": 0.94, "model": "Qwen3-30B-A3B, 48 layers"}
-"The R3 paper's SGLang-vs-Megatron figures (docs/algorithms.md#paper-figures)."
 
 DEEP = {
     "num_layers": 12,
@@ -100,46 +101,6 @@ def build_run(name: str, spec: dict, preset_name: str, cache: Path):
     run = Run(recipe)
     load_checkpoint(ckpt, run.policy.model, load_rng=False)
     return run, info
-
-
-def measure(run, dtype: str, router: str, length: int, prompts: int, group: int) -> dict:
-    """One cell: a batch from the engine in (dtype, router) against the trainer's fp32 recompute."""
-    from moe_rl.losses.corrections import mismatch_metrics
-    from moe_rl.rollout.embedded import EmbeddedEngine
-    from moe_rl.rollout.types import SamplingParams
-    from moe_rl.routing.flip import flip_metrics
-    from moe_rl.trainer.rl import encode_prompts, engine_routes, old_policy_pass, route_flips
-
-    engine = EmbeddedEngine(run.policy, pad_id=run.tok.pad_id, dtype=dtype, router_dtype=router)
-    batch = run.task.sample(0, prompts, run.recipe.task.seed)
-    sampling = SamplingParams(
-        temperature=1.0, max_new_tokens=length, ignore_eos=True, seed=1234, return_routes=True
-    )
-    c0, w0 = time.process_time(), time.perf_counter()
-    rollouts = engine.generate(encode_prompts(run, batch), group, sampling)
-    cpu_s, wall_s = time.process_time() - c0, time.perf_counter() - w0
-    if hasattr(rollouts, "to"):  # the engine's batch is on the host; the trainer's policy may be on CUDA
-        rollouts = rollouts.to(run.info.device)
-    mask_BT = rollouts.response_mask_BT
-    s = rollouts.tokens_BT.shape[1] - 1
-    positions_S = torch.arange(s, device=rollouts.tokens_BT.device)
-    valid_BS = (positions_S[None, :] < (rollouts.total_lens_B[:, None] - 1)).float()
-    old_logp_BT, natural_BSLK, _ = old_policy_pass(run, rollouts.tokens_BT, None, valid_BS.sum(1).long())
-    tokens = float(mask_BT.sum())
-    out = {
-        k: float(v)
-        for k, v in mismatch_metrics(old_logp_BT, rollouts.logprobs_BT, mask_BT, num_tokens=tokens).items()
-    }
-    flips = flip_metrics(route_flips(engine_routes(run, rollouts), natural_BSLK, valid_BS), "flip")
-    out.update(flips)
-    out.update(
-        generated_tokens=tokens,
-        gen_cpu_s=cpu_s,
-        gen_wall_s=wall_s,
-        tokens_per_cpu_s=tokens / cpu_s,
-        tokens_per_wall_s=tokens / wall_s,
-    )
-    return out
 
 
 def run_cells(preset_name: str, cache: Path) -> dict:
@@ -247,7 +208,7 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--threads", type=positive_int, default=1, help="torch threads (1: tokens per CPU-second comparable)"
     )
-    ap.add_argument("--out", default=None, help="result JSON path (default: benchmarks/results/...)")
+    ap.add_argument("--out", default=None, help="result JSON path (default: the study's results/)")
     ap.add_argument("--cache", default=str(CACHE), help="SFT starts and finished cells (a rerun skips them)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -265,7 +226,7 @@ def main(argv=None) -> dict:
         "wall_s": time.perf_counter() - t0,
         "notes": "responses are forced to their length (ignore_eos); tokens/s at one torch thread",
     }
-    path = result_path("mismatch", args.preset, args.out)
+    path = result_path("mismatch", args.preset, args.out, folder=RESULTS)
     write_json(path, doc)
     plot(results, preset, path.with_suffix(".png"))
     print(json.dumps(doc["headline"], indent=1))

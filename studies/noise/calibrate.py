@@ -4,7 +4,7 @@ any-layer two-pass disagreement and k3 for each sigma, against the R3 paper's fi
     python -m studies.noise.calibrate recipes/demo/closest.yaml [--sigmas 0,0.01,0.03,0.05,0.1]
         [--prompts 16] [--preset closest] [overrides ...]
 
-Writes benchmarks/results/calibrate-<machine>-<preset>-<commit>.json + .png (``headline``: the
+Writes studies/noise/results/calibrate-<machine>-<preset>-<commit>.json + .png (``headline``: the
 table, the smallest sigma reaching R3's 10% per router and the Megatron two-pass KL).
 """
 
@@ -14,9 +14,9 @@ import math
 import time
 from pathlib import Path
 
-from benchmarks.common import machine, result_path
 from moe_rl.argparsing import ArgParser, one_line_errors
-from moe_rl.lab.results import write_json
+from moe_rl.lab.results import machine, result_path, write_json
+from studies.noise import RESULTS
 from studies.noise.calibration import DEFAULT_SIGMAS, calibrate, format_rows, plot
 
 
@@ -51,7 +51,7 @@ def _calibrate(args, sigmas: list[float]) -> int:
     print(
         f"R3's 10% per router from sigma={table['reaches_r3']}; KL 8e-4 from sigma={table['reaches_megatron_kl']}"
     )
-    out = result_path("calibrate", args.preset)
+    out = result_path("calibrate", args.preset, folder=RESULTS)
     png = out.with_suffix(".png")
     plot(table["rows"], png)
     write_json(

@@ -11,7 +11,7 @@ and arm: the share of RL steps with a token ratio outside [0.5, 2] (the mechanis
 across kernel sets, whether they hold under each, and how far the kernels alone move one run.
 
 The plan, predictions and rule are pre-registered by ``--write-plan`` into
-benchmarks/results/demo_kernels-dial-preregistration.json, committed before the runs (the first
+studies/noise/results/demo_kernels-dial-preregistration.json, committed before the runs (the first
 demo's, GRPO + R3 under routing noise, is ``demo_kernels-preregistration.json`` with its result
 ``demo_kernels-cpu2-x86_64-noise-demo-f26aa0b.json``).
 
@@ -19,7 +19,7 @@ demo's, GRPO + R3 under routing noise, is ``demo_kernels-preregistration.json`` 
     python -m studies.noise.demo_kernels [--caps default avx2 avx512]   # resumable (moe-rl compare)
     python -m studies.noise.demo_kernels --report                      # what finished
 
-Runs: runs/demo-kernels-dial/<cap>/<arm>/s<seed>/. Result: benchmarks/results/demo_kernels-<machine>-
+Runs: runs/demo-kernels-dial/<cap>/<arm>/s<seed>/. Result: studies/noise/results/demo_kernels-<machine>-
 dial-demo-<commit>.json + .png, ``headline``: per kernel set the paired differences to GRPO (AUC and
 outlier-step share) with 95% intervals and p, the chaos null's largest differences, the two claims;
 whether they hold under every set; the kernels' own spread.
@@ -36,13 +36,13 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, commit, machine, result_path
 from moe_rl.lab.arms import DEMO_ARMS, DEMO_SEEDS, arm_dir
 from moe_rl.lab.demo import DEFAULT_RECIPE
 from moe_rl.lab.report import load_arm
-from moe_rl.lab.results import write_json
+from moe_rl.lab.results import commit, machine, result_path, write_json
 from moe_rl.lab.runner import STATUS_FILE
 from moe_rl.lab.stats import mean, paired
+from studies.noise import RESULTS
 from studies.noise import design as noise
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -219,7 +219,7 @@ def report(caps: list[str], walls: dict) -> Path:
         },
         "evals": {f"{c}/{a}/s{s}": r["evals"] for (c, a, s), r in results.items()},
     }
-    path = result_path("demo_kernels", "dial-demo")
+    path = result_path("demo_kernels", "dial-demo", folder=RESULTS)
     write_json(path, doc)
     plot(doc, caps, path.with_suffix(".png"))
     return path

@@ -1,7 +1,7 @@
 """Issue 31, design (c) under another CPU kernel set: does the README's reading of the critical
 learning-rate ladders hold when ATen's CPU kernels change (``ATEN_CPU_CAPABILITY``)?
 
-Design (c) (studies/noise/ladder.plan.yaml, benchmarks/results/noise-cpu2-x86_64-c-67f5e3b.json) ran
+Design (c) (studies/noise/ladder.plan.yaml, studies/noise/results/noise-cpu2-x86_64-c-67f5e3b.json) ran
 on this machine's own kernels (AVX-512). This check reruns its ladders for seeds 300-302 under
 another kernel set, from the same SFT starts (design (a)'s, cached), each ladder climbed from the
 bottom until a rung falls (:func:`studies.noise.design.next_rungs`: the critical learning rate needs no
@@ -9,13 +9,13 @@ higher rung), and reads four claims (:func:`claims`) under it, beside the same s
 the machine's own kernels. How far the kernels alone move a ladder's critical rung is reported too.
 
 The plan, predictions and rule are pre-registered by ``--write-plan`` into
-benchmarks/results/ladder_kernels-preregistration.json, committed before the runs.
+studies/noise/results/ladder_kernels-preregistration.json, committed before the runs.
 
     python -m studies.noise.ladder_kernels --write-plan
     python -m studies.noise.ladder_kernels [--caps default] [--jobs 2]   # resumable
     python -m studies.noise.ladder_kernels --report                      # what finished
 
-Runs: runs/noise-c-kernels/<cap>/<cell>/<arm>-s<seed>/. Result: benchmarks/results/ladder_kernels-
+Runs: runs/noise-c-kernels/<cap>/<cell>/<arm>-s<seed>/. Result: studies/noise/results/ladder_kernels-
 <machine>-c-<commit>.json + .png, ``headline``: per kernel set every ladder's critical learning
 rate, the margins and the contrast, the four claims and whether all hold; the reference (own
 kernels, the same seeds); how many ladders' critical rungs the kernels moved.
@@ -28,10 +28,10 @@ import math
 import os
 from pathlib import Path
 
-from benchmarks.common import RESULTS, commit, machine, result_path
 from moe_rl.lab import runner
-from moe_rl.lab.results import write_json
+from moe_rl.lab.results import commit, machine, result_path, write_json
 from moe_rl.lab.stats import mean
+from studies.noise import RESULTS
 from studies.noise import design as noise
 from studies.noise.demo_kernels import kernel_check_args, run_caps, write_plan
 from studies.noise.noise import collect, execute
@@ -202,7 +202,7 @@ def report(caps: list[str], walls: dict) -> Path:
         "plan": PLAN,
         "runs": runs,
     }
-    path = result_path("ladder_kernels", "c")
+    path = result_path("ladder_kernels", "c", folder=RESULTS)
     write_json(path, doc)
     plot(doc, caps, path.with_suffix(".png"))
     return path

@@ -4,7 +4,7 @@ learning rate in the MoE and in the dense-equivalent; a confirmation of (a)'s R3
 fresh seeds with its noise-off control.
 
 Each plan is data (studies/noise/{noise,dial,ladder,gates}.plan.yaml), pre-registered by
-``--write-plan`` into benchmarks/results/noise[-b|-c|-d]-preregistration.json and committed before any
+``--write-plan`` into studies/noise/results/noise[-b|-c|-d]-preregistration.json and committed before any
 run; the runs, the analysis, the gate and the success rule are in :mod:`studies.noise.design`.
 
     python -m studies.noise.noise [--design b|c|d] --write-plan
@@ -14,7 +14,7 @@ run; the runs, the analysis, the gate and the success rule are in :mod:`studies.
 
 Runs: runs/noise[-b|-c|-d]/<cell>/<arm>-s<seed>/ (a finished run writes status.json; a rerun skips it).
 A plan with stages runs them in order, each later one only once the plan's gate passed.
-Report: benchmarks/results/noise-<machine>-<design>-<commit>.json + .png (``headline``: every arm's
+Report: studies/noise/results/noise-<machine>-<design>-<commit>.json + .png (``headline``: every arm's
 paired AUC difference to GRPO with its 95% interval and p, the chaos spread, routing_share, per
 cell; the gate; design (c)'s critical learning rates and margins).
 """
@@ -27,13 +27,14 @@ import math
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, SMOKE_BASE, commit, machine, positive_int, result_path
+from moe_rl.argparsing import positive_int
 from moe_rl.lab import runner
 from moe_rl.lab.arms import DEMO
 from moe_rl.lab.report import load_arm
-from moe_rl.lab.results import write_json
+from moe_rl.lab.results import commit, machine, result_path, write_json
 from moe_rl.lab.runner import STATUS_FILE, local_launch, read_status, run_when_ready
-from moe_rl.lab.starts import CACHE, cached_start, warm_start
+from moe_rl.lab.starts import CACHE, SMOKE_BASE, cached_start, warm_start
+from studies.noise import RESULTS
 from studies.noise import design as noise
 
 log = logging.getLogger("studies.noise.noise")
@@ -256,7 +257,7 @@ def report(plan: dict, specs: list[noise.RunSpec], preset: str, t0: float) -> Pa
     results, cost = collect(specs)
     analysis = noise.analyse(plan, results)
     stage = preset if len(results) == len(specs) else f"{preset}-partial"
-    out = result_path("noise", stage)
+    out = result_path("noise", stage, folder=RESULTS)
     png = out.with_suffix(".png")
     plot(analysis, results, png)
     walls = [c["wall_s"] for c in cost if c["wall_s"]]

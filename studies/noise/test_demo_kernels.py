@@ -1,4 +1,4 @@
-"""benchmarks/demo_kernels.py (issue 31, item 8): the pre-registered claims (the mechanism, the
+"""studies/noise/demo_kernels.py (issue 31, item 8): the pre-registered claims (the mechanism, the
 outcome) and the kernels' own spread, by hand; the committed pre-registration is the script's plan."""
 
 import json

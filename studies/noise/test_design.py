@@ -147,7 +147,7 @@ def test_the_success_rule_reads_the_contrast_against_the_chaos_spread():
     [
         # make demo: design (b)'s deciding cell (the strongest contrast measured)
         ("recipes/demo/dial_demo.yaml", "b", "moe-dial30", "dial_start", ("GRPO", "GRPO+R2", "CHAOS")),
-        # the first demo (docs/noise.md; moe-rl compare --arms GRPO,GRPO+R3,CHAOS): design (a)'s
+        # the first demo (studies/noise/README.md; moe-rl compare --arms GRPO,GRPO+R3,CHAOS): design (a)'s
         ("recipes/demo/noise_demo.yaml", "a", "moe-noise", "noise_start", ("GRPO", "GRPO+R3", "CHAOS")),
     ],
 )

@@ -1,4 +1,4 @@
-"""benchmarks/ladder_kernels.py (issue 31): design (c)'s ladders under another CPU kernel set. The
+"""studies/noise/ladder_kernels.py (issue 31): design (c)'s ladders under another CPU kernel set. The
 ladders climb from the bottom and stop at the first fall; the four pre-registered claims, by hand;
 the committed pre-registration is the script's plan."""
 

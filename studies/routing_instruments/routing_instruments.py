@@ -9,9 +9,9 @@ then, each from the same start:
 - R2 replay overhead (training forward+backward with replayed routes vs natural routing)
   and flip-probe overhead (the two probe forwards), as ratios of the training time.
 
-    python benchmarks/routing_instruments.py [--preset smoke|cpu] [--sft runs/demo/sft/checkpoints]
+    python -m studies.routing_instruments.routing_instruments [--preset smoke|cpu] [--sft runs/demo/sft/checkpoints]
 
-Writes benchmarks/results/routing_instruments-<machine>-<preset>-<commit>.json.
+Writes studies/routing_instruments/results/routing_instruments-<machine>-<preset>-<commit>.json.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ import warnings
 
 import torch
 
-from benchmarks.common import SMOKE_BASE, result_path
-from moe_rl.lab.results import write_json
+from moe_rl.lab.results import result_path, write_json
+from moe_rl.lab.starts import SMOKE_BASE
+from studies.routing_instruments import RESULTS
 
 warnings.filterwarnings("ignore")
 
@@ -151,7 +152,7 @@ def main(argv=None) -> dict:
     probe_frac = recipe.train.flip_probe_sequences / b
     res["probe_overhead_ratio_default_probe"] = t_probe * probe_frac / t_nat
     run.close()
-    path = result_path("routing_instruments", args.preset, args.out)
+    path = result_path("routing_instruments", args.preset, args.out, folder=RESULTS)
     write_json(path, res)
     print(json.dumps(res, indent=1))
     print(f"wrote {path}")

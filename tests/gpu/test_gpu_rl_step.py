@@ -1,5 +1,5 @@
 """GPU tier: one trainer RL step on CUDA for every algorithm x routing mode, and resume equality
-(skipped without CUDA). The helpers are benchmarks/gpu_check.py's, whose ``rl_step`` section runs
+(skipped without CUDA). The helpers are tools/gpu_check.py's, whose ``rl_step`` section runs
 the same code (``make gpu-check``, docs/gpu_check.md)."""
 
 import pytest

@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from benchmarks.common import SMOKE_BASE
 from moe_rl.cli import main
 from moe_rl.lab import compare, runner
 from moe_rl.lab.arms import ARMS, COMPARE_ARMS, DEMO, FIRST_SEED, flatten
+from moe_rl.lab.starts import SMOKE_BASE
 from moe_rl.lab.stats import paired
 
 TINY = [

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from benchmarks.common import SMOKE_BASE
 from moe_rl.lab import runner, starts
 from moe_rl.lab.arms import DEMO, ROOT, flatten
+from moe_rl.lab.starts import SMOKE_BASE
 
 SFT = [*flatten(SMOKE_BASE), "train.sft_steps=5", "train.sft_batch_size=4"]
 

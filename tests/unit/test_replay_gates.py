@@ -1,7 +1,7 @@
 """R3 with the rollout's gate weights replayed (``algo.replay_gate_weights``, issue 31), pinned by
 its effect: the gates the engine reports are the ones its forward mixed the experts with, the
 training forward mixes them with exactly those, and a replayed forward then reproduces the
-engine's log-probs. Each test names the planted bugs it kills (``benchmarks/mutate.py``)."""
+engine's log-probs. Each test names the planted bugs it kills (``tools/mutate.py``)."""
 
 from __future__ import annotations
 
