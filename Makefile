@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-unit test-dist test-gpu mutate lint format clean
+.PHONY: venv demo test test-unit test-dist test-gpu mutate bench-check lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,6 +36,12 @@ test-gpu: $(STAMP)
 MUTATE_REV ?= HEAD
 mutate: $(STAMP)
 	$(BIN)/python -m tools.mutate --rev $(MUTATE_REV)
+
+# each performance benchmark rerun against its committed baseline (benchmarks/baselines.yaml); on
+# demand, on an idle machine (minutes); BENCH="engine_throughput step_time" for some
+BENCH ?=
+bench-check: $(STAMP)
+	$(BIN)/python -m benchmarks.check $(BENCH)
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
