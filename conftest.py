@@ -33,6 +33,32 @@ def tiny_model_cfg():
     return tiny_model_config()
 
 
+@pytest.fixture
+def tiny_policy(parallel_info, tiny_model_cfg):
+    """A fresh tiny policy (tests/tiny.py: hidden 64, 2 layers, 4 experts top-2) in the world of one."""
+    from moe_rl.config import ParallelConfig
+    from moe_rl.megatron.policy import build_policy
+
+    return build_policy(tiny_model_cfg, ParallelConfig(), parallel_info)
+
+
+@pytest.fixture
+def tiny_run(tmp_path, parallel_info):
+    """Trainer Runs of the tiny recipe, ready for one stage's steps and closed when the test ends:
+    ``tiny_run(name="run", base=TINY_E2E, stage="rl", **sections)`` (``tests.tiny.ready_run``)."""
+    from tests.tiny import ready_run
+
+    made = []
+
+    def make(name: str = "run", **kw):
+        made.append(ready_run(tmp_path / name, **kw))
+        return made[-1]
+
+    yield make
+    for run in reversed(made):
+        run.close()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -167,7 +167,7 @@ def test_ctrl_c_in_a_one_at_a_time_sweep_stops_the_arm_at_its_next_step(tmp_path
     from moe_rl.config import recipe_from_dict
     from moe_rl.megatron.checkpoint import latest_checkpoint
     from moe_rl.trainer.run import run
-    from tests.unit.test_rl_e2e import TINY
+    from tests.tiny import TINY_E2E as TINY
 
     def arm(i):
         data = {k: dict(v) for k, v in TINY.items()}

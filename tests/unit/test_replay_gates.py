@@ -10,7 +10,6 @@ import dataclasses
 import pytest
 import torch
 
-from moe_rl.config import recipe_from_dict
 from moe_rl.megatron.routing import RoutingSession
 from moe_rl.rollout.types import SamplingParams
 from moe_rl.routing import RouterAction
@@ -18,7 +17,7 @@ from moe_rl.routing.codec import decode_routes
 from moe_rl.trainer.context import Run
 from moe_rl.trainer.rl import collect, rl_step
 from moe_rl.trainer.timer import StepTimer
-from tests.unit.test_rl_e2e import TINY
+from tests.tiny import ready_run
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 SCALE = torch.tensor([0.5, 0.25])
@@ -97,13 +96,8 @@ class KeepingEngine:
 
 
 def _run(tmp_path, replay_gates: bool, **train) -> Run:
-    data = {k: dict(v) for k, v in TINY.items()}
-    data["algo"] = {"name": "grpo", "routing": "r3", "replay_gate_weights": replay_gates}
-    data["train"] = {**data["train"], "stages": ["rl"], "out_dir": str(tmp_path / "run"), **train}
-    run = Run(recipe_from_dict(data))
-    run.ensure_engine()
-    run.make_optimizer("rl")
-    return run
+    algo = {"name": "grpo", "routing": "r3", "replay_gate_weights": replay_gates}
+    return ready_run(tmp_path / "run", algo=algo, train=train)
 
 
 @pytest.mark.parametrize("replay_gates", [False, True])
