@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-unit test-dist test-gpu mutate bench-check lint format clean
+.PHONY: venv demo test test-fast test-integration test-studies test-studies-changed test-dist test-gpu mutate bench-check lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,11 +20,28 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/moe-rl demo --out runs/demo
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25 tests
+# the tiers by cost (conftest.py): fast = tests/unit + tests/badinput in process (no child
+# processes); integration = child processes, torchrun, Slurm, netns, end-to-end runs (tests/integration,
+# tests/dist, and the few marked tests of the fast folders), then the newest megatron-core; studies =
+# each study's own tests
+PYTEST = $(BIN)/python -m pytest -q --durations=15
+test: test-fast test-integration test-studies
 
-test-unit: $(STAMP)
-	$(BIN)/python -m pytest -q tests/unit
+test-fast: $(STAMP)
+	$(PYTEST) -m "not integration" tests
+
+test-integration: $(STAMP)
+	$(PYTEST) -m integration tests
+	$(MAKE) test-megatron-newest
+
+test-studies: $(STAMP)
+	$(PYTEST) studies
+
+# the tests of the studies a change touches (tools/changed_studies.py; STUDY_BASE: what it is measured from)
+STUDY_BASE ?= main
+test-studies-changed: $(STAMP)
+	@studies="$$($(BIN)/python -m tools.changed_studies --base $(STUDY_BASE))"; \
+	if [ -z "$$studies" ]; then echo "no study changed since $(STUDY_BASE)"; else $(PYTEST) $$studies; fi
 
 test-dist: $(STAMP)
 	$(BIN)/python -m pytest -q tests/dist

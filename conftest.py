@@ -1,5 +1,20 @@
+"""What every test shares: the environment, the world-of-one parallel state, the tiny policy and
+runs (``tiny_policy``, ``tiny_run``), CUDA skips, and the fast tier's rule.
+
+Tiers by cost: ``make test-fast`` is ``pytest -m "not integration" tests`` (tests/unit,
+tests/badinput), ``make test-integration`` is ``pytest -m integration tests``. Every test under
+:data:`INTEGRATION` carries the ``integration`` marker (added here); a test of a fast folder that
+must start a child process carries it by hand (``@pytest.mark.integration``). A fast test starts no
+child process: one that runs a moe-rl command, a fresh interpreter, torchrun or a server fails,
+naming the marker and tests/integration. What the library starts for itself (megatron-core's
+checkpoint writer queue, multiprocessing's helpers) and ``git``, ``mount`` and ``umount`` are not
+children it counts.
+"""
+
 import os
+import subprocess
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,9 +75,60 @@ def tiny_run(tmp_path, parallel_info):
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(Path(item.path).resolve().is_relative_to(ROOT / d) for d in INTEGRATION):
+            item.add_marker(pytest.mark.integration)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "tests/gpu" in str(item.fspath) or item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+ROOT = Path(__file__).resolve().parent
+FAST_TIER = ("tests/unit", "tests/badinput")
+"The fast tier's folders (``make test-fast``): no child processes (module docstring)."
+INTEGRATION = ("tests/integration", "tests/dist")
+"Folders whose every test is an integration test (``make test-integration``)."
+ALLOWED_CHILDREN = {"git", "mount", "umount"}
+"Programs a fast test may run: a commit name, a tmpfs to fail on."
+
+
+def in_fast_tier(path) -> bool:
+    rel = Path(path).resolve()
+    return any(rel.is_relative_to(ROOT / tier) for tier in FAST_TIER)
+
+
+def child_refused(args) -> str | None:
+    """Why a fast test may not start ``args`` (None: it may)."""
+    argv = args.split() if isinstance(args, (str, bytes)) else list(args)
+    program = os.path.basename(os.fsdecode(argv[0])) if argv else ""
+    if program in ALLOWED_CHILDREN:
+        return None
+    shown = " ".join(os.fsdecode(a) for a in argv[:4])
+    return (
+        f"a fast-tier test started a child process ({shown} ...): the fast tier ({', '.join(FAST_TIER)}) "
+        "runs in process; mark the test @pytest.mark.integration or move it to tests/integration (conftest.py)"
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Fast-tier items run with :class:`subprocess.Popen` refusing children (setup, call, teardown)."""
+    if not in_fast_tier(item.path) or item.get_closest_marker("integration"):
+        yield
+        return
+    original = subprocess.Popen.__init__
+
+    def guarded(self, args, *a, **kw):
+        why = child_refused(args)
+        if why:
+            pytest.fail(why, pytrace=False)
+        original(self, args, *a, **kw)
+
+    subprocess.Popen.__init__ = guarded
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__ = original

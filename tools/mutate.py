@@ -79,8 +79,8 @@ MUTANTS = (
         "for old in mine[::-1][: max(len(mine) - (keep - 1), 0)]:",
         (
             "tests/unit/test_policy.py",
-            "tests/unit/test_checkpoint_writer.py",
-            "tests/unit/test_resume.py",
+            "tests/integration/test_checkpoint_writer.py",
+            "tests/integration/test_resume.py",
             "tests/badinput/test_outputs_checkpoints.py",
         ),
     ),

@@ -25,7 +25,7 @@ from moe_rl.rollout.types import SamplingParams
 from moe_rl.rollout.weight_sync import DistributedWeightSync
 from moe_rl.serve.http import ServerThread
 from tests.unit.test_sglang_contract import _EchoEngine
-from tests.unit.test_sglang_e2e import DictSource, E, K, L, _check_matches, _launcher, init_weights
+from tests.integration.test_sglang_e2e import DictSource, E, K, L, _check_matches, _launcher, init_weights
 
 pytestmark = pytest.mark.dist
 

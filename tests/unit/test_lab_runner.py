@@ -108,6 +108,7 @@ def test_a_stopped_rl_arm_resumes_and_ends_as_one_that_never_saved(tmp_path, par
     assert other["status"] == "done" and not other["resumed"]
 
 
+@pytest.mark.integration
 def test_a_child_run_is_timed_alone_while_others_end_beside_it():
     """Two runs side by side (the sweep's two jobs): the idle one's CPU seconds do not take in the
     busy one that ended during it, as the process-wide children totals would."""

@@ -124,20 +124,39 @@ def test_step_time_rl_measures_every_phase_of_every_routing(tmp_path):
         assert all(math.isfinite(v) and v > -1 for v in d[f"replay_overhead_{stat}"].values())
 
 
-def test_paired_overheads_difference_only_the_phases_a_mode_changes():
-    from benchmarks.throughput_report import paired_probe_fracs, paired_replay_overheads
+def test_engine_throughput_smoke(tmp_path):
+    """benchmarks/engine_throughput.py at a smoke size: both decoders, the naive loop, JSON + PNG."""
+    import subprocess
 
-    def steps(rollout, train, probe=(0.1, 0.1)):
-        d = {"rollout": list(rollout), "old_logprob": [0.5, 0.5], "train": list(train), "probe": list(probe)}
-        d["step"] = [sum(d[p][i] for p in ("rollout", "old_logprob", "train", "probe")) for i in range(2)]
-        return d
-
-    none = steps((1.0, 1.4), (2.0, 2.0))  # step 3.6, 4.0
-    other = steps((1.3, 1.0), (2.036, 2.04))  # a noisier rollout, +0.036 / +0.04 s of training
-    assert paired_replay_overheads(none, other, "r2") == pytest.approx(
-        [0.01, 0.01]
-    )  # rollout noise: not R2's
-    assert paired_replay_overheads(none, other, "r3") == pytest.approx([0.336 / 3.6, -0.36 / 4.0])
-    assert paired_probe_fracs(none) == pytest.approx([0.1 / 3.6, 0.1 / 4.0])
-    with pytest.raises(ValueError, match="pair equal counts"):
-        paired_replay_overheads(none, {k: v[:1] for k, v in other.items()}, "r2")
+    root = Path(__file__).resolve().parents[2]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.engine_throughput",
+        "--batch",
+        "4",
+        "--new-tokens",
+        "4",
+        "--prompt-len",
+        "4",
+        "--repeats",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
+    res = subprocess.run(
+        cmd,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "PYTHONPATH": str(root)},
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    (path,) = tmp_path.glob("engine_throughput-*.json")
+    data = json.loads(path.read_text())
+    assert path.with_suffix(".png").exists()
+    assert data["naive_recompute_greedy"]["same_tokens_as_engine"]
+    assert set(data["decoders"]) == {"lean", "megatron"}
+    for case in ("engine_greedy", "megatron_engine_greedy", "engine_sampled"):
+        assert data[case]["generated_tokens"] == 16 and data[case]["tokens_per_cpu_s"] > 0
