@@ -9,36 +9,12 @@ import time
 import yaml
 
 from moe_rl.trainer.metrics import read_metrics
+from tests.tiny import TINY_E2E
 
 RECIPE = {
-    "model": {
-        "vocab_size": 104,
-        "hidden_size": 64,
-        "num_layers": 2,
-        "num_attention_heads": 4,
-        "num_query_groups": 2,
-        "head_dim": 16,
-        "moe_ffn_hidden_size": 64,
-        "num_experts": 4,
-        "moe_router_topk": 2,
-        "max_seq_len": 64,
-    },
-    "optim": {"lr": 1e-3},
-    "task": {"name": "arithmetic", "arithmetic": {"min_operands": 2, "max_operands": 2, "digits": 1}},
+    **TINY_E2E,
     "algo": {"name": "grpo", "routing": "r2"},
-    "train": {
-        "stages": ["sft", "rl"],
-        "sft_steps": 4,
-        "sft_batch_size": 8,
-        "rl_steps": 5,
-        "prompts_per_step": 2,
-        "group_size": 4,
-        "minibatches": 2,
-        "max_new_tokens": 12,
-        "eval_prompts": 4,
-        "flip_probe_sequences": 2,
-        "temperature": 1.5,
-    },
+    "train": {**TINY_E2E["train"], "sft_steps": 4, "rl_steps": 5, "temperature": 1.5},
     "checkpoint": {"every": 2},
 }
 KEYS = ("reward/mean", "loss/pg", "ratio/token_max", "grad_norm", "flip/step/rate", "response/len_mean")
