@@ -76,7 +76,7 @@ WHL ?= .whl
 GPU_PYTHON ?= python3
 GPU_PY_VERSION ?= 3.12
 GPU_VENV ?= /tmp/moe-rl-venv-gpu
-GPU_CHECK_S ?= 500
+GPU_CHECK_S ?= 420
 GPU_CHECK_ARGS ?=
 # the commit the results are named by, where the copy has no .git (the device machine's)
 GPU_COMMIT ?=

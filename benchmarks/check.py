@@ -80,11 +80,18 @@ def compare(bench: str, spec: dict, base: dict, new: dict, here: str) -> list[Ro
             missing = f.get("needs") and not NEEDS[f["needs"]]()
             verdict, worse = (f"not measured (needs {f['needs']})" if missing else "missing"), None
         else:
-            worse = b / n if f["better"] == "higher" else n / b
-            worse = worse if math.isfinite(worse) else math.inf
+            worse = worse_by(b, n, f["better"])
             verdict = "regressed" if worse > tol else "ok"
         rows.append(Row(bench, figure, b, n, worse, tol, verdict))
     return rows
+
+
+def worse_by(base: float, new: float, better: str) -> float:
+    """The factor ``new`` is worse than ``base`` by (below 1: better; a count from 0 to more: inf)."""
+    num, den = (base, new) if better == "higher" else (new, base)
+    if den == 0:
+        return 1.0 if num == 0 else math.inf
+    return num / den
 
 
 def run(bench: str, spec: dict, out: Path) -> dict:
@@ -138,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine {here}, load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
     for bench in args.benches or list(baselines):
         spec = baselines[bench]
+        if spec.get("pending"):
+            print(f"{bench}: no baseline yet ({spec['pending']})", flush=True)
+            continue
         if spec.get("needs") and not NEEDS[spec["needs"]]():
             print(f"{bench}: skipped (needs {spec['needs']})", flush=True)
             continue

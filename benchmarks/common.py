@@ -35,6 +35,32 @@ def result_path(bench: str, preset: str, out: str | None = None, suffix: str = "
     return results.result_path(bench, preset, out, suffix, folder=RESULTS)
 
 
+def matmul_rate(dev, n: int, dtype, reps: int = 10) -> float:
+    """flop/s of an n^3 ``torch.mm`` (CUDA events on CUDA, the wall clock on CPU), mean of ``reps``."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    for _ in range(3):
+        torch.mm(a, b)
+    if dev.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(reps):
+            torch.mm(a, b)
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b)
+        seconds = time.perf_counter() - t0
+    return 2 * n**3 * reps / seconds
+
+
 def gemm_rate(device, dtype, shapes=((1024, 1024, 1024),), reps: int = 5) -> dict:
     """The best measured dense GEMM rate (flop/s) of this process over ``shapes`` (n, k, m)."""
     import time

@@ -11,6 +11,10 @@ Sections, in order, each timed; a failure is recorded (traceback summary) and th
   algorithm (grpo, gspo, gspo_token) x routing (none, r2, r3), and a resume check: 2 steps in one
   run against 1 step, checkpoint, ``--resume``, 1 step (``moe_rl.trainer.run.run``). The same
   helpers are tests/gpu/test_gpu_rl_step.py's.
+- ``moe_target``: the training pass in the regime users train (``benchmarks.moe_target``): a
+  Qwen3-30B-A3B-shaped layer (hidden 2048, 64 experts top-8, vocabulary 151,936) with as many layers
+  as fit the GPU with their optimizer, packed passes of 8k and 16k positions: tokens/s per GPU, MFU,
+  the GPU's busy share and kernel launches per pass, per layer spec that runs here.
 - ``kernels``: the fused log-prob kernel against the naive path and torch.compile of it
   (``benchmarks.kernels.bench_config``): N = 8k-32k tokens, H = 2048 / 4096, V = 151,936, bf16,
   forward and forward+backward, time, peak memory, the matmul floor; configurations in order of
@@ -55,12 +59,31 @@ if str(ROOT) not in sys.path:  # run as a script
 
 ALGOS = ("grpo", "gspo", "gspo_token")
 ROUTINGS = ("none", "r2", "r3")
-SECTIONS = ("device", "tests", "rl_step", "kernels", "moe_1b", "mismatch")
-SECTION_S = {"device": 30, "tests": 120, "rl_step": 60, "kernels": 150, "moe_1b": 75, "mismatch": 45}
-"""Each section's cap in seconds on the GPU (480 in all: `make gpu-check`'s budget; the run's
-remaining budget caps each too). In-process sections check their cap between items (a mode, a
-kernel configuration, an RL step), so one long item can run past it."""
-DRY_SECTION_S = {"device": 10, "tests": 40, "rl_step": 40, "kernels": 30, "moe_1b": 30, "mismatch": 30}
+SECTIONS = ("device", "tests", "rl_step", "moe_target", "moe_1b", "kernels", "mismatch")
+"In the order of issue 'GPU truth': the standing check, then the target-regime MFU, then the rest."
+SECTION_S = {
+    "device": 20,
+    "tests": 100,
+    "rl_step": 45,
+    "moe_target": 100,
+    "moe_1b": 50,
+    "kernels": 60,
+    "mismatch": 25,
+}
+"""Each section's cap in seconds on the GPU (400 in all: `make gpu-check`'s budget, so that the first
+call returns within 8 minutes with the machine's start and the install; the run's remaining budget
+caps each too, so the last sections are the first to wait for the next GPU). In-process sections
+check their cap between items (a mode, a kernel configuration, an RL step), so one long item can run
+past it."""
+DRY_SECTION_S = {
+    "device": 10,
+    "tests": 40,
+    "rl_step": 40,
+    "moe_target": 30,
+    "moe_1b": 30,
+    "kernels": 30,
+    "mismatch": 30,
+}
 
 # -- what the GPU machine lacks (`make gpu-wheels`) --------------------------------------------------
 WHEELS_EXTRA = ("pytest", "pytest-timeout", "pip")
@@ -198,34 +221,12 @@ def free_cuda() -> None:
 
 
 # -- a. device ----------------------------------------------------------------------------------------
-def matmul_rate(dev, n: int, dtype, reps: int = 10) -> float:
-    """flop/s of an n^3 ``torch.mm`` (CUDA events on CUDA, the wall clock on CPU), mean of ``reps``."""
-    import torch
-
-    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
-    for _ in range(3):
-        torch.mm(a, b)
-    if dev.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(reps):
-            torch.mm(a, b)
-        end.record()
-        end.synchronize()
-        seconds = start.elapsed_time(end) / 1e3
-    else:
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            torch.mm(a, b)
-        seconds = time.perf_counter() - t0
-    return 2 * n**3 * reps / seconds
-
-
 def section_device(ck: Check, cap: float) -> dict:
     import platform
 
     import torch
+
+    from benchmarks.common import matmul_rate
 
     dev = device()
     out = {
@@ -679,6 +680,17 @@ def tile_summary(sweep: dict, derived: dict) -> dict:
     return out
 
 
+# -- d2. the training pass in the target regime ---------------------------------------------------------------
+def section_moe_target(ck: Check, cap: float) -> dict:
+    from benchmarks import moe_target
+
+    need_cuda(ck)
+    try:
+        return moe_target.run(dry=ck.dry, peak_flops=ck.peak_flops, cap_s=cap)
+    finally:
+        free_cuda()
+
+
 # -- e. a ~1B-parameter MoE RL step ------------------------------------------------------------------------
 SMALL_1NODE = ROOT / "recipes/cluster/qwen3_moe_small_1node.yaml"
 MOE_1B_LAYERS = 10
@@ -978,6 +990,7 @@ SECTION_FNS = {
     "device": section_device,
     "tests": section_tests,
     "rl_step": section_rl_step,
+    "moe_target": section_moe_target,
     "kernels": section_kernels,
     "moe_1b": section_moe_1b,
     "mismatch": section_mismatch,
@@ -1040,6 +1053,9 @@ def headline(doc: dict) -> dict:
                     "kernel_launches",
                 )
             }
+    mt = _result(s.get("moe_target"))
+    if mt:
+        h["moe_target"] = {**mt.get("headline", {}), "not_measured": mt.get("not_measured")}
     f = _result(s.get("mismatch"))
     if f:
         h["rollout_vs_trainer"] = {
@@ -1113,9 +1129,12 @@ def plot(doc: dict, path: Path) -> None:
     ax.set(title="rollout (engine) vs fp32 trainer: flip rate per layer", xlabel="layer")
     ax.legend(fontsize=8)
     t = h.get("tests", {})
+    target = h.get("moe_target", {})
+    mfu = target.get("mfu")
     fig.suptitle(
         f"gpu_check {doc['machine']} {doc['commit']}{' (dry run)' if doc['dry_run'] else ''}: "
         f"{h.get('matmul_tflops', 0):.3g} {h.get('matmul_dtype', '')} TFLOP/s; tests/gpu {t}"
+        + (f"; target-regime MFU {mfu:.1%} ({target.get('layers')} layers)" if mfu else "")
     )
     fig.tight_layout()
     tmp = path.with_name(f".{path.stem}.tmp.png")
@@ -1128,7 +1147,7 @@ def main(argv=None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (CI: CPU, < 60 s)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="result directory")
-    ap.add_argument("--budget-s", type=float, default=None, help="whole run (default 480; dry run 120)")
+    ap.add_argument("--budget-s", type=float, default=None, help="whole run (default 400; dry run 120)")
     ap.add_argument("--only", nargs="*", choices=SECTIONS, help="these sections only")
     ap.add_argument(
         "--requirements", nargs="*", metavar="EXTRA", help="print the wheel requirements (+ EXTRA) and exit"
@@ -1145,7 +1164,7 @@ def main(argv=None) -> dict | None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    budget = args.budget_s or (120.0 if args.dry_run else 480.0)
+    budget = args.budget_s or (120.0 if args.dry_run else 400.0)
     ck = Check(args.out, args.dry_run, budget)
     print(f"gpu_check: {ck.json_path} (budget {budget:.0f} s)", flush=True)
     import signal

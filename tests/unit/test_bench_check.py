@@ -17,18 +17,28 @@ BASELINES = check.load()
 @pytest.mark.parametrize("bench", sorted(BASELINES))
 def test_every_baseline_is_a_committed_result_holding_its_figures(bench):
     spec = BASELINES[bench]
-    base = json.loads((RESULTS / spec["result"]).read_text())
     assert (check.HERE / f"{bench}.py").exists(), f"benchmarks/{bench}.py"
+    if spec.get("pending"):
+        assert set(spec) <= {"pending", "needs"} and len(spec["pending"]) > 20, "say why there is none yet"
+        return
+    base = json.loads((RESULTS / spec["result"]).read_text())
     assert spec["result"].startswith(f"{bench}-{spec['machine']}-"), spec["result"]
     assert base.get("machine", spec["machine"]) == spec["machine"]
     assert "{out}" in " ".join(spec["args"]), "the rerun must write under the check's scratch folder"
     for figure, f in spec["figures"].items():
         value = check.value_at(base, figure)
-        assert value is not None and math.isfinite(value) and value > 0, figure
-        assert f["better"] in ("higher", "lower") and f["tolerance"] > 1, figure
+        assert value is not None and math.isfinite(value) and value >= 0, figure
+        assert f["better"] in ("higher", "lower") and f["tolerance"] >= 1, figure
         assert f.get("needs", "cuda") in check.NEEDS
     rows = check.compare(bench, spec, base, base, spec["machine"])
     assert {r.verdict for r in rows} == {"ok"} and all(r.worse_by == 1 for r in rows)
+
+
+def test_a_count_that_was_zero_fails_on_any_rise():
+    assert check.worse_by(0, 0, "lower") == 1 and check.worse_by(0, 1, "lower") == math.inf
+    assert (
+        check.worse_by(10, 11, "lower") == pytest.approx(1.1) and check.worse_by(2, 0, "higher") == math.inf
+    )
 
 
 def test_every_performance_benchmark_has_a_baseline():
