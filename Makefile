@@ -28,7 +28,7 @@ PYTEST = $(BIN)/python -m pytest -q --durations=15
 test: test-fast test-integration test-studies
 
 test-fast: $(STAMP)
-	$(PYTEST) -m "not integration" tests
+	$(PYTEST) -m "not integration" tests/unit tests/badinput
 
 test-integration: $(STAMP)
 	$(PYTEST) -m integration tests

@@ -1,8 +1,8 @@
 """What every test shares: the environment, the world-of-one parallel state, the tiny policy and
 runs (``tiny_policy``, ``tiny_run``), CUDA skips, and the fast tier's rule.
 
-Tiers by cost: ``make test-fast`` is ``pytest -m "not integration" tests`` (tests/unit,
-tests/badinput), ``make test-integration`` is ``pytest -m integration tests``. Every test under
+Tiers by cost: ``make test-fast`` is ``pytest -m "not integration" tests/unit tests/badinput``,
+``make test-integration`` is ``pytest -m integration tests``. Every test under
 :data:`INTEGRATION` carries the ``integration`` marker (added here); a test of a fast folder that
 must start a child process carries it by hand (``@pytest.mark.integration``). A fast test starts no
 child process: one that runs a moe-rl command, a fresh interpreter, torchrun or a server fails,
