@@ -243,6 +243,7 @@ def test_refuses_tensor_parallel_and_bad_requests(engine):
     assert engine.generate([], 2, SamplingParams()).batch_size == 0
 
 
+@pytest.mark.integration
 def test_registry_is_lazy():
     assert set(ROLLOUT_ENGINES) == {"embedded", "sglang"}
     with pytest.raises(ValueError, match="embedded, sglang"):

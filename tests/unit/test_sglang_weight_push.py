@@ -146,6 +146,7 @@ def assert_every_rank_got_every_tensor(decoded: list[list[list[list]]], tp_sizes
 
 
 # ----------------------------------------------------------------- SGLang's own decoding
+@pytest.mark.integration
 @pytest.mark.parametrize("version", VERSIONS)
 def test_bytes_push_decodes_with_sglangs_own_code(version, monkeypatch, tmp_path):
     """The ``bytes`` payloads of a push from a trainer without sglang, 2 engines (TP 2 and 1),
@@ -167,6 +168,7 @@ def test_bytes_push_decodes_with_sglangs_own_code(version, monkeypatch, tmp_path
     assert_every_rank_got_every_tensor(res["built_with_sglang_read_by_serve"], tp_sizes)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("version", VERSIONS)
 def test_ipc_layout_and_reductions_against_sglang(version, tmp_path):
     """``flatten_bucket`` with and without SGLang, through SGLang's MultiprocessingSerializer

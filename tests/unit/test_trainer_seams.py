@@ -12,7 +12,7 @@ from moe_rl.trainer.hooks import OptimizerStep, StepHook
 from moe_rl.trainer.rl import natural_routes, rl_step, route_flips
 from moe_rl.trainer.run import run
 from moe_rl.trainer.timer import StepTimer
-from tests.unit.test_rl_e2e import tiny
+from tests.tiny import tiny_e2e as tiny
 
 
 class Recorder(StepHook):
