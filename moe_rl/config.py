@@ -487,7 +487,7 @@ class TrainConfig:
     freeze_router: bool = False
     "RL stage only: no update changes any MoE router weight (SFT still trains them), as verl's actor_rollout_ref.model.override_config.moe_config.freeze_moe_router and NeMo-RL's policy.megatron_cfg.freeze_moe_router; gradients still flow through the gates to the layers below (docs/algorithms.md#router-frozen)."
     router_lr_mult: float = 1.0
-    "RL stage only: the MoE routers' learning rate (and weight decay) as a multiple of optim.lr, a volatility dial: how far each update moves the routing (1: as every other weight; 0 is train.freeze_router without its zeroed gradient; docs/algorithms.md#router-lr)."
+    "RL stage only: the MoE routers' learning rate (and weight decay) as a multiple of optim.lr, a volatility dial: how far each update moves the routing (1: as every other weight; 0 is train.freeze_router without its zeroed gradient; docs/algorithms.md#router-learning-rate)."
 
     def __post_init__(self) -> None:
         check_choices(self, "train")

@@ -118,7 +118,7 @@ class Run:
             checkpoint_root(recipe), self.policy.model, keep=recipe.checkpoint.keep
         )
         self.signals = StopSignals()
-        self.hooks = [FlipProbe(), RoutingShareProbe()]
+        self.hooks = [RoutingShareProbe(), FlipProbe()]  # the share's forward serves the flip probe
         self._bar = None
         self._derived_from: Run | None = None
         if write_recipe:

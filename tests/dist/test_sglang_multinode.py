@@ -60,7 +60,7 @@ def _env() -> dict[str, str]:
 
 
 def _recipe(tmp_path: Path, sglang: dict) -> Path:
-    from tests.unit.test_rl_e2e import TINY
+    from tests.tiny import TINY_E2E as TINY
 
     data = {k: dict(v) for k, v in TINY.items()}
     data["model"]["moe_aux_loss_coeff"] = 0.01  # a gradient without reward: the pushes change weights
@@ -147,7 +147,7 @@ def test_launched_engine_on_rank0s_node_is_reached_from_another_node(lan, tmp_pa
 
 
 def test_attached_engine_on_a_third_node_is_reached_by_both_ranks(lan, tmp_path):
-    from tests.unit.test_rl_e2e import TINY
+    from tests.tiny import TINY_E2E as TINY
 
     model = tmp_path / "engine.yaml"  # moe-rl serve takes a recipe: random init, replaced by the first push
     model.write_text(json.dumps({"model": TINY["model"]}))

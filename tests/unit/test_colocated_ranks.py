@@ -23,8 +23,10 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
+pytestmark = pytest.mark.integration  # two processes (conftest.py: the fast tier starts none)
 DELAY = {"release": 0.3, "resume": 0.1, "host_copy_rank1": 0.9}
 
 

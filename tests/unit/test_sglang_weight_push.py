@@ -16,9 +16,9 @@ Importing SGLang's modules: the package ``__init__`` files of ``sglang``, ``sgla
 are, and third-party modules missing here (``STUBBABLE``: ``requests``, ``pynvml``, ``torchvision``,
 ``sgl_kernel``, ...; which ones is printed) are empty stubs: none of them is used by the functions
 under test, which need only pickle, ``pybase64`` (installed next to the wheel) and torch (the
-loader, :mod:`benchmarks.gpu_colocated`, is the one ``make gpu-check`` uses).
+loader, :mod:`tools.gpu_colocated`, is the one ``make gpu-check`` uses).
 CUDA IPC itself needs a GPU: here the ``ipc`` layout is checked with CPU tensors in one process;
-``make gpu-check`` opens an IPC bucket from an unrelated process (benchmarks/gpu_colocated.py).
+``make gpu-check`` opens an IPC bucket from an unrelated process (tools/gpu_colocated.py).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.gpu_colocated import import_sglang, sglang_loader
 from moe_rl.rollout.weight_sync import tensor as T
+from tools.gpu_colocated import import_sglang, sglang_loader
 
 ROOT = Path(__file__).resolve().parents[2]
 WHEELS = ROOT / ".sglang"
@@ -137,6 +137,7 @@ def assert_every_rank_got_every_tensor(decoded: list[list[list[list]]], tp_sizes
 
 
 # ----------------------------------------------------------------- SGLang's own decoding
+@pytest.mark.integration
 @pytest.mark.parametrize("version", VERSIONS)
 def test_bytes_push_decodes_with_sglangs_own_code(version, monkeypatch, tmp_path):
     """The ``bytes`` payloads of a push from a trainer without sglang, 2 engines (TP 2 and 1),
@@ -158,6 +159,7 @@ def test_bytes_push_decodes_with_sglangs_own_code(version, monkeypatch, tmp_path
     assert_every_rank_got_every_tensor(res["built_with_sglang_read_by_serve"], tp_sizes)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("version", VERSIONS)
 def test_ipc_layout_and_reductions_against_sglang(version, tmp_path):
     """``flatten_bucket`` with and without SGLang, through SGLang's MultiprocessingSerializer
