@@ -165,9 +165,11 @@ class PushVerifier:
 SCORE_TOLERANCE = {"fp32": 1e-3, "fp16": 4e-3, "bf16": 2e-2}
 """Largest mean |log-prob difference| between an engine's and the trainer's scores of a probe,
 per the lower of the trainer's and the rollout precision (``rollout.verify_tolerance`` overrides).
-Measured on the tiny model (CPU): an fp32 engine differs by 6e-8 (max 5e-7), a bf16 one by 1.5e-3
-(max 3.3e-3); one expert's weights swapped moves fp32 scores by 1.0e-2 (max 2.9e-2). bf16 and fp16
-allow the run-to-run spread of GPU kernels at scale, where the wrong expert's tokens move more."""
+Measured on the tiny model (CPU, fp32 trainer, 5 samplings: ``python -m tools.score_gaps``): a
+faithful fp32 engine differs by 7e-8 to 1.3e-7, a bf16 one by 5.5e-4 to 7.6e-4; experts 1 and 2
+of layer 0 swapped move the scores by 2.7e-3 to 3.7e-3 (the random tiny experts barely matter).
+fp32 catches that; bf16 and fp16 leave room for GPU kernels at scale (not yet measured), where a
+trained model's wrong expert moves its tokens far more."""
 
 
 def score_tolerance(model_dtype: str, rollout_dtype: str, override: float | None = None) -> float:
