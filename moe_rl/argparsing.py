@@ -1,7 +1,8 @@
 """The command line's shared parts, a leaf under ``moe_rl.cli`` and ``moe_rl.plan``.
 
-:class:`ArgParser` (the house usage-error line) and :func:`one_line_errors` (a user error, or a
-full disk, becomes one ``moe-rl: <kind>: <message>`` line and exit code 2). Only the standard
+:class:`ArgParser` (the house usage-error line), :func:`one_line_errors` (a user error, or a
+full disk, becomes one ``moe-rl: <kind>: <message>`` line and exit code 2) and the count types of
+the benchmarks' and studies' flags (:func:`int_at_least`). Only the standard
 library and ``moe_rl.errors`` are imported, so both commands use them without importing each other.
 """
 
@@ -97,3 +98,23 @@ def _torch_write_failure(e: RuntimeError) -> str | None:
         f"writing a torch file (a checkpoint) failed ({detail}): the disk is full or refused the write; "
         "free space or pick another folder"
     )
+
+
+def int_at_least(minimum: int):
+    """argparse type: an integer >= ``minimum`` (a count of jobs, seeds, steps, threads: 1; warm-up
+    steps: 0)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)

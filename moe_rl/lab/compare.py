@@ -46,7 +46,6 @@ from moe_rl.config import ConfigError, load_recipe
 from moe_rl.errors import PathError, UserError
 from moe_rl.lab.arms import COMPARE_ARMS, DEMO_ARMS, arm_dir, arm_overrides
 from moe_rl.lab.compare_plot import plot
-from moe_rl.lab.noise import auc, outlier_steps
 from moe_rl.lab.report import summarize
 from moe_rl.lab.results import csv_text, json_safe, write_json, write_text
 from moe_rl.lab.runner import (
@@ -58,7 +57,7 @@ from moe_rl.lab.runner import (
     resumable_run,
 )
 from moe_rl.lab.starts import warm_start
-from moe_rl.lab.stats import mean, paired
+from moe_rl.lab.stats import auc, mean, outlier_steps, paired
 from moe_rl.lab.status import STATUS_EVERY, StatusLines, fmt
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import math
 import statistics
 from pathlib import Path
 
-from moe_rl.lab.noise import outlier_steps
+from moe_rl.lab.stats import outlier_steps
 from moe_rl.lab.report import series
 
 REWARD_SMOOTH = 5

@@ -108,6 +108,7 @@ def test_every_phase_of_a_run_is_named(tmp_path, caplog, parallel_info):
     assert not (tmp_path / "run" / progress.PROGRESS_FILE).exists()  # it lives as long as the run
 
 
+@pytest.mark.integration
 def test_under_torchrun_other_ranks_log_warnings_only_and_name_their_rank():
     code = (
         "import logging; from moe_rl.cli import _setup_logging; _setup_logging(False); "
