@@ -13,8 +13,8 @@ import math
 import statistics
 from pathlib import Path
 
-from moe_rl.lab.stats import outlier_steps
 from moe_rl.lab.report import series
+from moe_rl.lab.stats import outlier_steps
 
 REWARD_SMOOTH = 5
 "Steps of the trailing mean of the reward curves (the table's final reward: the last 5)."

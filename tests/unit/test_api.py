@@ -49,6 +49,7 @@ TINY = {
 "The tiny policy, 2 SFT steps then 1 RL step; its jsonl task (with data given) learns from ``response``."
 
 
+@pytest.mark.integration
 def test_a_script_without_the_main_guard_is_told_in_one_line(tmp_path):
     res = python(
         tmp_path,
@@ -75,6 +76,7 @@ def test_the_guard_is_found_where_it_is():
     assert guarded_lines("if __name__ != '__main__':\n    go()\n") == []
 
 
+@pytest.mark.integration
 def test_a_guarded_script_trains_with_progress_and_without_megatrons_warnings(tmp_path):
     """A plain script: data as a list of dicts, the reward a function of the script, warnings on as
     Python shows them by default; the progress lines (phase, s/step, ETA) and no warning on stderr."""

@@ -14,10 +14,13 @@ on the PATH:
   (``python FILE``) when it has no name or holds an ``if __name__ == "__main__":`` guard;
 - a comment line just before a block's fence says otherwise: ``<!-- example: skip: REASON -->``
   (not run here: a GPU, a cluster, the network, hours; the reason is required) or
-  ``<!-- example: file NAME -->`` (write the block to NAME, whatever its first line).
+  ``<!-- example: file NAME -->`` (write the block to NAME, whatever its first line);
+- a bash block that installs (``make venv``, ``pip install``, ``python -m venv``) or runs the
+  suite (``make test``, ``make demo``) must be marked ``skip``: the scratch folder links the
+  checkout's own venv, which an install there would change.
 
-:func:`test_every_example_is_run_or_says_why_not` checks the classification (fast);
-:func:`test_the_examples_run` runs them, one Markdown file per case.
+:func:`test_every_example_is_run_or_says_why_not` checks the classification (fast tier);
+:func:`test_the_examples_run` runs them, one Markdown file per case (``integration``: child processes).
 """
 
 from __future__ import annotations
@@ -49,6 +52,11 @@ LINKED = (
     "pyproject.toml",
 )
 BLOCK_TIMEOUT_S = 1200
+INSTALLS = re.compile(
+    r"(^|[;&|(]\s*|\s)(make\s+(venv|test\S*|demo)\b|pip3?\s+install\b|python3?\s+-m\s+(venv|pip)\b)", re.M
+)
+"""What an example may not run here unmarked: an install (into the checkout's own venv, which the
+scratch folder links) or the test suite itself; such a block needs ``example: skip``."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,11 @@ def test_every_example_is_run_or_says_why_not():
                 )
             if b.lang in RUN and not (b.runs or b.file or (b.marker and b.marker[0] == "skip")):
                 problems.append(f"{b.where}: a {b.lang} block that neither runs nor names its file")
+            if b.runs and b.lang == "bash" and INSTALLS.search(b.text):
+                what = INSTALLS.search(b.text).group(2)
+                problems.append(
+                    f"{b.where}: runs `{what}`: mark it <!-- example: skip: REASON --> (not run here)"
+                )
     assert not problems, "\n".join(problems)
 
 
@@ -141,7 +154,7 @@ def run_block(b: Block, tmp: Path, env: dict[str, str]) -> subprocess.CompletedP
     return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("doc", [d for d in DOCS if any(b.runs for b in blocks(d))], ids=lambda d: d.name)
 def test_the_examples_run(doc, tmp_path):
     env = sandbox(tmp_path)
