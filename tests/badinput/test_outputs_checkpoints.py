@@ -637,6 +637,7 @@ def _load_meta(ck, path) -> dict:
     return ck.load_checkpoint(path, policy.model, load_rng=False)
 
 
+@pytest.mark.integration  # the finished run it copies is trained in a child process
 @pytest.mark.bad_input("output")
 def test_export_writes_the_dtype_the_policy_trained_in_and_says_which(cli, run_copy):
     """Issue 49: an fp32 policy is exported in fp32 unless --dtype asks for bf16 (it used to be bf16

@@ -320,6 +320,7 @@ def test_the_mlflow_params_of_a_long_value_are_cut_and_the_recipe_kept_whole(tmp
     assert long in whole
 
 
+@pytest.mark.integration  # W&B and MLflow start `uname -p` (platform.processor)
 def test_the_trackers_own_environment_wins(tmp_path, offline, monkeypatch):
     """Issue 49: WANDB_DIR, WANDB_PROJECT and MLFLOW_TRACKING_URI are the user's and win over the run
     folder and moe-rl's defaults (W&B used to write into the run folder whatever WANDB_DIR said)."""
