@@ -61,6 +61,9 @@ echo "torchrun.sh: $NPROC processes, recipe $RECIPE, log $LOG" | tee -a "$LOG" >
 
 # shellcheck disable=SC2016  # a template torchrun fills in, not a shell expansion
 export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank${rank}]:'
+# torchrun sets 1 thread per process when OMP_NUM_THREADS is unset, and prints a banner saying so:
+# set the same here, quietly (a value of yours wins)
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # torchrun runs in the background so that this script can forward a signal sent to it alone
 # (SIGTERM, SIGINT; SIGHUP, a closed terminal, as SIGTERM) and, whoever got the signal, wait
 # until torchrun and its workers have ended: they write a stop checkpoint first, and whatever

@@ -12,18 +12,13 @@ import time
 from pathlib import Path
 
 from moe_rl.argparsing import ArgParser, one_line_errors
-
-QUIET_LOGGERS = ("megatron",)
-"Libraries whose INFO lines (DDP buckets, optimizer config, FSDP detection) show only with ``-v``."
-QUIET_WARNING_MODULES = ("megatron",)
-"""Modules whose warnings are off unless ``-v``: megatron-core's (Transformer Engine / Apex
-fallbacks on CPU, its deprecations such as "tp_group is None"); every one a start printed was
-raised there (measured with every warning shown)."""
+from moe_rl.quiet import quiet_dependencies
 
 
 def _setup_logging(verbose: bool) -> None:
     """Log lines as ``HH:MM:SS LEVEL name: message`` (DEBUG with ``-v``); megatron-core's loggers at
-    WARNING and its known warnings off, unless ``verbose`` (then INFO, and every warning). Under
+    WARNING and the dependencies' warnings no user caused off (:mod:`moe_rl.quiet`), unless
+    ``verbose`` (then INFO, and every warning). Under
     torchrun or Slurm (``WORLD_SIZE`` > 1) each line names its rank, and ranks other than 0 log
     warnings and errors only, unless ``verbose``: one progress line per step, not one per rank."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1") or 1), os.environ.get("RANK", "0")
@@ -35,14 +30,7 @@ def _setup_logging(verbose: bool) -> None:
         datefmt="%H:%M:%S",
     )
     logging.getLogger("moe_rl.rank").setLevel(logging.INFO)  # each rank's one start line
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
-    if verbose:
-        return
-    import warnings
-
-    for module in QUIET_WARNING_MODULES:
-        warnings.filterwarnings("ignore", module=module)
+    quiet_dependencies(verbose)  # megatron-core's INFO lines and the warnings it causes: -v shows them
 
 
 SUMMARY_KEYS: dict[str, tuple[str, ...]] = {
@@ -63,12 +51,14 @@ SUMMARY_KEYS: dict[str, tuple[str, ...]] = {
     ),
 }
 "The metrics ``moe-rl train`` prints at the end, per stage (every metric is in metrics.jsonl)."
+SUMMARY_PERCENT = ("reward/accuracy", "eval/accuracy", "flip/step/rate", "flip/drift/rate", "clip/token_frac")
+"The rates among them: shown in percent with a % sign (metrics.jsonl keeps the fractions)."
 
 
 def summary_table(results: dict[str, dict[str, float]], seconds: float, out_dir: str) -> str:
     """The final summary of ``moe-rl train``: a line with the wall time and where every metric is,
     then a ``stage  metric  last`` table of the :data:`SUMMARY_KEYS` each stage logged, at its last
-    step (RL's ``eval/accuracy``: the final evaluation; rates as fractions, as in metrics.jsonl)."""
+    step (RL's ``eval/accuracy``: the final evaluation; rates in percent, :data:`SUMMARY_PERCENT`)."""
     table = [
         (stage, key, float(metrics[key]))
         for stage, metrics in results.items()
@@ -81,7 +71,8 @@ def summary_table(results: dict[str, dict[str, float]], seconds: float, out_dir:
     width = max(len("metric"), *(len(key) for _, key, _ in table))
     out, shown = [head, f"{'stage':<5}  {'metric':<{width}}  last"], set()
     for stage, key, v in table:
-        out.append(f"{'' if stage in shown else stage:<5}  {key:<{width}}  {v:.4g}")
+        value = f"{v:.2%}" if key in SUMMARY_PERCENT else f"{v:.4g}"
+        out.append(f"{'' if stage in shown else stage:<5}  {key:<{width}}  {value}")
         shown.add(stage)
     return "\n".join(out)
 
@@ -105,19 +96,22 @@ def cmd_train(args) -> int:
 
 
 def cmd_check(args) -> int:
-    """Load and validate a recipe (and its task's data) without starting anything; print it resolved."""
+    """Load and validate a recipe (and its task's data) without starting anything; print it resolved,
+    then what it detected (the model, tokenizer, data layout, reward signature, run) as YAML comments."""
     from pathlib import Path
 
     import yaml
 
     from moe_rl.config import load_recipe, to_dict
+    from moe_rl.detected import detected
     from moe_rl.preflight import check_hf_path, preflight
 
     recipe = load_recipe(args.recipe, args.overrides)
     tokenizer = recipe.model.tokenizer
     check_hf_path(recipe)  # the folder it starts from: here, with config.json and weights
+    tok = task = None
     if tokenizer == "char" or Path(tokenizer).is_dir():
-        preflight(recipe)
+        tok, task = preflight(recipe)
     else:  # a cluster recipe checked on another machine: its fields are checked, its data cannot be
         logging.getLogger("moe_rl").warning(
             "model.tokenizer=%s is not here: the task's data, prompt lengths and held-out split are "
@@ -125,6 +119,7 @@ def cmd_check(args) -> int:
             tokenizer,
         )
     print(yaml.safe_dump(to_dict(recipe), sort_keys=False))
+    print("# detected:\n" + "\n".join(f"#   {line}" for line in detected(recipe, tok, task)))
     return 0
 
 
@@ -154,7 +149,12 @@ def compare_parser() -> argparse.ArgumentParser:
         help="comma-separated arms of moe_rl/lab/arms.py ARMS: GRPO, GRPO+R2, GRPO+R3, GRPO+TIS, GSPO, "
         "GSPO+R2 (default: %(default)s); the first is the one the others are compared with",
     )
-    p.add_argument("--seeds", default="1", help="seeds (paired replicates) per arm (default: 1)")
+    p.add_argument(
+        "--seeds",
+        default="1",
+        help="seeds (paired replicates) of every arm: a count N (seeds 0..N-1) or the seeds themselves, "
+        "comma-separated: 9001,9002,9003 (one alone: 9001,) (default: 1)",
+    )
     p.add_argument(
         "--jobs",
         default=None,
@@ -169,7 +169,7 @@ def compare_parser() -> argparse.ArgumentParser:
 
 def cmd_compare(args) -> int:
     from moe_rl.errors import PathError, UserError
-    from moe_rl.lab.compare import parse_arms, parse_count, run_compare
+    from moe_rl.lab.compare import parse_arms, parse_count, parse_seeds, run_compare
     from moe_rl.lab.runner import stop_cleanly
 
     if not Path(args.recipe).is_file():
@@ -177,7 +177,7 @@ def cmd_compare(args) -> int:
             f"compare recipe {args.recipe} is not a file: give a recipe such as recipes/compare_tiny.yaml"
         )
     arms = parse_arms(args.arms)
-    seeds = parse_count(args.seeds, "--seeds", "how many seeds each arm runs")
+    seeds = parse_seeds(args.seeds)
     jobs = None if args.jobs is None else parse_count(args.jobs, "--jobs", "how many runs train at a time")
     try:
         every = float(args.status_every)
@@ -224,10 +224,13 @@ def cmd_report(args) -> int:
     if bad:
         raise UserError(f"run {bad[0]!r}: write NAME=DIR or DIR")
     runs = dict(r.split("=", 1) if "=" in r else (r.rstrip("/").split("/")[-1], r) for r in args.runs)
-    table, _ = report(runs, args.out)
-    print(table)
     out = Path(args.out)
-    print(f"curves: {out}; table: {out.with_suffix('.csv')}, {out.with_suffix('.md')}")
+    png = (
+        out if out.suffix or out.is_dir() else out.with_suffix(".png")
+    )  # matplotlib adds .png to a bare name
+    table, _ = report(runs, png)
+    print(table)
+    print(f"curves: {png}; table: {png.with_suffix('.csv')}, {png.with_suffix('.md')}")
     return 0
 
 
@@ -274,7 +277,8 @@ def cmd_export(args) -> int:
         policy = build_policy(recipe.model, recipe.parallel, info)
         if source and what != "model.hf_path":  # build_policy imported model.hf_path
             load_checkpoint(source, policy.model, load_rng=False)
-        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+        dtype_name = args.dtype or recipe.model.dtype  # the dtype the policy trained in, unless asked
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
         with _replacing_file(Path(args.out)):
             export_hf(policy, args.out, tokenizer=load_tokenizer(recipe.model.tokenizer), dtype=dtype)
     except NonFiniteWeights as e:
@@ -282,7 +286,12 @@ def cmd_export(args) -> int:
     finally:
         if owns_dist:
             destroy_parallel()
-    print(f"exported to {args.out} from " + (f"{source} ({what})" if source else what))
+    why = "--dtype" if args.dtype else "model.dtype, the dtype the policy trained in; --dtype to choose"
+    print(
+        f"exported to {args.out} from "
+        + (f"{source} ({what})" if source else what)
+        + f" in {dtype_name} ({why})"
+    )
     return 0
 
 
@@ -402,7 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="export the randomly initialised policy when nothing else is given",
     )
-    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    e.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bfloat16", "float32"],
+        help="the weights' dtype in the export (default: model.dtype, the dtype the policy trained in)",
+    )
     e.add_argument(
         "--overwrite",
         action="store_true",
@@ -419,7 +433,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # moe_rl.lab.demo.DEFAULT_RECIPE (a test holds them equal; importing it here costs torch)
     d.add_argument("--out", default="runs/demo", help="where the runs and compare.* go")
     d.add_argument("--jobs", default="2", help="runs at a time (default: 2)")
-    d.add_argument("--seeds", default="3", help="seeds per arm (default: 3, DEMO_SEEDS)")
+    d.add_argument(
+        "--seeds",
+        default="3",
+        help="seeds per arm: a count N (0..N-1) or seeds, 9001,9002,9003 (default: 3, DEMO_SEEDS)",
+    )
     d.add_argument("overrides", nargs="*")
     d.set_defaults(fn=cmd_demo)
     sub.add_parser(

@@ -16,6 +16,7 @@ plain lists of ``moe_rl.names``, so importing this module imports no torch. Vali
 from __future__ import annotations
 
 import importlib.util
+import os
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -31,6 +32,7 @@ from moe_rl.configlib import (
     require_in,
     require_positive,
     require_registered,
+    resolve_paths,
     set_path,
 )
 from moe_rl.configlib import read_yaml_with_includes as read_recipe_data
@@ -47,6 +49,23 @@ from moe_rl.names import (
 )
 from moe_rl.sglang_config import SGLangConfig
 from moe_rl.tasks.config import TaskConfig
+from moe_rl.tasks.tokenizer import model_tokenizer
+
+RECIPE_PATHS = (
+    "model.tokenizer",
+    "model.hf_path",
+    "checkpoint.load",
+    "task.jsonl.path",
+    "task.jsonl.heldout_path",
+    "task.jsonl.reward_fn",
+    "rollout.sglang.model_path",
+)
+"""The recipe keys naming files the run reads. Written in a recipe file, a relative one is relative
+to that file's folder; given on the command line (an override) or in a dict built in Python, to the
+current folder; either is made absolute as the recipe loads (so the recipe.yaml a run saves reads
+the same files from anywhere). Where a run writes (train.out_dir, checkpoint.dir,
+rollout.weight_sync_dir) stays relative to the current folder: ``moe-rl train recipes/x.yaml``
+writes under ./runs, not recipes/."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,8 +74,8 @@ class ModelConfig:
 
     vocab_size: int = 104
     "Vocabulary size: at least the tokenizer's, divisible by parallel.tensor_parallel."
-    tokenizer: str = "char"
-    "char (the built-in character tokenizer, 104 ids) or a local Hugging Face tokenizer directory."
+    tokenizer: str | None = None
+    "char (the built-in character tokenizer, 104 ids) or a local Hugging Face tokenizer directory; None: model.hf_path's own (its tokenizer.json; char when it has none, said in one line), char without model.hf_path."
     hidden_size: int = 128
     "Model width."
     num_layers: int = 4
@@ -107,6 +126,8 @@ class ModelConfig:
     "Local Hugging Face Qwen3-MoE checkpoint to start from (None: random init)."
 
     def __post_init__(self) -> None:
+        if self.tokenizer is None:  # the model's own, as verl and TRL take it
+            object.__setattr__(self, "tokenizer", model_tokenizer(self.hf_path))
         check_choices(self, "model")
         require_positive(self, "model", "vocab_size", "hidden_size", "num_layers", "num_attention_heads")
         require_positive(self, "model", "num_query_groups", "head_dim", "moe_ffn_hidden_size", "num_experts")
@@ -261,6 +282,9 @@ RolloutCorrection = Literal["none", "tis", "seq_tis", "icepop", "icepop_mask", "
 class AlgoConfig:
     """Policy-gradient algorithm, clip band, KL, routing replay and rollout correction (docs/algorithms.md)."""
 
+    moved_keys: ClassVar[dict[str, str]] = {"beta": "kl_coef"}
+    "algo.beta (the KL coefficient before the trainer built a reference) is algo.kl_coef."
+
     name: str = "gspo"
     "Loss in moe_rl.losses.LOSSES (names in moe_rl.names.LOSS_NAMES): grpo | gspo | gspo_token."
     eps_low: float | None = None
@@ -271,8 +295,12 @@ class AlgoConfig:
     "Dual-clip constant c > 1: for A < 0 the objective is at least c * A (verl's clip_ratio_c in its vanilla loss, slime's eps_clip_c; TRL's delta only when delta >= 1 + eps_high; verl's GSPO has none); None: off."
     aggregation: LossAggregation = "seq_mean"
     "seq_mean (mean over tokens of a sequence, then over sequences) | token_mean (all tokens equal)."
-    beta: float = 0.0
-    "Coefficient of the k3 KL(pi_theta || pi_ref) penalty (GSPO's authors use 0). A recipe with an RL stage must keep 0 until the trainer builds a reference policy (refused at load)."
+    kl_coef: float = 0.0
+    "Coefficient of the KL(pi_theta || pi_ref) loss term, pi_ref the RL stage's starting weights, frozen (verl's actor.use_kl_loss with kl_loss_coef, TRL's beta); 0: off (GSPO's authors and verl's default); docs/algorithms.md#kl-to-a-reference."
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    "Estimator of the KL term and of the reward penalty, with d = log pi_ref - log pi_theta: k1 = -d | k2 = d^2/2 | k3 = e^d - 1 - d (verl's kl_loss_type kl | mse | low_var_kl; TRL's beta: k3)."
+    kl_reward_coef: float = 0.0
+    "KL in the reward instead (or as well): each sequence's reward minus kl_reward_coef times the sum over its tokens of algo.kl_estimator of pi_old against pi_ref, before the group advantages (verl's algorithm.use_kl_in_reward with kl_ctrl.kl_coef); 0: off."
     adv_eps: float = 1e-6
     "Epsilon in A_i = (r_i - mean) / (std + eps)."
     adv_std_normalize: bool = True
@@ -297,7 +325,7 @@ class AlgoConfig:
     def __post_init__(self) -> None:
         check_choices(self, "algo")
         require_registered(self.name, LOSS_NAMES, "algo.name")
-        require(self.beta >= 0, f"algo.beta must be >= 0, got {self.beta}")
+        require_positive(self, "algo", "kl_coef", "kl_reward_coef", strict=False)
         require(
             self.adv_eps > 0 if self.adv_std_normalize else self.adv_eps >= 0,
             f"algo.adv_eps={self.adv_eps} must be > 0: A = (r - mean) / (std + eps) needs a positive eps "
@@ -689,14 +717,6 @@ class Recipe:
             "model.dtype=bfloat16 needs CUDA (nccl); set model.dtype=float32 on CPU",
         )
         # known before anything trains (they used to fail when the RL stage began, after SFT)
-        # the losses take a reference's log-probs (pure functions, tested with beta > 0), but no stage
-        # computes them: a run with beta > 0 passed check, crashed at its first RL step and left a
-        # checkpoint that blocked the rerun
-        require(
-            self.algo.beta == 0 or "rl" not in self.train.stages,
-            f"algo.beta={self.algo.beta}: a KL penalty needs a reference policy, which the trainer does not "
-            "build yet; set algo.beta=0 (verl's default, use_kl_loss=False; GSPO's authors use 0)",
-        )
         require(
             self.task.name != "jsonl"
             or "sft" not in self.train.stages
@@ -722,7 +742,9 @@ class Recipe:
 
 
 def recipe_from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Build a :class:`Recipe` from a parsed YAML mapping plus overrides.
+    """Build a :class:`Recipe` from a parsed YAML mapping plus overrides. Relative paths of
+    :data:`RECIPE_PATHS` left in it (overrides, a mapping built in code) are made absolute against
+    the current folder (:func:`load_recipe` has made a file's own absolute against its folder).
 
     With ``model.hf_path``, the model's architecture fields the recipe leaves unset are read from
     that folder's ``config.json``, and one it sets that disagrees is refused
@@ -730,6 +752,11 @@ def recipe_from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) ->
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (data or {}).items()}
     for k, v in parse_overrides(overrides):
         set_path(data, k, v)
+    # what is still relative (an override, a dict built in Python) is relative to the current folder;
+    # made absolute now, so that the recipe.yaml a run saves names the same files from anywhere
+    data = resolve_paths(data, os.getcwd(), RECIPE_PATHS)
+    if isinstance(data.get("algo"), dict) and data["algo"].get("beta") in (0, 0.0):
+        del data["algo"]["beta"]  # every recipe.yaml saved before algo.kl_coef holds algo.beta: 0.0
     if isinstance(data.get("model"), dict):
         data["model"] = with_hf_architecture(data["model"], _model_field)
     return build_dataclass(Recipe, data)
@@ -741,5 +768,7 @@ def _model_field(name: str, value: object) -> object:
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Load a YAML recipe (following ``include``) and apply ``section.field=value`` overrides."""
-    return recipe_from_dict(read_recipe_data(path), overrides)
+    """Load a YAML recipe (following ``include``) and apply ``section.field=value`` overrides. The
+    files it names (:data:`RECIPE_PATHS`) are relative to the recipe file's folder; overrides' to the
+    current folder."""
+    return recipe_from_dict(read_recipe_data(path, RECIPE_PATHS), overrides)

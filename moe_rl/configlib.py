@@ -298,8 +298,12 @@ def load_yaml_file(path: str | Path, what: str = "recipe") -> Any:
         raise ConfigError(f"{_yaml_where(e, path)}: YAML syntax error: {problem}") from e
 
 
-def read_yaml_with_includes(path: str | Path, _seen: tuple = ()) -> dict:
-    """A YAML mapping, with ``include: other.yaml`` (relative path) deep-merged under it."""
+def read_yaml_with_includes(path: str | Path, paths: tuple[str, ...] = (), _seen: tuple = ()) -> dict:
+    """A YAML mapping, with ``include: other.yaml`` (relative to the file) deep-merged under it.
+
+    ``paths``: the dotted keys holding input files (:data:`moe_rl.config.RECIPE_PATHS`); a relative
+    one is made absolute against the folder of the file that writes it (:func:`resolve_paths`), so
+    a recipe reads the files beside it from any working directory."""
     path = Path(path)
     require(path.resolve() not in _seen, f"recipe include cycle through {path}")
     data = load_yaml_file(path)
@@ -309,11 +313,48 @@ def read_yaml_with_includes(path: str | Path, _seen: tuple = ()) -> dict:
     )
     require(isinstance(data, dict), f"recipe {path} must be a mapping of sections, got {type(data).__name__}")
     inc = data.pop("include", None)
+    data = resolve_paths(data, path.parent, paths)
     if inc is not None:
         require(isinstance(inc, str) and bool(inc), f"{path}: include must be a file name, got {inc!r}")
-        base = read_yaml_with_includes(path.parent / inc, (*_seen, path.resolve()))
+        base = read_yaml_with_includes(path.parent / inc, paths, (*_seen, path.resolve()))
         data = deep_merge(base, data)
     return data
+
+
+KEEP_AS_WRITTEN = ("char",)
+"Values of a path key that name no file (``model.tokenizer: char``)."
+
+
+def resolve_path(value: str, folder: str | Path) -> str:
+    """``value`` (a path, or ``path/to/file.py:function``) made absolute against ``folder``: an
+    absolute path, a ``module:function`` and :data:`KEEP_AS_WRITTEN` stay as they are."""
+    import os
+
+    head, sep, tail = value.rpartition(":")
+    if sep and not head.endswith(".py"):  # module:function, or a Windows drive: not a file to resolve
+        return value
+    file = head if sep else value
+    if value in KEEP_AS_WRITTEN or not file or os.path.isabs(os.path.expanduser(file)):
+        return value
+    return os.path.abspath(os.path.join(folder, file)) + (sep + tail if sep else "")
+
+
+def resolve_paths(data: dict, folder: str | Path, paths: tuple[str, ...]) -> dict:
+    """``data`` (one recipe file's mapping) with each string at a dotted key of ``paths`` resolved
+    against ``folder`` (:func:`resolve_path`); other values are left to the type checks."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for dotted in paths:
+        *sections, last = dotted.split(".")
+        node = out
+        for k in sections:
+            if not isinstance(node.get(k), dict):
+                node = None
+                break
+            node[k] = dict(node[k])
+            node = node[k]
+        if node is not None and isinstance(node.get(last), str):
+            node[last] = resolve_path(node[last], folder)
+    return out
 
 
 def dataclass_from_dict(cls: type, data: dict, overrides: list[str] | tuple[str, ...] = ()) -> Any:

@@ -20,6 +20,10 @@ clip-higher [0.2, 0.27]; GSPO's is the GSPO paper's. moe_rl.losses.LOSSES is bui
 TOKEN_RATIO_LOSSES = ("grpo", "gspo_token")
 "Losses that clip one importance ratio per token (gspo clips one per sequence)."
 
+KL_ESTIMATORS = ("k1", "k2", "k3")
+"""Valid algo.kl_estimator values (moe_rl.losses.kl.ESTIMATORS): with d = log pi_ref - log pi_theta,
+k1 = -d, k2 = d^2 / 2, k3 = e^d - 1 - d (verl's kl / mse / low_var_kl, TRL's beta uses k3)."""
+
 TASK_NAMES = ("arithmetic", "countdown", "jsonl")
 "Valid task.name values: the keys of moe_rl.tasks.TASKS."
 

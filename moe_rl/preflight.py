@@ -28,11 +28,26 @@ log = logging.getLogger(__name__)
 
 
 def check_vocab(recipe: Recipe, tok: Tokenizer) -> None:
-    """``model.vocab_size`` holds every id of the tokenizer."""
+    """``model.vocab_size`` holds every id of the tokenizer; and a model read from ``model.hf_path``
+    (a trained vocabulary) has no more than twice the tokenizer's ids: real models pad their
+    vocabulary by well under 1% (Qwen3: 151,936 rows for 151,669 ids), so a tokenizer reaching less
+    than half of it is another model's (the character tokenizer on a Qwen3 folder)."""
+    m = recipe.model
     require(
-        recipe.model.vocab_size >= tok.vocab_size,
-        f"model.vocab_size={recipe.model.vocab_size} is smaller than the tokenizer's {tok.vocab_size} ids: "
+        m.vocab_size >= tok.vocab_size,
+        f"model.hf_path={m.hf_path}'s model.vocab_size={m.vocab_size} is smaller than the tokenizer's "
+        f"{tok.vocab_size} ids (model.tokenizer={m.tokenizer}): give the model's own tokenizer "
+        "(model.tokenizer=DIR, or leave it unset to take model.hf_path's)"
+        if m.hf_path
+        else f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {tok.vocab_size} ids: "
         f"set model.vocab_size={tok.vocab_size} (rounded up to a multiple of tensor_parallel)",
+    )
+    require(
+        not m.hf_path or 2 * tok.vocab_size > m.vocab_size,
+        f"model.tokenizer={m.tokenizer} has {tok.vocab_size} ids and model.hf_path={m.hf_path} a vocabulary "
+        f"of {m.vocab_size}: they disagree (the tokenizer reaches under half of the model's rows); give the "
+        "model's own tokenizer: model.tokenizer=DIR (the folder holding its tokenizer.json), or leave "
+        "model.tokenizer unset to take model.hf_path's",
     )
 
 

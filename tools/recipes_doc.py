@@ -40,7 +40,9 @@ SECTION_DOCS = {
 }
 "Each section's doc (relative to docs/)."
 FIELD_DOCS = {
-    "algo.beta": "algorithms.md#kl-penalty",
+    "algo.kl_coef": "algorithms.md#kl-to-a-reference",
+    "algo.kl_estimator": "algorithms.md#kl-to-a-reference",
+    "algo.kl_reward_coef": "algorithms.md#kl-to-a-reference",
     "algo.routing": "algorithms.md#routing-replay",
     "algo.old_logprobs": "algorithms.md#old-log-probs",
     "algo.rollout_correction": "algorithms.md#corrections",

@@ -36,10 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
-import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -48,7 +45,8 @@ from pathlib import Path
 from moe_rl.config import ConfigError, load_recipe
 from moe_rl.errors import PathError, UserError
 from moe_rl.lab.arms import COMPARE_ARMS, DEMO_ARMS, arm_dir, arm_overrides
-from moe_rl.lab.report import series, summarize
+from moe_rl.lab.compare_plot import plot
+from moe_rl.lab.report import summarize
 from moe_rl.lab.results import csv_text, json_safe, write_json, write_text
 from moe_rl.lab.runner import (
     STATUS_FILE,
@@ -60,15 +58,12 @@ from moe_rl.lab.runner import (
 )
 from moe_rl.lab.starts import warm_start
 from moe_rl.lab.stats import auc, mean, outlier_steps, paired
+from moe_rl.lab.status import STATUS_EVERY, StatusLines, fmt
 
 log = logging.getLogger(__name__)
 
 MARKER = ".moe-rl-compare"
 "Written into a comparison's ``out``: the folder is the command's own (a rerun may write into it)."
-STATUS_EVERY = 20.0
-"Seconds between two status lines."
-REWARD_SMOOTH = 5
-"Steps of the trailing mean of the picture's reward curves (the table's final reward: the last 5)."
 METRICS: dict[str, str] = {
     "reward": "final reward (mean of the last 5 RL steps)",
     "accuracy": "final held-out greedy accuracy",
@@ -123,6 +118,34 @@ def parse_arms(text: str) -> list[str]:
     return out
 
 
+def parse_seeds(text: str | int) -> list[int]:
+    """``--seeds``: a count N (seeds 0 .. N-1, the first N) or the seeds themselves, comma-separated
+    (``9001,9002,9003``; one seed alone: ``9001,``). Seed s trains with ``train.seed`` FIRST_SEED + s
+    and ``task.seed`` s in every arm (:func:`moe_rl.lab.arms.arm_overrides`); a bad value, a repeated
+    one or a negative one is a one-line error."""
+    text = str(text).strip()
+    if "," not in text:
+        return list(range(parse_count(text, "--seeds", "how many seeds each arm runs")))
+    parts = [t.strip() for t in text.split(",")]
+    parts = parts[:-1] if parts[-1] == "" else parts
+    if not parts or not all(t.isdigit() for t in parts):
+        raise UserError(
+            f"--seeds {text!r}: give a count (3) or seeds >= 0 separated by commas (9001,9002,9003)"
+        )
+    seeds = [int(t) for t in parts]
+    if len(set(seeds)) != len(seeds):
+        raise UserError(f"--seeds {text!r} names a seed twice: give each once")
+    return seeds
+
+
+def seeds_text(seeds: list[int]) -> str:
+    """``3 seeds (0-2)``, ``1 seed (9001)``, ``2 seeds (9001, 9005)``."""
+    n = len(seeds)
+    run = seeds == list(range(seeds[0], seeds[0] + n)) if seeds else False
+    which = f"{seeds[0]}-{seeds[-1]}" if run and n > 2 else ", ".join(map(str, seeds))
+    return f"{n} seed{'' if n == 1 else 's'} ({which})"
+
+
 def parse_count(text: str | int, flag: str, what: str) -> int:
     """``text`` as a whole number >= 1 for ``flag``; anything else is a one-line error saying ``what``
     it counts."""
@@ -154,10 +177,11 @@ class Job:
         return self.out.parent / f"{self.out.name}.log"
 
 
-def plan_jobs(arms: list[str], seeds: int, out: Path) -> list[Job]:
-    """Every arm's every seed, seed by seed (the first seed of every arm first: a comparison cut
-    short still has whole seeds to pair)."""
-    return [Job(a, s, out / arm_dir(a) / f"s{s}") for s in range(seeds) for a in arms]
+def plan_jobs(arms: list[str], seeds: int | list[int], out: Path) -> list[Job]:
+    """Every arm's every seed (a count N: seeds 0 .. N-1), seed by seed (the first seed of every arm
+    first: a comparison cut short still has whole seeds to pair)."""
+    seeds = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
+    return [Job(a, s, out / arm_dir(a) / f"s{s}") for s in seeds for a in arms]
 
 
 def job_overrides(overrides: list[str], job: Job) -> list[str]:
@@ -176,109 +200,6 @@ def check_arms(recipe: Path, overrides: list[str], arms: list[str]) -> dict[str,
             raise ConfigError(f"compare arm {name}: {e}") from None
         steps[name] = r.train.rl_steps
     return steps
-
-
-def read_progress(path: Path, stage: str) -> dict:
-    """The newest ``stage`` progress of a run's ``metrics.jsonl`` while it is written: steps done,
-    reward and loss of the last step, the latest held-out accuracy (a half-written or unreadable
-    line is skipped; no file: ``{}``)."""
-    import json
-
-    try:
-        lines = path.read_bytes().splitlines()
-    except OSError:
-        return {}
-    out: dict = {}
-    for raw in lines:
-        try:
-            r = json.loads(raw)
-            step = int(r["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-        if r.get("stage") == stage:
-            out["done"] = step + 1
-            for key, name in (("reward/mean", "reward"), ("loss", "loss")):
-                if r.get(key) is not None:
-                    out[name] = r[key]
-        if r.get("stage") in ("rl", "rl_eval") and r.get("eval/accuracy") is not None:
-            out["acc"] = r["eval/accuracy"]
-    return out
-
-
-def _fmt(v, spec: str = ".3f") -> str:
-    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
-
-
-def _clock(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
-
-
-class Progress:
-    """The terminal lines: one per run as it starts and as it ends, and every ``every`` seconds a
-    status line of the running ones (from their ``metrics.jsonl``)."""
-
-    def __init__(self, total: int, every: float = STATUS_EVERY, stream=None):
-        self.total, self.every = total, every
-        self.stream = stream if stream is not None else sys.stdout
-        self.t0 = time.monotonic()
-        self.ended = 0
-        self.running: dict[str, tuple[Path, str, int]] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def line(self, text: str) -> None:
-        with self._lock:
-            print(f"[{_clock(time.monotonic() - self.t0)}] {text}", file=self.stream, flush=True)
-
-    def started(
-        self, label: str, run_dir: Path, stage: str, steps: int, log_file: Path, *, quiet=False
-    ) -> None:
-        """``label`` runs (``quiet``: no line, e.g. a run an earlier invocation may have finished)."""
-        with self._lock:
-            self.running[label] = (run_dir, stage, steps)
-        if not quiet:
-            self.line(f"{label}: started ({steps} {stage.upper()} steps; output: {log_file})")
-
-    def ended_run(self, label: str, text: str, *, counts: bool = True) -> None:
-        with self._lock:
-            self.running.pop(label, None)
-            self.ended += counts
-        self.line(f"{label}: {text}" + (f" [{self.ended}/{self.total} runs]" if counts else ""))
-
-    def status(self) -> str | None:
-        """The status line of the running runs (None when none runs)."""
-        with self._lock:
-            running = dict(self.running)
-        if not running:
-            return None
-        parts = []
-        for label, (run_dir, stage, steps) in running.items():
-            p = read_progress(run_dir / "metrics.jsonl", stage)
-            text = f"{label} {p.get('done', 0)}/{steps}"
-            if stage == "sft":
-                text += f" loss {_fmt(p.get('loss'))}"
-            else:
-                text += f" reward {_fmt(p.get('reward'))} acc {_fmt(p.get('acc'))}"
-            parts.append(text)
-        return f"{self.ended}/{self.total} runs ended | " + " | ".join(parts)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.every):
-            text = self.status()
-            if text:
-                self.line(text)
-
-    def __enter__(self) -> Progress:
-        self._thread = threading.Thread(target=self._loop, name="compare-status", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
 
 
 @contextlib.contextmanager
@@ -356,23 +277,18 @@ def seed_table(values: dict[str, dict[int, dict]], arms: list[str]) -> list[dict
     return rows
 
 
-def _diff_text(d: dict | None, spec: str = "+.3f") -> str:
-    if not d or not d["n"]:
-        return "-"
-    if d["n"] < 2:
-        return f"{format(d['mean'], spec)} (1 seed)"
-    lo, hi = d["ci95"]
-    return f"{format(d['mean'], spec)} [{format(lo, spec)}, {format(hi, spec)}]"
-
-
+PERCENT = ("accuracy", "auc", "outlier_steps", "flip_step", "flip_drift")
+"""The rates among :data:`METRICS`: fractions in compare.json and compare.csv (data, as metrics.jsonl),
+shown in percent in the printed and Markdown tables and the picture, their differences in points."""
 SPECS = {
     "reward": ".3f",
-    "accuracy": ".3f",
-    "auc": ".3f",
-    "outlier_steps": ".2f",
-    "flip_step": ".5f",
-    "flip_drift": ".5f",
+    "accuracy": ".1f",
+    "auc": ".1f",
+    "outlier_steps": ".1f",
+    "flip_step": ".3f",
+    "flip_drift": ".3f",
 }
+"Each metric's shown precision (rates in percent)."
 HEADS = {
     "reward": "reward",
     "accuracy": "held-out acc",
@@ -381,44 +297,83 @@ HEADS = {
     "flip_step": "flip/step",
     "flip_drift": "flip/drift",
 }
+UNITS = {
+    "accuracy": "%",
+    "auc": "%",
+    "outlier_steps": "% of steps",
+    "flip_step": "% of routers",
+    "flip_drift": "% of routers",
+}
+"The unit each shown value is in (a reward is a reward); a difference of rates is in points (pts)."
 DIFFS = ("reward", "auc", "outlier_steps")
-"The paired differences the terminal table prints (the Markdown and CSV tables hold every metric's)."
+"The paired differences the terminal table prints (the Markdown table and the CSV hold every metric's)."
+
+
+def head(m: str) -> str:
+    """A mean's column heading with its unit: ``held-out acc (%)``."""
+    return f"{HEADS[m]} ({UNITS[m]})" if m in UNITS else HEADS[m]
+
+
+def diff_head(m: str, ref: str) -> str:
+    """A paired difference's column heading with its unit: ``acc AUC - GRPO (pts) [95% CI]``."""
+    return f"{HEADS[m]} - {ref}" + (" (pts)" if m in PERCENT else "") + " [95% CI]"
+
+
+def _shown(m: str, v):
+    return 100 * v if m in PERCENT and isinstance(v, (int, float)) else v
+
+
+def cell(m: str, v) -> str:
+    """Metric ``m``'s mean as shown (rates in percent)."""
+    return fmt(_shown(m, v), SPECS[m])
+
+
+def diff_cell(m: str, d: dict | None) -> str:
+    """A paired difference as shown, ``mean [lo, hi]`` (rates in points)."""
+    if not d or not d["n"]:
+        return "-"
+    spec = "+" + SPECS[m]
+    text = format(_shown(m, d["mean"]), spec)
+    if d["n"] < 2:
+        return f"{text} (1 seed)"
+    lo, hi = (format(_shown(m, x), spec) for x in d["ci95"])
+    return f"{text} [{lo}, {hi}]"
 
 
 def format_table(rows: list[dict], *, diffs: tuple[str, ...] = DIFFS) -> str:
     """The terminal table: per arm its seeds and the :data:`METRICS` means, then its paired
-    difference to the first arm for ``diffs`` (mean [95% CI])."""
+    difference to the first arm for ``diffs`` (mean [95% CI]); every heading names its unit."""
     ref = rows[0]["arm"]
-    heads = ["arm", "seeds", *(HEADS[m] for m in METRICS), *(f"{HEADS[m]} - {ref} [95% CI]" for m in diffs)]
+    heads = ["arm", "seeds", *(head(m) for m in METRICS), *(diff_head(m, ref) for m in diffs)]
     cells = [
         [
             r["arm"],
             str(r["seeds"]),
-            *(_fmt(r[m], SPECS[m]) for m in METRICS),
-            *(_diff_text(r.get("diff", {}).get(m), "+" + SPECS[m]) for m in diffs),
+            *(cell(m, r[m]) for m in METRICS),
+            *(diff_cell(m, r.get("diff", {}).get(m)) for m in diffs),
         ]
         for r in rows
     ]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
 
-    def fmt(cs: list[str]) -> str:
+    def line(cs: list[str]) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cs, widths)))
 
-    head = fmt(heads)
-    return "\n".join([head, "-" * len(head), *(fmt(c) for c in cells)])
+    top = line(heads)
+    return "\n".join([top, "-" * len(top), *(line(c) for c in cells)])
 
 
 def markdown_table(rows: list[dict]) -> str:
     """The table as Markdown: every metric's mean and every paired difference to the first arm."""
     ref = rows[0]["arm"]
-    heads = ["arm", "seeds", *(HEADS[m] for m in METRICS), *(f"{HEADS[m]} - {ref} [95% CI]" for m in METRICS)]
+    heads = ["arm", "seeds", *(head(m) for m in METRICS), *(diff_head(m, ref) for m in METRICS)]
     lines = ["| " + " | ".join(heads) + " |", "|" + "|".join(["---", *["---:"] * (len(heads) - 1)]) + "|"]
     for r in rows:
         cells = [
             r["arm"],
             str(r["seeds"]),
-            *(_fmt(r[m], SPECS[m]) for m in METRICS),
-            *(_diff_text(r.get("diff", {}).get(m), "+" + SPECS[m]) for m in METRICS),
+            *(cell(m, r[m]) for m in METRICS),
+            *(diff_cell(m, r.get("diff", {}).get(m)) for m in METRICS),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -445,86 +400,9 @@ def write_csv(path: Path, rows: list[dict]) -> None:
     write_text(path, csv_text(csv_rows(rows)))
 
 
-# -- the picture ------------------------------------------------------------------------------------
-def _trailing_mean(ys: list[float], k: int) -> list[float]:
-    return [sum(ys[max(0, i - k + 1) : i + 1]) / len(ys[max(0, i - k + 1) : i + 1]) for i in range(len(ys))]
-
-
-def _band(curves: list[tuple[list, list]]) -> tuple[list, list, list, list]:
-    """Median, min and max across curves at every step any of them has."""
-    import statistics
-
-    by_x: dict[int, list[float]] = {}
-    for xs, ys in curves:
-        for x, y in zip(xs, ys):
-            if y is not None and math.isfinite(y):
-                by_x.setdefault(x, []).append(y)
-    xs = sorted(by_x)
-    return (
-        xs,
-        [statistics.median(by_x[x]) for x in xs],
-        [min(by_x[x]) for x in xs],
-        [max(by_x[x]) for x in xs],
-    )
-
-
-def _running_outlier_share(rl: list[dict]) -> tuple[list, list]:
-    """Per RL step, the share of the steps so far (those that logged it) with any token ratio
-    outside [0.5, 2]: the running form of the table's ``outlier_steps``."""
-    logged = [r for r in rl if r.get("ratio/token_frac_outside_0.5_2") is not None]
-    return [r["step"] for r in logged], [outlier_steps(logged[: i + 1]) for i in range(len(logged))]
-
-
-def plot(runs: dict[str, dict[int, dict]], out_png: Path) -> Path:
-    """``compare.png``: reward (trailing mean of :data:`REWARD_SMOOTH` steps), held-out accuracy and
-    the running share of steps with a token ratio outside [0.5, 2] per arm, the median over seeds
-    with a min-max band (``runs[arm][seed]``: :func:`read_arm`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.4))
-    for i, (arm, seeds) in enumerate(runs.items()):
-        color = plt.get_cmap("tab10")(i)
-        rewards, accs, outliers = [], [], []
-        for data in seeds.values():
-            xs, ys = series(data["rl"], "reward/mean")
-            rewards.append((xs, _trailing_mean(ys, REWARD_SMOOTH)))
-            accs.append(series(data["eval"], "eval/accuracy"))
-            outliers.append(_running_outlier_share(data["rl"]))
-        for ax, curves in ((axes[0], rewards), (axes[1], accs), (axes[2], outliers)):
-            xs, med, lo, hi = _band(curves)
-            if not xs:
-                continue
-            ax.plot(
-                xs,
-                med,
-                color=color,
-                marker="o" if len(xs) <= 12 else None,
-                label=f"{arm} ({len(seeds)} seeds)",
-            )
-            if len(seeds) > 1:
-                ax.fill_between(xs, lo, hi, color=color, alpha=0.18, linewidth=0)
-    axes[0].set_title(f"reward (trailing mean of {REWARD_SMOOTH} steps)")
-    axes[1].set_title("held-out greedy accuracy")
-    axes[2].set_title("share of steps so far with a token ratio outside [0.5, 2]")
-    for ax in axes:
-        ax.set_xlabel("RL step")
-        ax.grid(alpha=0.3)
-        if ax.has_data():
-            ax.legend(fontsize=9)
-    fig.suptitle("median over seeds; band: min to max across seeds")
-    fig.tight_layout()
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png
-
-
 # -- the command --------------------------------------------------------------------------------------
 def _start(
-    recipe: Path, overrides: list[str], out: Path, launch: str | None, progress: Progress, stop
+    recipe: Path, overrides: list[str], out: Path, launch: str | None, progress: StatusLines, stop
 ) -> Path | None:
     """The SFT start every run begins from (trained once into ``<out>/starts``) when the recipe has
     an SFT stage; None when it names its own start; a recipe with neither is refused."""
@@ -585,7 +463,7 @@ def run_compare(
     overrides: list[str] = (),
     *,
     arms: list[str] | None = None,
-    seeds: int = 1,
+    seeds: int | list[int] = 1,
     jobs: int | None = None,
     out: str | Path | None = None,
     status_every: float = STATUS_EVERY,
@@ -608,16 +486,17 @@ def run_compare(
         )
     steps = check_arms(recipe, overrides, arms)
     out = Path(out if out is not None else load_recipe(recipe, overrides).train.out_dir)
+    seeds = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
     planned = plan_jobs(arms, seeds, out)
     jobs = max(1, min(jobs or len(arms), len(planned)))
     launch = local_launch(None, jobs)  # one at a time: in this process; else a child per run
     threads = max(1, (os.cpu_count() or 1) // jobs) if launch else None
     check_out(out, command="compare", marker=MARKER, writes="a folder per arm, its start and compare.*")
     t0 = time.perf_counter()
-    progress = Progress(len(planned), status_every, stream)
+    progress = StatusLines(len(planned), status_every, stream, jobs=jobs)
     how = f"{threads} thread(s) each" if threads else "in this process"
     progress.line(
-        f"compare {', '.join(arms)} x {seeds} seed(s) of {recipe} into {out}: "
+        f"compare {', '.join(arms)} x {seeds_text(seeds)} of {recipe} into {out}: "
         f"{len(planned)} runs, {jobs} at a time ({how})"
     )
     ended: dict[Job, dict] = {}
@@ -650,8 +529,9 @@ def run_compare(
                 when += ", resumed" if st.get("resumed") and "ended_at" not in st else ""
                 progress.ended_run(
                     job.label,
-                    f"{st['status']} ({when}): {v['steps']} steps, reward {_fmt(v['reward'])}, "
-                    f"held-out acc {_fmt(v['accuracy_start'])} -> {_fmt(v['accuracy'])}",
+                    f"{st['status']} ({when}): {v['steps']} steps, reward {fmt(v['reward'])}, "
+                    f"held-out acc {fmt(v['accuracy_start'], '.1%')} -> {fmt(v['accuracy'], '.1%')}",
+                    wall_s=None if "ended_at" in st else st["wall_s"],
                 )
             elif stop.signum:
                 progress.ended_run(job.label, "stopped by a signal, saved (the same command continues it)")
@@ -683,7 +563,7 @@ def write_results(recipe, overrides, arms, seeds, out, planned, ended, wall, job
     write_csv(files["csv"], rows)
     write_text(
         files["md"],
-        f"# moe-rl compare: {', '.join(arms)} x {seeds} seed(s)\n\n`{recipe}` {' '.join(overrides)}\n\n"
+        f"# moe-rl compare: {', '.join(arms)} x {seeds_text(seeds)}\n\n`{recipe}` {' '.join(overrides)}\n\n"
         + markdown_table(rows)
         + f"\nDifferences to {arms[0]}: paired by seed, mean [95% t interval] over the seeds both arms ran.\n\n"
         + "".join(f"- {HEADS[m]}: {text}\n" for m, text in METRICS.items()),

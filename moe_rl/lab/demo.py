@@ -30,10 +30,10 @@ def run_demo(
     *,
     out: str | Path = "runs/demo",
     jobs: int | None = 2,
-    seeds: int = DEMO_SEEDS,
+    seeds: int | list[int] = DEMO_SEEDS,
 ) -> dict:
-    """:data:`DEMO_ARMS` x ``seeds`` of ``recipe`` through ``moe-rl compare`` into ``out``; its
-    result (``table``, ``rows``, ``files``, ``wall_s``, ...)."""
+    """:data:`DEMO_ARMS` x ``seeds`` (a count, or the seeds themselves) of ``recipe`` through
+    ``moe-rl compare`` into ``out``; its result (``table``, ``rows``, ``files``, ``wall_s``, ...)."""
     from moe_rl.lab.compare import run_compare
 
     return run_compare(recipe, list(overrides), arms=list(DEMO_ARMS), seeds=seeds, jobs=jobs, out=out)

@@ -132,20 +132,31 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("steps", "steps", "{:>5}"),
     ("reward_first", "rew0", "{:>8.3f}"),
     ("reward_last", "rew_end", "{:>8.3f}"),
-    ("eval_start", "acc0", "{:>8.3f}"),
-    ("eval_end", "acc_end", "{:>8.3f}"),
-    ("flip_step", "flip/step", "{:>9.4f}"),
-    ("flip_drift", "flip/drift", "{:>9.4f}"),
-    ("clip_token", "clip/token", "{:>10.5f}"),
-    ("clip_seq", "clip/seq", "{:>9.4f}"),
+    ("eval_start", "acc0", "{:>8.1%}"),
+    ("eval_end", "acc_end", "{:>8.1%}"),
+    ("flip_step", "flip/step", "{:>9.3%}"),
+    ("flip_drift", "flip/drift", "{:>10.3%}"),
+    ("clip_token", "clip/token", "{:>10.3%}"),
+    ("clip_seq", "clip/seq", "{:>9.3%}"),
     ("max_abs_seq_log_ratio", "|seqlogr|", "{:>9.2f}"),
     ("mismatch_k3", "k3", "{:>9.2e}"),
-    ("mismatch_extreme", "extreme", "{:>8.5f}"),
-    ("flip_rollout", "flip/r-v-t", "{:>9.4f}"),
-    ("step_s", "step_s", "{:>7.2f}"),
+    ("mismatch_extreme", "extreme", "{:>8.3%}"),
+    ("flip_rollout", "flip/r-v-t", "{:>10.3%}"),
+    ("step_s", "s/step", "{:>7.2f}"),
 )
-"""The report table's columns: (summary key, heading, format). Flip rates and fractions are
-fractions (0.01 = 1%), as in metrics.jsonl."""
+"""The report table's columns: (summary key, heading, format). Rates (accuracy, flip rates per
+activated expert, clipped shares) are shown in percent, with their % sign; report.csv keeps the
+fractions metrics.jsonl holds (data for programs)."""
+PERCENT_PANELS = (
+    "eval/accuracy",
+    "flip/step/rate",
+    "clip/token_frac",
+    "clip/seq_frac",
+    ROLLOUT_FLIP,
+    CLIPPED_OWN,
+    "experts/dead_frac",
+)
+"Panels of rates: drawn in percent, their titles saying so."
 
 
 def format_table(rows: list[dict]) -> str:
@@ -204,6 +215,7 @@ def plot(arms: dict[str, dict], out_png: str | Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     keys = panels(arms)
     rows = max(1, -(-len(keys) // 4))
@@ -214,12 +226,14 @@ def plot(arms: dict[str, dict], out_png: str | Path) -> Path:
         axes.flat[0].axis("off")
         axes.flat[0].text(0, 0.5, "no metric moved in these runs (absent, constant or round-off)")
     for ax, key in zip(axes.flat, keys):
+        scale = 100.0 if key in PERCENT_PANELS else 1.0
         for name, arm in arms.items():
             rows = arm["eval"] if key == "eval/accuracy" else arm["rl"]
             xs, ys = series(rows, key)
-            ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=name)
-        ax.set_title(PANELS[key])
+            ax.plot(xs, [scale * y for y in ys], marker="." if len(xs) < 40 else None, label=name)
+        ax.set_title(PANELS[key] + (" (%)" if key in PERCENT_PANELS else ""))
         ax.set_xlabel("RL step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_yscale(y_scale(_values(arms, key)))
         ax.grid(alpha=0.3)
     if keys:

@@ -24,7 +24,8 @@ from moe_rl.losses.advantages import group_advantages
 from moe_rl.losses.core import AGGREGATIONS, LossBatch, loss_batch
 from moe_rl.losses.grpo import grpo_loss
 from moe_rl.losses.gspo import gspo_loss, gspo_token_loss
-from moe_rl.losses.kl import k3
+from moe_rl.losses.kl import ESTIMATORS as KL_ESTIMATORS
+from moe_rl.losses.kl import k1, k2, k3, kl_estimator, sequence_kl
 from moe_rl.losses.metrics import METRIC_REDUCTIONS, combine_metrics
 from moe_rl.names import PAPER_CLIP, TOKEN_RATIO_LOSSES
 
@@ -77,6 +78,11 @@ __all__ = [
     "grpo_loss",
     "gspo_loss",
     "gspo_token_loss",
+    "KL_ESTIMATORS",
+    "k1",
+    "k2",
     "k3",
+    "kl_estimator",
+    "sequence_kl",
     "loss_batch",
 ]

@@ -24,8 +24,10 @@ the masked mean of per-token advantages when those are given):
 - ``kl/old_k3``, ``kl/old_abs_log_ratio``: token means of k3(pi_theta || pi_old) and |d|, the
   policy (or train/rollout) mismatch against pi_old.
 - ``adv/mean|abs_mean`` (over sequences), ``adv/min|max``.
-- ``loss/pg``: this microbatch's -J. Only when the batch has ``ref_logp_BT``: ``kl/k3`` (token mean of
-  k3 vs the reference) and ``loss/kl`` (beta times the aggregated k3, the loss's KL term).
+- ``loss/pg``: this microbatch's -J. Only when the batch has ``ref_logp_BT`` (a reference policy):
+  ``kl/ref_k1``, ``kl/ref_k2``, ``kl/ref_k3`` (token means of each estimator of KL(pi_theta || pi_ref),
+  moe_rl.losses.kl) and ``loss/kl`` (algo.kl_coef times the aggregated ``algo.kl_estimator``: the
+  loss's KL term, 0 when only measured).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from moe_rl.losses.core import (
     dual_clipped,
     is_clipped,
 )
-from moe_rl.losses.kl import k3
+from moe_rl.losses.kl import ESTIMATORS, k3
 
 if TYPE_CHECKING:
     from moe_rl.config import AlgoConfig
@@ -52,7 +54,9 @@ if TYPE_CHECKING:
 METRIC_REDUCTIONS: dict[str, str] = {
     "loss/pg": "sum",
     "loss/kl": "sum",
-    "kl/k3": "sum",
+    "kl/ref_k1": "sum",
+    "kl/ref_k2": "sum",
+    "kl/ref_k3": "sum",
     "kl/old_k3": "sum",
     "kl/old_abs_log_ratio": "sum",
     "clip/token_frac": "sum",
@@ -127,25 +131,30 @@ def policy_metrics(b: LossBatch, eps_low: float, eps_high: float) -> dict[str, t
 def loss_and_metrics(
     objective: torch.Tensor, b: LossBatch, cfg: AlgoConfig
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """loss = -objective (+ beta * aggregated k3 vs the batch's reference), plus every metric.
+    """loss = -objective (+ kl_coef * the aggregated ``cfg.kl_estimator`` vs the batch's reference),
+    plus every metric.
 
-    ``objective`` is this microbatch's contribution to J. beta > 0 without ``b.ref_logp_BT`` is
-    an error; a reference with beta = 0 is only measured.
+    ``objective`` is this microbatch's contribution to J. kl_coef > 0 without ``b.ref_logp_BT`` is an
+    error; a reference with kl_coef = 0 is only measured. The KL term is aggregated as the policy
+    loss (``cfg.aggregation``: seq_mean is verl's seq-mean-token-mean and TRL's loss_type=grpo,
+    token_mean verl's token-mean and TRL's bnpo / dapo), so adding it per token, as TRL does, gives
+    the same loss.
     """
-    if cfg.beta > 0 and b.ref_logp_BT is None:
+    if cfg.kl_coef > 0 and b.ref_logp_BT is None:
         raise ValueError(
-            f"algo.beta={cfg.beta} needs ref_logp_BT (reference log-probs); pass them or set beta=0"
+            f"algo.kl_coef={cfg.kl_coef} needs ref_logp_BT (reference log-probs); pass them or set kl_coef=0"
         )
     metrics = policy_metrics(b, cfg.clip_low, cfg.clip_high)
     loss = -objective
     metrics["loss/pg"] = loss.detach()
     if b.ref_logp_BT is not None:
-        kl_BT = k3(b.logp_BT, b.ref_logp_BT)
-        kl_term = cfg.beta * aggregate_tokens(kl_BT, b, cfg.aggregation)
-        if cfg.beta > 0:
+        per_token = {name: fn(b.logp_BT, b.ref_logp_BT) for name, fn in ESTIMATORS.items()}
+        kl_term = cfg.kl_coef * aggregate_tokens(per_token[cfg.kl_estimator], b, cfg.aggregation)
+        if cfg.kl_coef > 0:
             loss = loss + kl_term
         metrics["loss/kl"] = kl_term.detach()
-        metrics["kl/k3"] = torch.where(b.mask_BT, kl_BT.detach(), 0.0).sum() / b.num_tokens
+        for name, kl_BT in per_token.items():
+            metrics[f"kl/ref_{name}"] = torch.where(b.mask_BT, kl_BT.detach(), 0.0).sum() / b.num_tokens
     return loss, metrics
 
 

@@ -34,9 +34,11 @@ from moe_rl.serve.limits import FLAGS, ServeLimits, limit_message
 from moe_rl.serve.openai import OpenAIEndpoints
 from moe_rl.serve.protocol import (
     BadRequest,
+    ModelNotFound,
     check_kind,
     error_response,
     get_field,
+    model_not_found,
     text_options,
     to_sampling,
 )
@@ -143,6 +145,8 @@ class SGLangProtocolApp(StallGuard, WeightEndpoints, OpenAIEndpoints):
             return route[1](body or {})
         except BadRequest as e:
             return 400, error_response(str(e))
+        except ModelNotFound as e:
+            return 404, model_not_found(str(e))
         except Exception as e:  # noqa: BLE001 - reported to the client as a 500
             logger.exception("%s %s failed", method, path)
             return 500, error_body(f"{type(e).__name__}: {e}")

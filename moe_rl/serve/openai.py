@@ -5,7 +5,8 @@ As SGLang offers them (``srt/entrypoints/openai/protocol.py``, ``serving_complet
 request becomes one native ``/generate`` of ``n`` rows per prompt (so it shares the limits, the
 pause gate and the micro-batching), and its outputs become the OpenAI objects:
 
-- requests: ``model`` (echoed back; any name is accepted), ``prompt`` (a string, a list of
+- requests: ``model`` (the id ``/v1/models`` lists, or its last path component, echoed back;
+  omitted: the one served; another: 404 with OpenAI's ``model_not_found`` error), ``prompt`` (a string, a list of
   strings, token ids or a list of them) or ``messages`` (``role`` + ``content``, a string or text
   parts, rendered by the tokenizer's chat template, see :mod:`.text`), ``max_tokens`` (completions:
   16; chat: ``max_completion_tokens`` or ``max_tokens``, else the rest of the model's context),
@@ -31,7 +32,7 @@ import time
 import uuid
 from typing import Any
 
-from moe_rl.serve.protocol import BadRequest, check_kind, get_field
+from moe_rl.serve.protocol import BadRequest, ModelNotFound, check_kind, get_field
 
 # field -> the values accepted (a client sends these; anything else is not implemented).
 _COMMON_NEUTRAL: dict[str, tuple] = {
@@ -100,6 +101,15 @@ class OpenAIEndpoints:
         return 200, {"object": "list", "data": [card]}
 
     # ----------------------------------------------------------------- requests
+    def _check_model(self, model: str) -> None:
+        """``model`` is the one served (the id ``/v1/models`` lists, or its last path component), or
+        none (omitted or empty, as SGLang takes it); another is a 404 as OpenAI answers it."""
+        served = str(self.model_path)
+        if model and model not in (served, served.rstrip("/").rsplit("/", 1)[-1]):
+            raise ModelNotFound(
+                f"The model `{model}` does not exist: this server serves `{served}` (GET /v1/models)"
+            )
+
     def _need_tokenizer(self, path: str) -> None:
         if self.text is None:
             raise BadRequest(
@@ -115,7 +125,7 @@ class OpenAIEndpoints:
             raise BadRequest(
                 "body.stream: streaming is not implemented by moe-rl serve; send stream=false (or omit it)"
             )
-        get_field(body, "model", "str", "")
+        self._check_model(get_field(body, "model", "str", ""))
         n = get_field(body, "n", "int", 1)
         if n < 1:
             raise BadRequest(f"body.n={n}: expected an integer >= 1")

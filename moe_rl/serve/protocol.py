@@ -69,6 +69,23 @@ class BadRequest(ValueError):
     """A malformed request; the message names the field."""
 
 
+class ModelNotFound(LookupError):
+    """An OpenAI request for a model this server does not serve: answered 404 as OpenAI answers it
+    (:func:`model_not_found`), which OpenAI clients raise as ``NotFoundError``."""
+
+
+def model_not_found(message: str) -> dict:
+    """OpenAI's error object for an unknown ``model`` (status 404)."""
+    return {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+
+
 def check_kind(value: Any, kind: str) -> bool:
     if kind == "int":
         return isinstance(value, int) and not isinstance(value, bool)

@@ -263,6 +263,50 @@ class HFTokenizer:
         return self.encode(rendered[0]) if tokenize else rendered[0]
 
 
+def is_char_tokenizer_json(path: str | Path) -> bool:
+    """Whether ``path`` (a ``tokenizer.json``) is :class:`CharTokenizer`'s own, as
+    :meth:`CharTokenizer.save_pretrained` writes it (a policy exported by ``moe-rl export``)."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        return (
+            doc["model"]["type"] == "BPE"
+            and not doc["model"]["merges"]
+            and doc["model"]["vocab"] == (CharTokenizer()._ids)
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+_SAID: set[str] = set()
+
+
+def model_tokenizer(hf_path: str | None) -> str:
+    """``model.tokenizer`` of a recipe that names none: the tokenizer of ``model.hf_path`` (its
+    folder, which holds ``tokenizer.json``), as verl and TRL take it from the model path; ``char``
+    when that tokenizer is moe-rl's character tokenizer (an export of a char-tokenizer policy: the
+    built-in class reads the same ids), when there is no ``hf_path``, or when the folder holds no
+    ``tokenizer.json`` (then said in one warning line, once per folder). A folder that does not
+    exist here keeps its path: ``moe-rl check`` and ``train`` refuse it, naming ``model.hf_path``."""
+    import logging
+
+    if not hf_path:
+        return "char"
+    folder = Path(hf_path)
+    if not folder.is_dir():
+        return str(hf_path)
+    if not (folder / "tokenizer.json").is_file():
+        if str(hf_path) not in _SAID:
+            _SAID.add(str(hf_path))
+            logging.getLogger(__name__).warning(
+                "model.tokenizer: model.hf_path=%s holds no tokenizer.json: using the built-in character "
+                "tokenizer (set model.tokenizer=DIR to the model's tokenizer folder, or model.tokenizer=char "
+                "to say so)",
+                hf_path,
+            )
+        return "char"
+    return "char" if is_char_tokenizer_json(folder / "tokenizer.json") else str(hf_path)
+
+
 def load_tokenizer(path_or_name: str | Path) -> CharTokenizer | HFTokenizer:
     """``"char"``: the built-in :class:`CharTokenizer`; a local directory: :class:`HFTokenizer`."""
     if str(path_or_name) == "char":

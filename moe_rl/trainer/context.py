@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from moe_rl.tasks.base import Task
     from moe_rl.tasks.tokenizer import Tokenizer
     from moe_rl.trainer.metrics import MetricsSink
+    from moe_rl.trainer.progress import Progress
+    from moe_rl.trainer.reference import Reference
 
 log = logging.getLogger(__name__)
 RANK_LOGGER = "moe_rl.rank"
@@ -76,6 +78,10 @@ class Run:
     "SIGTERM / SIGINT seen while :func:`moe_rl.trainer.run.run` runs the stages (installed there)."
     hooks: list[StepHook]
     "Called after each optimizer step (:mod:`moe_rl.trainer.hooks`); the flip probe is the first."
+    reference: Reference | None
+    "The KL term's reference, the RL stage's starting weights (:mod:`moe_rl.trainer.reference`); None without one."
+    phases: Progress
+    "Rank 0's progress: phase lines, a bar or plain step lines, progress.json (:mod:`moe_rl.trainer.progress`)."
 
     def __init__(self, recipe: Recipe, *, write_recipe: bool = True):
         from moe_rl.megatron.parallel import init_parallel
@@ -84,6 +90,7 @@ class Run:
         from moe_rl.tasks import build_task, load_tokenizer
         from moe_rl.trainer.metrics import MetricsSink
         from moe_rl.trainer.probe import FlipProbe, RoutingShareProbe
+        from moe_rl.trainer.progress import Progress
 
         self.recipe = recipe
         self.tok = load_tokenizer(recipe.model.tokenizer)
@@ -119,7 +126,8 @@ class Run:
         )
         self.signals = StopSignals()
         self.hooks = [RoutingShareProbe(), FlipProbe()]  # the share's forward serves the flip probe
-        self._bar = None
+        self.reference = None
+        self.phases = Progress(self.out, enabled=self.info.rank == 0, log_every=recipe.train.log_every)
         self._derived_from: Run | None = None
         if write_recipe:
             self.write_recipe()
@@ -215,7 +223,8 @@ class Run:
             )
         out = copy.copy(self)
         out.recipe, out.state, out.hooks = new, copy.deepcopy(self.state), list(self.hooks)
-        out._bar, out._derived_from = None, self
+        out._derived_from = self
+        out.phases = type(self.phases)(self.out, enabled=self.phases.enabled, log_every=new.train.log_every)
         if engine is not None:
             out.engine = engine
         if engine_gives_routes is not None:
@@ -415,33 +424,20 @@ class Run:
         return PolicyHFSource(self.policy)
 
     def progress(self, stage: str, step: int, total: int, metrics: dict[str, float]) -> None:
-        """Rank 0's progress after ``stage``'s step ``step`` (0-based) of ``total``: a bar on a
-        terminal; where stderr is a file or a pipe (a log, Slurm, a child of ``compare``), one plain
-        line every ``train.log_every`` steps and at the last (a bar would be carriage returns)."""
-        if self.info.rank != 0:
-            return
-        shown = progress_fields(stage, metrics)
-        if _stderr_is_terminal():
-            if self._bar is None or self._bar.desc != stage:
-                from tqdm import tqdm
-
-                if self._bar is not None:
-                    self._bar.close()
-                self._bar = tqdm(total=total, initial=step, desc=stage, dynamic_ncols=True)
-            self._bar.update(1)
-            self._bar.set_postfix(shown)
-        elif step % max(1, self.recipe.train.log_every) == 0 or step == total - 1:
-            log.info(
-                "%s step %d/%d %s", stage, step + 1, total, " ".join(f"{k} {v}" for k, v in shown.items())
-            )
+        """Rank 0's progress after ``stage``'s step ``step`` (0-based) of ``total``, with s/step and
+        the time left: a bar on a terminal; where stderr is a file or a pipe (a log, Slurm, a child
+        of ``compare``), one plain line every ``train.log_every`` steps, at the first and the last
+        (:class:`moe_rl.trainer.progress.Progress`)."""
+        if self.phases.name != stage:
+            self.phases.stage(stage, total, step)
+        self.phases.step(step, progress_fields(stage, metrics))
 
     def close(self) -> None:
         """Flush metrics, stop the engine, and end the process groups this run started (a run from
         :meth:`derive` closes its progress bar only: the run it came from owns the rest)."""
         if self._derived_from is None:
             self.sink.close()
-        if self._bar is not None:
-            self._bar.close()
+        self.phases.close()
         if self._derived_from is not None:
             return
         if self.engine is not None:
@@ -458,16 +454,15 @@ def checkpoint_root(recipe: Recipe) -> Path:
 
 
 PROGRESS_FIELDS: dict[str, tuple[tuple[str, str, str], ...]] = {
-    "sft": (("loss", "loss", "{:.4f}"), ("grad_norm", "grad_norm", "{:.3f}"), ("step_s", "s/step", "{:.2f}")),
+    "sft": (("loss", "loss", "{:.4f}"), ("grad_norm", "grad_norm", "{:.3f}")),
     "rl": (
         ("reward/mean", "reward", "{:.3f}"),
-        ("reward/accuracy", "acc", "{:.2f}"),
+        ("reward/accuracy", "acc", "{:.1%}"),
         ("flip/step/rate", "flip/step", "{:.2%}"),
-        ("time/step", "s/step", "{:.1f}"),
     ),
 }
-"""What a stage's progress shows: (metric, label, format). Flip rates as percentages, marked
-with %, as the docs give them (metrics.jsonl keeps fractions)."""
+"""What a stage's progress shows besides step / total, s/step and ETA: (metric, label, format).
+Rates as percentages, marked with %, as the docs give them (metrics.jsonl keeps fractions)."""
 
 
 def progress_fields(stage: str, metrics: dict[str, float]) -> dict[str, str]:
@@ -477,9 +472,3 @@ def progress_fields(stage: str, metrics: dict[str, float]) -> dict[str, str]:
         for key, label, fmt in PROGRESS_FIELDS.get(stage, ())
         if isinstance(metrics.get(key), (int, float))
     }
-
-
-def _stderr_is_terminal() -> bool:
-    import sys
-
-    return bool(getattr(sys.stderr, "isatty", lambda: False)())

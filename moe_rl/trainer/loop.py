@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moe_rl import dist
+from moe_rl.trainer.reference import start_reference
 from moe_rl.trainer.rl import encode_prompts, local_prompts, rewards_of, rl_step, sampling_for
 from moe_rl.trainer.samples import samples_due, write_samples
 from moe_rl.trainer.sentinel import Sentinel, SentinelVerdict
@@ -34,6 +35,9 @@ def run_rl(run: Run) -> dict[str, float]:
     if every and stage.steps % every == 0 and "eval/accuracy" in metrics:  # the last step's weights,
         final = {"eval/accuracy": metrics["eval/accuracy"]}  # evaluated already: not again
     else:
+        run.phases.phase(
+            "rl final evaluation", f"greedy accuracy on {run.recipe.train.eval_prompts} held-out prompts"
+        )
         final = evaluate(run, stage.steps)
     run.sink.log(stage.steps, "rl_eval", final)
     return {**metrics, **final}
@@ -74,7 +78,10 @@ def _start(run: Run) -> Sentinel:
     run.ensure_engine()
     run.state.step, run.state.stage = run.state.step_of("rl"), "rl"
     run.optimizer.lr_scale = run.state.lr_scale
+    run.reference = start_reference(run)  # the stage's starting weights, for a KL term (else None)
     if run.state.step == 0:
+        what = f"greedy accuracy on {run.recipe.train.eval_prompts} held-out prompts before any update"
+        run.phases.phase("rl step-0 evaluation", what)
         if run.checkpointer.last_good is None:  # the start is the first "last good" state to roll back to
             run.save()
         run.sink.log(0, "rl_eval", evaluate(run, 0))

@@ -82,6 +82,7 @@ class RLBatch:
     probe_after: tuple[int, torch.Tensor] | None = None
     # the engine's gate weights, replayed with replay_BSLK (R3 with algo.replay_gate_weights)
     replay_gates_BSLK: torch.Tensor | None = None
+    ref_logp_BT: torch.Tensor | None = None  # log pi_ref of the KL term (trainer/reference.py), or None
 
     @property
     def lens_B(self) -> torch.Tensor:
@@ -129,9 +130,12 @@ def collect(run: Run, step: int, timer: StepTimer | None = None) -> tuple[RLBatc
         prompts, rollouts = generate(run, step)
     with timer.record("old_logprob"):  # scoring is cheap: it is timed with the pi_old forward
         rewards_B, adv_B, metrics = score(run, prompts, rollouts)
-        if samples_due(run, step):
-            write_samples(run, step, "rollout", prompts, rollouts, rewards_B, adv_B, cfg.group_size)
         batch, pi_old_metrics = old_policy(run, rollouts, adv_B)
+        if run.reference is not None:  # a KL term: the reference's forward (and a reward penalty)
+            with timer.record("reference"):
+                metrics.update(run.reference.use(run, batch, rewards_B))
+        if samples_due(run, step):
+            write_samples(run, step, "rollout", prompts, rollouts, rewards_B, batch.adv_B, cfg.group_size)
     if cfg.shuffle_minibatches:
         order = torch.randperm(batch.tokens_BT.shape[0], generator=torch.Generator().manual_seed(seed))
         batch = shuffled(batch, order.to(batch.tokens_BT.device))
@@ -165,20 +169,23 @@ def score(
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Every row's reward ``rewards_B``, the group-normalised advantages ``adv_B`` and the reward
     and response metrics."""
-    cfg, algo = run.recipe.train, run.recipe.algo
+    cfg = run.recipe.train
     rewards_B = rewards_of(run, prompts, rollouts, cfg.group_size)
-    adv_B, stats = group_advantages(
-        rewards_B,
-        cfg.group_size,
-        eps=algo.adv_eps,
-        std_normalize=algo.adv_std_normalize,
-        unbiased=algo.adv_std_unbiased,
-    )
+    adv_B, stats = advantages_of(run, rewards_B)
     metrics = {k: float(v) for k, v in stats.items()}
     metrics["reward/accuracy"] = float((rewards_B >= 1.0).float().mean())
     metrics["response/len_mean"] = float(rollouts.response_mask_BT.sum(1).mean())
     metrics["response/truncated"] = sum(f == "length" for f in rollouts.finish_reasons) / rollouts.batch_size
     return rewards_B, adv_B, metrics
+
+
+def advantages_of(run: Run, rewards_B: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Group advantages ``adv_B`` of ``rewards_B`` (groups of ``train.group_size`` adjacent rows) and
+    their statistics, by ``algo.adv_*``."""
+    a, g = run.recipe.algo, run.recipe.train.group_size
+    return group_advantages(
+        rewards_B, g, eps=a.adv_eps, std_normalize=a.adv_std_normalize, unbiased=a.adv_std_unbiased
+    )
 
 
 def sampling_for(
@@ -534,6 +541,7 @@ def _micro_step(
             num_sequences=global_counts[0],
             num_tokens=global_counts[1],
             is_weights=None if batch.is_weights is None else batch.is_weights[rows],
+            ref_logp_BT=None if batch.ref_logp_BT is None else batch.ref_logp_BT[rows],
         )
         loss, metrics = loss_fn(inputs, algo)
         session.backward(loss)

@@ -7,15 +7,18 @@ Every rank of a torchrun / Slurm job calls :func:`run` with the same recipe.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable
 
 import torch
 
 from moe_rl.config import Recipe
+from moe_rl.mainguard import check_main_guard
 from moe_rl.tasks.base import make_rng
 from moe_rl.trainer.context import Run, checkpoint_root
 from moe_rl.trainer.hooks import OptimizerStep, StepHook
 from moe_rl.trainer.loop import run_rl
+from moe_rl.trainer.progress import Progress
 from moe_rl.trainer.run_lock import hold_run_dir
 from moe_rl.trainer.sft import run_sft
 from moe_rl.trainer.state import Checkpointer
@@ -69,22 +72,35 @@ def run(
     (:class:`~moe_rl.trainer.signals.StopRequested`). ``hooks``: called after each optimizer step
     of every stage, after the flip probe (:meth:`Run.add_hook`, :mod:`moe_rl.trainer.hooks`).
     """
+    check_main_guard("training")  # a checkpoint save starts a child process: the script needs its guard
     with hold_run_dir(recipe.train.out_dir):  # one run per folder (run_lock.py), before any write
         check_out_dir(recipe, resume=resume, fresh=fresh)
-        the_run = Run(recipe, write_recipe=False)  # written once the resume, if any, succeeded
+        rank0 = os.environ.get("RANK", "0") == "0"  # no process group yet: torchrun's RANK
+        progress = Progress(recipe.train.out_dir, enabled=rank0)
+        progress.phase("start", "process groups, the policy and its weights")
         try:
-            for hook in hooks:
-                the_run.add_hook(hook)
-            resumed = resume and the_run.resume()
-            the_run.write_recipe()
-            if not resumed and recipe.checkpoint.load:
-                the_run.checkpointer.load_weights(recipe.checkpoint.load)
-            if not resumed and recipe.train.start_jitter:
-                jitter_weights(the_run.policy, recipe.train.start_jitter, recipe.train.seed)
-            with the_run.signals:
-                return _run_stages(the_run, resumed)
+            return _run(recipe, resume, hooks)
         finally:
-            the_run.close()
+            progress.remove()  # progress.json says where a live run is: it goes with the run
+
+
+def _run(recipe: Recipe, resume: bool, hooks) -> dict[str, dict[str, float]]:
+    the_run = Run(recipe, write_recipe=False)  # written once the resume, if any, succeeded
+    try:
+        for hook in hooks:
+            the_run.add_hook(hook)
+        if resume:
+            the_run.phases.phase("resume", "the newest intact checkpoint")
+        resumed = resume and the_run.resume()
+        the_run.write_recipe()
+        if not resumed and recipe.checkpoint.load:
+            the_run.checkpointer.load_weights(recipe.checkpoint.load)
+        if not resumed and recipe.train.start_jitter:
+            jitter_weights(the_run.policy, recipe.train.start_jitter, recipe.train.seed)
+        with the_run.signals:
+            return _run_stages(the_run, resumed)
+    finally:
+        the_run.close()
 
 
 def _run_stages(run: Run, resumed: bool) -> dict[str, dict[str, float]]:
@@ -108,7 +124,9 @@ def _run_stages(run: Run, resumed: bool) -> dict[str, dict[str, float]]:
         run.state.finished.append(stage)
         run.state.completed[stage] = steps
         run.state.step = 0
+        run.phases.phase("checkpoint", f"the finished {stage} stage")
         run.save()
+    run.phases.phase("done")
     if resumed and not results:
         done = ", ".join(f"{s} {run.state.completed.get(s, '?')} steps" for s in run.state.finished)
         log.info(

@@ -55,6 +55,7 @@ def run_stage(run: Run, stage: Stage) -> dict[str, float]:
     periodic checkpoints; the last step's metrics."""
     max_bad_steps, every = run.recipe.train.max_bad_steps, run.recipe.checkpoint.every
     bad_steps, metrics, step = 0, {}, run.state.step
+    run.phases.stage(stage.name, stage.steps, step)
     while step < stage.steps:
         metrics, skipped = stage.step(step)
         bad_steps = bad_steps + 1 if skipped else 0

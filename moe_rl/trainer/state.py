@@ -106,6 +106,15 @@ class RunState:
             done = self.completed.get(stage, 0)
         return f"{stage}-step-{done:06d}"
 
+    def position(self) -> str:
+        """Where the run stands, for a log line: ``rl step 4 (the stage finished)``, ``rl step 2``
+        (steps of the stage done), ``the start`` before any stage."""
+        if self.stage is None:
+            return "the start (before any stage)"
+        if self.stage in self.finished and self.step == 0:
+            return f"{self.stage} step {self.completed.get(self.stage, 0)} (the stage finished)"
+        return f"{self.stage} step {self.step}"
+
     def step_of(self, stage: str) -> int:
         """Where ``stage`` starts: the saved step if the run stopped inside it, else 0."""
         return self.step if self.stage == stage else 0
@@ -184,7 +193,7 @@ class Checkpointer:
         meta = load_checkpoint(self.root, self.model, optimizer)
         self.last_good = Path(meta["path"])
         state = RunState.from_meta(meta["extra"])
-        log.info("resumed from %s at %s step %d", self.last_good, state.stage, state.step)
+        log.info("resumed from %s after %s", self.last_good, state.position())
         return state
 
     def load_weights(self, path: str | Path) -> None:

@@ -8,7 +8,8 @@ against at load (a test holds them equal). Each tracker is driven through its ow
   ``<stage>/<metric>``, the flattened recipe as hparams (the HPARAMS tab filters runs by
   ``algo.name``, ``algo.routing``, ...), the recipe's YAML as text ``recipe``, and samples as text;
 - ``wandb``: ``wandb.init`` (mode from ``WANDB_MODE``: ``offline`` needs no server; project from
-  ``WANDB_PROJECT``, else ``moe-rl``; files under ``<out_dir>/wandb``), config = the flattened
+  ``WANDB_PROJECT``, else ``moe-rl``; files under ``$WANDB_DIR/wandb``, else ``<out_dir>/wandb``),
+  config = the flattened
   recipe, each stage's metrics against its own step axis ``<stage>/step`` (SFT and RL both count
   from 0, and W&B drops a row whose ``step=`` goes backwards), samples as ``wandb.Table``;
 - ``mlflow``: an ``MlflowClient`` on ``MLFLOW_TRACKING_URI``, else the file store
@@ -161,9 +162,10 @@ class WandbTracker(Tracker):
     def start(self, run: TrackedRun) -> None:
         import wandb
 
-        run.out_dir.mkdir(parents=True, exist_ok=True)
+        where = Path(os.environ.get("WANDB_DIR") or run.out_dir)  # the user's WANDB_DIR wins, as in wandb
+        where.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
-            dir=str(run.out_dir),
+            dir=str(where),
             project=os.environ.get("WANDB_PROJECT") or PROJECT,
             name=run.name,
             config=run.params,

@@ -635,3 +635,23 @@ def _load_meta(ck, path) -> dict:
     r = load_recipe(path.parents[2 if ck.step_number(path) is not None else 1] / "r.yaml")
     policy = build_policy(r.model, r.parallel, init_parallel(r.parallel, seed=1))
     return ck.load_checkpoint(path, policy.model, load_rng=False)
+
+
+@pytest.mark.integration  # the finished run it copies is trained in a child process
+@pytest.mark.bad_input("output")
+def test_export_writes_the_dtype_the_policy_trained_in_and_says_which(cli, run_copy):
+    """Issue 49: an fp32 policy is exported in fp32 unless --dtype asks for bf16 (it used to be bf16
+    by default, said only in -h); the line says which and why."""
+    import json
+
+    ckpt = run_copy / "run/checkpoints"
+    res = cli("export", run_copy / "r.yaml", run_copy / "fp32", "--checkpoint", ckpt)
+    assert res.code == 0, res.err[-2000:]
+    assert res.out.rstrip().endswith(
+        "in float32 (model.dtype, the dtype the policy trained in; --dtype to choose)"
+    )
+    assert {t.dtype for t in _tensors(run_copy / "fp32").values()} == {torch.float32}
+    assert json.loads((run_copy / "fp32" / "config.json").read_text())["torch_dtype"] == "float32"
+    res = cli("export", run_copy / "r.yaml", run_copy / "bf16", "--checkpoint", ckpt, "--dtype", "bfloat16")
+    assert res.code == 0 and res.out.rstrip().endswith("in bfloat16 (--dtype)"), res.out
+    assert {t.dtype for t in _tensors(run_copy / "bf16").values()} == {torch.bfloat16}

@@ -74,10 +74,13 @@ FIELD_CASES = {
         "parallel:\n  tensor_parallel: 2\n  data_parallel: 1\ntrain:\n  stages: [sft, rl]\n",
         r"parallel\.tensor_parallel=2 with rollout\.engine=embedded: the embedded engine decodes at TP 1 only",
     ),
-    "kl_without_a_reference": (
+    # issue 49: the trainer builds the reference now; the coefficient's old name says its new one
+    "kl_coefficient_moved": (
         "algo:\n  beta: 0.1\ntrain:\n  stages: [sft, rl]\n",
-        r"algo\.beta=0\.1: a KL penalty needs a reference policy, which the trainer does not build yet",
+        r"algo\.beta moved: use algo\.kl_coef",
     ),
+    "kl_coef_negative": ("algo:\n  kl_coef: -0.1\n", r"algo\.kl_coef=-0\.1 must be >= 0"),
+    "kl_estimator_unknown": ("algo:\n  kl_estimator: k4\n", r"algo\.kl_estimator='k4': use k1, k2 or k3"),
     "jsonl_sft_without_responses": (
         "task:\n  name: jsonl\n  jsonl: {path: data.jsonl, reward_fn: 'score.py:score'}\ntrain:\n  stages: [sft, rl]\n",
         r"train\.stages includes sft but the jsonl task has no demonstrations: set task\.jsonl\.response_field",

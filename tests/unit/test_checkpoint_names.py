@@ -170,3 +170,12 @@ def ck_fields():
     from moe_rl.hf_arch import ARCH_FIELDS
 
     return ARCH_FIELDS
+
+
+def test_the_position_a_resume_names():
+    """The resume's log line says where the run stands (issue 49: a run resumed after its finished RL
+    stage of 4 steps said "at rl step 0")."""
+    assert RunState().position() == "the start (before any stage)"
+    assert RunState(stage="sft", step=30).position() == "sft step 30"
+    done = RunState(stage="rl", step=0, finished=["sft", "rl"], completed={"sft": 60, "rl": 4})
+    assert done.position() == "rl step 4 (the stage finished)"

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from moe_rl.cli import main
-from moe_rl.lab import compare, runner
+from moe_rl.lab import compare, compare_plot, runner
 from moe_rl.lab.arms import ARMS, COMPARE_ARMS, DEMO, FIRST_SEED, flatten
 from moe_rl.lab.starts import SMOKE_BASE
 from moe_rl.lab.stats import paired
@@ -172,6 +172,15 @@ def test_the_paired_difference_pairs_runs_by_seed():
         (["--seeds", "0"], "--seeds '0': give a whole number >= 1 (how many seeds each arm runs)"),
         (["--seeds", "two"], "--seeds 'two': give a whole number >= 1 (how many seeds each arm runs)"),
         (["--jobs", "-1"], "--jobs '-1': give a whole number >= 1 (how many runs train at a time)"),
+        (
+            ["--seeds", "9001,x"],
+            "--seeds '9001,x': give a count (3) or seeds >= 0 separated by commas (9001,9002,9003)",
+        ),
+        (
+            ["--seeds=-1,2"],
+            "--seeds '-1,2': give a count (3) or seeds >= 0 separated by commas (9001,9002,9003)",
+        ),
+        (["--seeds", "5,5"], "--seeds '5,5' names a seed twice: give each once"),
     ],
 )
 def test_a_bad_arm_or_count_is_one_line(tmp_path, capsys, args, message):
@@ -249,5 +258,5 @@ def test_a_runs_table_values_hold_its_accuracy_auc_and_its_share_of_ratio_outlie
     v = compare.run_values(tmp_path)
     assert v["outlier_steps"] == pytest.approx(2 / 4)
     assert v["auc"] == pytest.approx((3 * (0.2 + 0.4) / 2 + 2 * (0.4 + 0.3) / 2) / 5)
-    xs, share = compare._running_outlier_share(runner.read_arm(tmp_path)["rl"])
+    xs, share = compare_plot.running_outlier_share(runner.read_arm(tmp_path)["rl"])
     assert xs == [0, 1, 3, 4] and share == pytest.approx([0, 1 / 2, 1 / 3, 2 / 4])

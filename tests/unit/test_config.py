@@ -290,3 +290,13 @@ def test_yaml_merge_keys_may_be_overridden(tmp_path):
     from moe_rl.configlib import load_yaml_file
 
     assert load_yaml_file(tmp_path / "r.yaml")["sft_optim_note"] == {"lr": 2.0e-3, "warmup_steps": 2}
+
+
+def test_a_saved_recipe_with_the_old_kl_key_at_zero_still_loads():
+    """Every recipe.yaml written before algo.kl_coef holds ``algo.beta: 0.0``: such a run's folder
+    stays its own (the lab compares saved recipes to resume a run); a nonzero beta says the new key."""
+    from moe_rl.config import ConfigError, recipe_from_dict
+
+    assert recipe_from_dict({"algo": {"beta": 0.0}}).algo.kl_coef == 0.0
+    with pytest.raises(ConfigError, match=r"algo\.beta moved: use algo\.kl_coef"):
+        recipe_from_dict({"algo": {"beta": 0.1}})

@@ -420,7 +420,7 @@ def test_weights_leave_the_kl_term_alone(name, kind, aggregation):
     w = _weights(kind, mask)
     loss = {}
     for beta in (0.0, 0.3):
-        cfg = AlgoConfig(name=name, aggregation=aggregation, beta=beta)
+        cfg = AlgoConfig(name=name, aggregation=aggregation, kl_coef=beta)
         for weighted in (False, True):
             loss[beta, weighted] = run(name, logp, old, adv, mask, cfg, ref=ref, w=w if weighted else None)[0]
     kl_w, kl = loss[0.3, True] - loss[0.0, True], loss[0.3, False] - loss[0.0, False]
@@ -431,7 +431,7 @@ def test_weights_leave_the_kl_term_alone(name, kind, aggregation):
 @pytest.mark.parametrize("name,kind", CASES)
 def test_weighted_loss_padding_and_microbatch_invariance(name, kind):
     logp, old, adv, mask, ref = make_batch(6, B=7, token_adv=name != "gspo")
-    cfg = AlgoConfig(name=name, eps_low=0.05, eps_high=0.08, beta=0.1, clip_ratio_c=1.03)
+    cfg = AlgoConfig(name=name, eps_low=0.05, eps_high=0.08, kl_coef=0.1, clip_ratio_c=1.03)
     w = _weights(kind, mask)
     num = counts(mask)
     loss, m = run(name, logp, old, adv, mask, cfg, ref=ref, num=num, w=w)

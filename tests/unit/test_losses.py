@@ -44,9 +44,9 @@ def counts(mask):
     return float((mask.sum(-1) > 0).sum()), float(mask.sum())
 
 
-def cfg_for(name, band="wide", aggregation="seq_mean", beta=0.0):
+def cfg_for(name, band="wide", aggregation="seq_mean", kl_coef=0.0):
     lo, hi = BANDS[band]
-    return AlgoConfig(name=name, eps_low=lo, eps_high=hi, aggregation=aggregation, beta=beta)
+    return AlgoConfig(name=name, eps_low=lo, eps_high=hi, aggregation=aggregation, kl_coef=kl_coef)
 
 
 def run(name, logp, old, adv, mask, cfg, ref=None, num=None, w=None):
@@ -87,9 +87,9 @@ def reference_loss(name, logp, old, adv, mask, cfg, ref=None):
                 r = torch.exp((lp - od).mean()).detach() * torch.exp(lp - lp.detach())
             j = torch.min(r * a, torch.clamp(r, 1 - lo, 1 + hi) * a).sum()
             total = total - (j / n / ns if cfg.aggregation == "seq_mean" else j / nt)
-        if cfg.beta > 0:
+        if cfg.kl_coef > 0:
             kl = (torch.exp(ref[i, idx] - lp) - (ref[i, idx] - lp) - 1).sum()
-            total = total + cfg.beta * (kl / n / ns if cfg.aggregation == "seq_mean" else kl / nt)
+            total = total + cfg.kl_coef * (kl / n / ns if cfg.aggregation == "seq_mean" else kl / nt)
     return total
 
 
@@ -145,7 +145,7 @@ def reference_metrics(logp, old, adv, mask, cfg):
 def test_matches_per_sequence_reference(name, aggregation, band, seed):
     token_adv = name != "gspo" and seed % 2 == 1
     logp, old, adv, mask, ref = make_batch(seed, token_adv=token_adv)
-    cfg = cfg_for(name, band, aggregation, beta=0.1 if seed % 3 == 0 else 0.0)
+    cfg = cfg_for(name, band, aggregation, kl_coef=0.1 if seed % 3 == 0 else 0.0)
     loss, metrics = run(name, logp, old, adv, mask, cfg, ref=ref)
     expected = reference_loss(name, logp, old, adv, mask, cfg, ref=ref)
     torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
@@ -246,7 +246,7 @@ def test_gspo_gradient_closed_form(seed, aggregation):
 @pytest.mark.parametrize("seed", range(4))
 def test_gspo_token_equals_gspo_value_and_gradient(seed, aggregation, band):
     logp, old, adv, mask, ref = make_batch(seed)
-    cfg = cfg_for("gspo", band, aggregation, beta=0.05)
+    cfg = cfg_for("gspo", band, aggregation, kl_coef=0.05)
     loss, m = run("gspo", logp, old, adv, mask, cfg, ref=ref)
     g = grad(loss, logp)
     adv_BT = adv[:, None].expand(mask.shape).clone()  # A_{i,t} = A_i, given per token
@@ -299,7 +299,7 @@ def padded(x: torch.Tensor, fill, pad: int = 3, rows: int = 2) -> torch.Tensor:
 @pytest.mark.parametrize("name", ALGOS)
 def test_padding_invariance(name, aggregation):
     logp, old, adv, mask, ref = make_batch(4)
-    cfg = cfg_for(name, aggregation=aggregation, beta=0.1)
+    cfg = cfg_for(name, aggregation=aggregation, kl_coef=0.1)
     num = counts(mask)
     loss, m = run(name, logp, old, adv, mask, cfg, ref=ref)
     B, T = mask.shape
@@ -318,7 +318,7 @@ def test_padding_invariance(name, aggregation):
 @pytest.mark.parametrize("name", ALGOS)
 def test_microbatch_split_sums_to_full_batch(name, aggregation):
     logp, old, adv, mask, ref = make_batch(5, B=7)
-    cfg = cfg_for(name, aggregation=aggregation, beta=0.1)
+    cfg = cfg_for(name, aggregation=aggregation, kl_coef=0.1)
     num = counts(mask)
     loss, m = run(name, logp, old, adv, mask, cfg, ref=ref, num=num)
     parts = [
@@ -339,7 +339,7 @@ def test_metric_keys_are_shared_and_all_have_a_reduction(name):
     logp, old, adv, mask, ref = make_batch(1)
     _, m = run(name, logp, old, adv, mask, cfg_for(name))
     _, m_ref = run(name, logp, old, adv, mask, cfg_for(name), ref=ref)
-    assert set(m_ref) - set(m) == {"kl/k3", "loss/kl"}
+    assert set(m_ref) - set(m) == {"kl/ref_k1", "kl/ref_k2", "kl/ref_k3", "loss/kl"}
     assert set(m_ref) == set(METRIC_REDUCTIONS)
     assert set(METRIC_REDUCTIONS.values()) <= {"sum", "min", "max"}
     assert all(v.dim() == 0 and not v.requires_grad for v in m_ref.values())
@@ -367,7 +367,7 @@ def test_k3_kl_term(name, aggregation):
     ns, nt = counts(mask)
     beta = 0.3
     loss0, m0 = run(name, logp, old, adv, mask, cfg_for(name, aggregation=aggregation), ref=ref)
-    loss1, m1 = run(name, logp, old, adv, mask, cfg_for(name, aggregation=aggregation, beta=beta), ref=ref)
+    loss1, m1 = run(name, logp, old, adv, mask, cfg_for(name, aggregation=aggregation, kl_coef=beta), ref=ref)
     r = torch.where(mask, ref - logp, 0.0)
     kl_BT = torch.exp(r) - r - 1
     length = mask.sum(-1).clamp(min=1)
@@ -377,8 +377,8 @@ def test_k3_kl_term(name, aggregation):
     dkl = dkl / length[:, None] / ns if aggregation == "seq_mean" else dkl / nt
     torch.testing.assert_close(grad(loss1, logp) - grad(loss0, logp), beta * dkl, rtol=1e-9, atol=1e-14)
     assert (
-        float(m1["kl/k3"]) == pytest.approx(float(kl_BT.detach().sum() / nt), rel=1e-12)
-        and float(m1["kl/k3"]) > 0
+        float(m1["kl/ref_k3"]) == pytest.approx(float(kl_BT.detach().sum() / nt), rel=1e-12)
+        and float(m1["kl/ref_k3"]) > 0
     )
     assert float(m0["loss/kl"]) == 0.0 and float(m1["loss/kl"]) == pytest.approx(beta * float(kl.detach()))
 
@@ -390,10 +390,10 @@ def test_k3_is_zero_at_reference_and_matches_formula():
     assert torch.all(k3(x, ref) >= 0) and float(k3(x, x).abs().max()) == 0.0
 
 
-def test_beta_without_reference_is_an_error():
+def test_kl_coef_without_reference_is_an_error():
     logp, old, adv, mask, _ = make_batch(0)
     with pytest.raises(ValueError, match="ref_logp"):
-        run("gspo", logp, old, adv, mask, cfg_for("gspo", beta=0.1))
+        run("gspo", logp, old, adv, mask, cfg_for("gspo", kl_coef=0.1))
 
 
 @pytest.mark.parametrize("name", ALGOS)

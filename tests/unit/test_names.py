@@ -44,6 +44,12 @@ def test_loss_names_agree_with_the_loss_registry():
     assert sorted(names.TOKEN_RATIO_LOSSES) == token
 
 
+def test_kl_estimator_names_agree_with_the_estimators():
+    from moe_rl.losses.kl import ESTIMATORS
+
+    assert tuple(ESTIMATORS) == names.KL_ESTIMATORS
+
+
 def test_task_names_agree_with_the_task_registry():
     assert sorted(names.TASK_NAMES) == sorted(TASKS)
 

@@ -1,6 +1,7 @@
 """Long runs are informative, not noisy (issue 33, item 11): a bar on a terminal, plain lines every
 ``train.log_every`` steps in a log file, flip rates marked as percentages, and under torchrun one
-set of lines (rank 0's; other ranks warnings only, each line naming its rank)."""
+set of lines (rank 0's; other ranks warnings only, each line naming its rank). Issue 49: slow told
+from stuck: every phase named as it begins, each step line with seconds per step and the time left."""
 
 import logging
 import os
@@ -11,52 +12,100 @@ from types import SimpleNamespace
 
 import pytest
 
-from moe_rl.trainer import context
+from moe_rl.trainer import progress
 from moe_rl.trainer.context import Run
 
 ROOT = Path(__file__).resolve().parents[2]
 RL = {"reward/mean": 0.875, "reward/accuracy": 0.9, "flip/step/rate": 0.0012, "time/step": 2.06}
 
 
-def _run(rank=0, log_every=2):
-    return SimpleNamespace(
-        info=SimpleNamespace(rank=rank),
-        _bar=None,
-        recipe=SimpleNamespace(train=SimpleNamespace(log_every=log_every)),
-    )
+def _run(tmp_path, rank=0, log_every=2):
+    phases = progress.Progress(tmp_path, enabled=rank == 0, log_every=log_every)
+    return SimpleNamespace(phases=phases)
 
 
-def test_in_a_log_file_progress_is_plain_lines_every_log_every_steps(caplog, monkeypatch):
-    monkeypatch.setattr(context, "_stderr_is_terminal", lambda: False)
-    run = _run()
-    with caplog.at_level(logging.INFO, logger=context.__name__):
+@pytest.fixture
+def clock(monkeypatch):
+    """A monotonic clock that advances 2 s per reading after the first: 2 s per step."""
+    now = [100.0]
+
+    def tick():
+        now[0] += 2.0
+        return now[0]
+
+    monkeypatch.setattr(progress.time, "monotonic", tick)
+
+
+def test_in_a_log_file_progress_is_plain_lines_every_log_every_steps(tmp_path, caplog, monkeypatch, clock):
+    """Issue 49: each line has step / total, seconds per step and the time left; the phase is named
+    when it begins; rates in percent."""
+    monkeypatch.setattr(progress, "stderr_is_terminal", lambda: False)
+    run = _run(tmp_path)
+    with caplog.at_level(logging.INFO, logger=progress.__name__):
         for step in range(5):
             Run.progress(run, "rl", step, 5, RL)
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == [f"rl step {s}/5 reward 0.875 acc 0.90 flip/step 0.12% s/step 2.1" for s in (1, 3, 5)]
-    assert run._bar is None
-
-
-def test_on_a_terminal_progress_is_one_bar_per_stage(monkeypatch):
-    monkeypatch.setattr(context, "_stderr_is_terminal", lambda: True)
-    run = _run()
-    Run.progress(run, "sft", 0, 3, {"loss": 1.5, "grad_norm": 0.3, "step_s": 0.1})
-    sft_bar = run._bar
-    assert (
-        sft_bar.desc == "sft"
-        and sft_bar.n == 1
-        and sft_bar.postfix == "loss=1.5000, grad_norm=0.300, s/step=0.10"
+    eta = {1: "0:08", 3: "0:04", 5: "0:00"}
+    assert lines == ["phase: rl, 5 steps"] + [
+        f"rl step {s}/5 | 2.00 s/step | ETA {eta[s]} | reward 0.875 acc 90.0% flip/step 0.12%"
+        for s in (1, 3, 5)
+    ]
+    assert run.phases._bar is None
+    doc = progress.read_progress_file(tmp_path)
+    assert (doc["phase"], doc["step"], doc["total"], doc["s_per_step"], doc["eta_s"]) == (
+        "rl",
+        5,
+        5,
+        2.0,
+        0.0,
     )
+
+
+def test_on_a_terminal_progress_is_one_bar_per_stage(tmp_path, monkeypatch, clock):
+    monkeypatch.setattr(progress, "stderr_is_terminal", lambda: True)
+    run = _run(tmp_path)
+    Run.progress(run, "sft", 0, 3, {"loss": 1.5, "grad_norm": 0.3, "step_s": 0.1})
+    sft_bar = run.phases._bar
+    assert sft_bar.desc == "sft" and sft_bar.n == 1 and sft_bar.postfix == "loss=1.5000, grad_norm=0.300"
     Run.progress(run, "rl", 0, 5, RL)
-    assert run._bar is not sft_bar and run._bar.desc == "rl" and "flip/step=0.12%" in run._bar.postfix
-    run._bar.close()
+    bar = run.phases._bar
+    assert (
+        bar is not sft_bar
+        and bar.desc == "rl"
+        and "flip/step=0.12%" in bar.postfix
+        and "acc=90.0%" in bar.postfix
+    )
+    assert bar.unit == "step"  # tqdm's own rate (s/step) and ETA
+    run.phases.close()
 
 
-def test_only_rank_0_shows_progress(caplog, monkeypatch):
-    monkeypatch.setattr(context, "_stderr_is_terminal", lambda: False)
-    with caplog.at_level(logging.INFO, logger=context.__name__):
-        Run.progress(_run(rank=1), "rl", 0, 5, RL)
-    assert not caplog.records
+def test_only_rank_0_shows_progress(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(progress, "stderr_is_terminal", lambda: False)
+    with caplog.at_level(logging.INFO, logger=progress.__name__):
+        Run.progress(_run(tmp_path, rank=1), "rl", 0, 5, RL)
+    assert not caplog.records and not (tmp_path / progress.PROGRESS_FILE).exists()
+
+
+def test_every_phase_of_a_run_is_named(tmp_path, caplog, parallel_info):
+    """A run from the start to the end names each phase as it begins: the start (process groups,
+    policy), SFT, the checkpoint, the RL step-0 evaluation, RL, the final evaluation, done."""
+    from moe_rl.trainer.run import run
+    from tests.unit.test_rl_e2e import tiny
+
+    with caplog.at_level(logging.INFO, logger=progress.__name__):
+        run(tiny(tmp_path, train={"sft_steps": 2, "rl_steps": 1}))
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("phase: ")]
+    assert [s.split(" (")[0].split(",")[0] for s in said] == [
+        "phase: start",
+        "phase: sft",
+        "phase: checkpoint",
+        "phase: rl step-0 evaluation",
+        "phase: rl",
+        "phase: rl final evaluation",
+        "phase: checkpoint",
+        "phase: done",
+    ], said
+    assert not (tmp_path / "run" / progress.PROGRESS_FILE).exists()  # it lives as long as the run
 
 
 @pytest.mark.integration

@@ -55,8 +55,62 @@ def test_megatron_logs_at_warning_unless_verbose(restore_logging, capsys, verbos
     assert seen, "a warning outside megatron-core is never hidden"
 
 
+DEPENDENCY_WARNINGS = [
+    # (message, category, module): what torchrun, --resume and export printed (issue 49)
+    (
+        "`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...",
+        FutureWarning,
+        "torch.distributed.c10d_logger",
+    ),
+    (
+        "Please use DTensor instead and we are deprecating ShardedTensor.",
+        FutureWarning,
+        "torch.distributed.checkpoint.planner_helpers",
+    ),
+    (
+        "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed. Its .grad ...",
+        UserWarning,
+        "moe_rl.megatron.shims",
+    ),
+]
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_dependency_warnings_no_user_caused_show_only_with_v(restore_logging, capsys, verbose):
+    """Issue 49: torch.distributed's deprecations that megatron-core's calls trigger (under torchrun,
+    in dist_checkpointing's save and load) and the non-leaf .grad warning megatron-core's DDP causes
+    through the CPU shim are off unless -v; a FutureWarning of moe-rl's own, or the shim's other
+    warnings, still show."""
+    warnings.simplefilter("always")
+    assert main(["-v", "check", "recipes/tiny.yaml"] if verbose else ["check", "recipes/tiny.yaml"]) == 0
+    capsys.readouterr()
+    for message, category, module in DEPENDENCY_WARNINGS:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.warn_explicit(message, category, module.replace(".", "/") + ".py", 1, module)
+        assert bool(seen) == verbose, module
+    for message, category, module in (
+        ("ours", FutureWarning, "moe_rl.trainer.run"),
+        ("another", UserWarning, "moe_rl.megatron.shims"),
+    ):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.warn_explicit(message, category, "x.py", 1, module)
+        assert seen, module
+
+
+def test_the_package_metadata_is_what_setuptools_asks_for():
+    """``pip install`` printed setuptools' deprecation of ``project.license`` as a table (twice, in
+    the 180 lines of ``make venv``): an SPDX string, with the setuptools that reads it."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    from pathlib import Path
+
+    meta = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert meta["project"]["license"] == "Apache-2.0"
+    assert "setuptools>=77" in meta["build-system"]["requires"]
+
+
 def test_summary_table_shows_the_key_metrics_of_each_stage():
-    """The stages' key metrics, one per line under their stage, values in 4 significant digits;
+    """The stages' key metrics, one per line under their stage, values in 4 significant digits (rates
+    in percent, with their % sign);
     the other metrics (in metrics.jsonl) and non-numbers left out; the wall time and the JSONL path
     on the first line. Planted bugs killed: the full dict printed; a key metric dropped; a stage
     name repeated on every line."""
@@ -81,8 +135,8 @@ def test_summary_table_shows_the_key_metrics_of_each_stage():
         "       grad_norm               5.833",
         "       step_s                  0.3796",
         "rl     reward/mean             0.25",
-        "       eval/accuracy           0.5",
-        "       flip/step/rate          0.001234",
+        "       eval/accuracy           50.00%",  # rates in percent (issue 49: one unit per quantity)
+        "       flip/step/rate          0.12%",
         "       experts/load_imbalance  1.432",
         "       time/step               2.5",
     ]

@@ -197,12 +197,19 @@ def test_generate_stop_strings_cut_tokens_and_text(scripted):
 def test_completions_choices_n_max_tokens_and_usage(scripted, sglang_openai):
     c, _ = scripted
     models = sglang_openai[0] or {}
-    body = {"model": "m1", "prompt": ["ab", "cde"], "n": 3, "max_tokens": 4, "seed": 1, "temperature": 0.5}
+    body = {
+        "model": "tiny-moe",
+        "prompt": ["ab", "cde"],
+        "n": 3,
+        "max_tokens": 4,
+        "seed": 1,
+        "temperature": 0.5,
+    }
     r = c.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     out = r.json()
     fits(models.get("CompletionResponse"), out)
-    assert out["object"] == "text_completion" and out["model"] == "m1" and out["id"].startswith("cmpl-")
+    assert out["object"] == "text_completion" and out["model"] == "tiny-moe" and out["id"].startswith("cmpl-")
     # prompt-major: prompt i's choice j is index i * n + j; choice j samples with seed + j
     assert [ch["index"] for ch in out["choices"]] == list(range(6))
     assert [ch["text"] for ch in out["choices"]] == ["bcde", "cdef", "defg"] * 2
@@ -242,7 +249,7 @@ def test_chat_completions_simple_template(scripted, sglang_openai):
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "what is 6*7"}, {"type": "text", "text": "?"}]},
     ]
-    r = c.post("/v1/chat/completions", json={"model": "m", "messages": messages, "n": 2})
+    r = c.post("/v1/chat/completions", json={"model": "tiny-moe", "messages": messages, "n": 2})
     assert r.status_code == 200, r.text
     out = r.json()
     fits(models.get("ChatCompletionResponse"), out)
@@ -349,3 +356,30 @@ def test_the_fields_we_read_are_sglangs(sglang_openai):
     assert set(CHAT_FIELDS) <= fields["ChatCompletionRequest"], (
         set(CHAT_FIELDS) - fields["ChatCompletionRequest"]
     )
+
+
+def test_an_unknown_model_is_a_404_as_openai_answers_it(scripted):
+    """Issue 49: the served model (the id /v1/models lists, or none) is answered; another name is
+    OpenAI's 404 ``model_not_found`` (an OpenAI client raises NotFoundError), not a reply from a
+    model the client did not ask for."""
+    c, engine = scripted
+    served = c.get("/v1/models").json()["data"][0]["id"]
+    assert served == "tiny-moe"
+    for path, body in (
+        ("/v1/completions", {"prompt": "ab", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "max_tokens": 2}),
+    ):
+        asked = len(engine.prompts)
+        r = c.post(path, json={**body, "model": "gpt-4o"})
+        assert r.status_code == 404, r.text
+        assert r.json() == {
+            "error": {
+                "message": "The model `gpt-4o` does not exist: this server serves `tiny-moe` (GET /v1/models)",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": "model_not_found",
+            }
+        }
+        assert len(engine.prompts) == asked  # nothing generated
+        assert c.post(path, json={**body, "model": served}).status_code == 200
+        assert c.post(path, json=body).status_code == 200  # no model named: the one served

@@ -27,7 +27,13 @@ def offline(monkeypatch):
     """W&B offline, MLflow on its default store under the run folder; env restored after."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    for var in ("WANDB_PROJECT", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_ALLOW_FILE_STORE"):
+    for var in (
+        "WANDB_PROJECT",
+        "WANDB_DIR",
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_EXPERIMENT_NAME",
+        "MLFLOW_ALLOW_FILE_STORE",
+    ):
         monkeypatch.delenv(var, raising=False)  # the tracker sets MLFLOW_ALLOW_FILE_STORE: undone after
 
 
@@ -312,6 +318,31 @@ def test_the_mlflow_params_of_a_long_value_are_cut_and_the_recipe_kept_whole(tmp
         client.download_artifacts(found.info.run_id, "recipe.yaml", str(tmp_path / "dl"))
     ).read_text()
     assert long in whole
+
+
+@pytest.mark.integration  # W&B and MLflow start `uname -p` (platform.processor)
+def test_the_trackers_own_environment_wins(tmp_path, offline, monkeypatch):
+    """Issue 49: WANDB_DIR, WANDB_PROJECT and MLFLOW_TRACKING_URI are the user's and win over the run
+    folder and moe-rl's defaults (W&B used to write into the run folder whatever WANDB_DIR said)."""
+    from mlflow.tracking import MlflowClient
+
+    wandb_dir, store = tmp_path / "wandb_here", tmp_path / "mlflow_store"
+    monkeypatch.setenv("WANDB_DIR", str(wandb_dir))
+    monkeypatch.setenv("WANDB_PROJECT", "my-project")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store.resolve().as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    out = tmp_path / "run"
+    sink = MetricsSink(out, loggers=("jsonl", "wandb", "mlflow"), recipe={"algo": {"name": "gspo"}})
+    sink.log(0, "rl", {"reward/mean": 0.5})
+    sink.close()
+    (run_dir,) = (wandb_dir / "wandb").glob("offline-run-*")
+    assert not (out / "wandb").exists() and not (out / "mlruns").exists()
+    records = wandb_records(wandb_dir)
+    (run_record,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run_record.project == "my-project"
+    client = MlflowClient(tracking_uri=store.resolve().as_uri())
+    (found,) = client.search_runs([client.get_experiment_by_name("moe-rl").experiment_id])
+    assert client.get_run(found.info.run_id).data.metrics == {"rl/reward.mean": 0.5}
 
 
 # -- the recipe --------------------------------------------------------------------------------------------
