@@ -113,6 +113,14 @@ def child_refused(args) -> str | None:
     )
 
 
+def pytest_configure(config):
+    """``platform.processor()`` runs ``uname -p`` once and caches it; MLflow and W&B ask at import.
+    Asked here, before any test, it is no test's child process."""
+    import platform
+
+    platform.processor()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Fast-tier items run with :class:`subprocess.Popen` refusing children (setup, call, teardown)."""

@@ -95,7 +95,7 @@ def wandb_history(records) -> list[dict]:
 
 
 # -- a run through every tracker ------------------------------------------------------------------------
-@pytest.mark.integration  # W&B and MLflow start `uname -p`: a child process
+@pytest.mark.integration  # W&B runs its service (wandb-core) as a child process
 def test_a_run_writes_every_tracker_and_each_reads_back(tmp_path, parallel_info, offline):
     """Two RL steps of the tiny recipe with every logger: each tracker holds the rows metrics.jsonl
     holds (same steps, same values), the recipe (hparams / config / params, and its YAML), and the
@@ -278,7 +278,6 @@ def test_metric_names_become_names_mlflow_accepts(name, key):
     _validate_metric_name(key)  # raises on a name MLflow refuses
 
 
-@pytest.mark.integration  # W&B and MLflow start `uname -p`: a child process
 def test_a_metric_and_one_under_it_are_both_kept_by_the_mlflow_file_store(tmp_path, offline):
     """``experts/load_imbalance`` and ``experts/load_imbalance/layer_0`` (the RL step logs both) as
     MLflow names: a file and a folder of one path in its file store, unless the metric's ``/`` go."""
@@ -300,7 +299,6 @@ def test_a_metric_and_one_under_it_are_both_kept_by_the_mlflow_file_store(tmp_pa
     assert [(m.step, m.value) for m in history] == [(0, 2.0), (1, 3.0)]
 
 
-@pytest.mark.integration  # W&B and MLflow start `uname -p`: a child process
 def test_the_mlflow_params_of_a_long_value_are_cut_and_the_recipe_kept_whole(tmp_path, offline):
     from mlflow.tracking import MlflowClient
     from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
