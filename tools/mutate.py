@@ -233,7 +233,7 @@ MUTANTS = (
         "moe_rl/lab/stats.py",
         "is None else f > 0 for r in rows)",
         "is None else f >= 0 for r in rows)",
-        ("tests/unit/test_compare.py", "studies/noise/test_design.py"),
+        ("tests/integration/test_compare.py", "studies/noise/test_design.py"),
     ),
     Mutant(
         "the demo's mechanism claim lets R2 sit inside the chaos null's own difference",

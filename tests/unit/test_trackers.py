@@ -89,6 +89,7 @@ def wandb_history(records) -> list[dict]:
 
 
 # -- a run through every tracker ------------------------------------------------------------------------
+@pytest.mark.integration
 def test_a_run_writes_every_tracker_and_each_reads_back(tmp_path, parallel_info, offline):
     """Two RL steps of the tiny recipe with every logger: each tracker holds the rows metrics.jsonl
     holds (same steps, same values), the recipe (hparams / config / params, and its YAML), and the
