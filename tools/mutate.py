@@ -48,7 +48,11 @@ MUTANTS = (
         "moe_rl/trainer/rl.py",
         'replay_BSLK = recorded_BSLK if algo.routing == "r2" else rollout_routes_BSLK',
         'replay_BSLK = recorded_BSLK if algo.routing in ("r2", "r3") else rollout_routes_BSLK',
-        ("tests/unit/test_wiring.py", "tests/integration/test_rl_e2e.py", "tests/unit/test_routing_replay.py"),
+        (
+            "tests/unit/test_wiring.py",
+            "tests/integration/test_rl_e2e.py",
+            "tests/unit/test_routing_replay.py",
+        ),
     ),
     Mutant(
         "correction weights with pi_old and pi_roll swapped (rho inverted)",
