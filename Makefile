@@ -88,7 +88,7 @@ GPU_DOWNLOAD = $(BIN)/python -m pip download -q --only-binary=:all: --python-ver
 	--implementation cp --abi cp$(subst .,,$(GPU_PY_VERSION)) --platform manylinux_2_28_x86_64 \
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $(WHL)
 
-gpu-wheels: $(STAMP)
+gpu-wheels: $(STAMP) sglang-wheels
 	mkdir -p $(WHL)
 	# pyproject's dependencies and build requirements + what the check needs, less torch and
 	# triton (the GPU's own), numpy (the image's), tensorboard (optional); megatron-core without
@@ -96,6 +96,8 @@ gpu-wheels: $(STAMP)
 	$(BIN)/python -m tools.gpu_check --requirements $(GPU_WHEELS_EXTRA) > $(WHL)/requirements.txt
 	$(GPU_DOWNLOAD) -r $(WHL)/requirements.txt
 	$(GPU_DOWNLOAD) --no-deps "$(GPU_MEGATRON)"
+	# SGLang's files the colocated IPC check's reader imports (tools/gpu_colocated.py), < 1 MiB
+	$(BIN)/python -m tools.gpu_colocated --export-sglang $(WHL)/sglang
 	du -sh $(WHL)
 
 gpu-check:
@@ -153,7 +155,7 @@ NEWEST_DEV ?= pytest pytest-timeout transformers tokenizers
 MEGATRON_NEWEST_TESTS ?= tests/unit/test_megatron_versions.py tests/unit/test_checkpoint_specs.py \
 	tests/unit/test_local_layers.py tests/unit/test_policy.py tests/unit/test_optim.py \
 	tests/unit/test_routing_replay.py tests/unit/test_replay_pitfall.py tests/unit/test_packing.py tests/unit/test_packed_rope.py \
-	tests/unit/test_hf.py tests/unit/test_decode.py \
+	tests/unit/test_hf.py tests/unit/test_decode.py tests/unit/test_dispatch.py tests/unit/test_checkpoint_old_layout.py \
 	'tests/dist/test_parallel_equivalence.py::test_layout_matches_single_process[layout0]' \
 	'tests/dist/test_hf_parallel.py::test_import_export_at_layout[tp2ep2]'
 

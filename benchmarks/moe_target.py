@@ -14,7 +14,7 @@ pass's time growing with its positions rather than flat). Measured per configura
 - one profiled pass: kernel launches and the share of the wall time the GPU was busy.
 
 Both layer specs where they can run: the local spec always; the transformer-engine spec when its
-package imports (it is not on the lent GPUs' image; docs/gpu_check.md). ``make gpu-check`` runs it
+package imports (it is not on the lent GPUs' image; docs/gpu_check.md). ``make gpu-check`` (tools/gpu_check.py) runs it
 as its ``moe_target`` section (its JSON and picture carry the figures); ``python -m
 benchmarks.moe_target [--dry-run]`` on its own writes ``benchmarks/results/moe_target-<machine>-<commit>.json``. Weights are drawn on the GPU
 (their values do not change the cost; the CPU initialiser would take minutes at this size).

@@ -6,6 +6,9 @@ Sections, in order, each timed; a failure is recorded (traceback summary) and th
 
 - ``device``: torch / CUDA / Triton versions, the device, and its measured dense matmul rate
   (bf16 8192^3 ``torch.mm`` timed with CUDA events; fp32 on CPU). Every rate below divides by it.
+- ``colocated``: colocated SGLang's two CUDA checks (``tools.gpu_colocated``): a push's CUDA IPC
+  bucket opened by an unrelated process with SGLang's own deserializer, bit for bit; ``HostOffload``
+  on CUDA storages, device memory freed and taken back (``torch.cuda.mem_get_info``), bit-equal.
 - ``tests``: ``pytest tests/gpu`` in a subprocess (junit XML parsed): every test's id and outcome.
 - ``rl_step``: one trainer ``rl_step`` of the tiny policy with the embedded engine for every
   algorithm (grpo, gspo, gspo_token) x routing (none, r2, r3), and a resume check: 2 steps in one
@@ -57,17 +60,20 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 
+from tools.gpu_colocated import colocated_headline, section_colocated  # noqa: E402
+
 ALGOS = ("grpo", "gspo", "gspo_token")
 ROUTINGS = ("none", "r2", "r3")
-SECTIONS = ("device", "tests", "rl_step", "moe_target", "moe_1b", "kernels", "mismatch")
+SECTIONS = ("device", "tests", "rl_step", "moe_target", "colocated", "moe_1b", "kernels", "mismatch")
 "In the order of issue 'GPU truth': the standing check, then the target-regime MFU, then the rest."
 SECTION_S = {
     "device": 20,
     "tests": 100,
     "rl_step": 45,
     "moe_target": 100,
+    "colocated": 20,
     "moe_1b": 50,
-    "kernels": 60,
+    "kernels": 40,
     "mismatch": 25,
 }
 """Each section's cap in seconds on the GPU (400 in all: `make gpu-check`'s budget, so that the first
@@ -83,6 +89,7 @@ DRY_SECTION_S = {
     "moe_1b": 30,
     "kernels": 30,
     "mismatch": 30,
+    "colocated": 20,
 }
 
 # -- what the GPU machine lacks (`make gpu-wheels`) --------------------------------------------------
@@ -988,6 +995,7 @@ def section_mismatch(ck: Check, cap: float) -> dict:
 
 SECTION_FNS = {
     "device": section_device,
+    "colocated": section_colocated,
     "tests": section_tests,
     "rl_step": section_rl_step,
     "moe_target": section_moe_target,
@@ -1008,6 +1016,9 @@ def headline(doc: dict) -> dict:
     if "matmul" in d:
         h["matmul_tflops"] = d["matmul"]["tflops"]
         h["matmul_dtype"] = d["matmul"]["dtype"]
+    c = _result(s.get("colocated"))
+    if c:
+        h["colocated"] = colocated_headline(c)
     t = _result(s.get("tests"))
     if t:
         h["tests"] = {k: t.get(k) for k in ("passed", "failed", "error", "skipped")}

@@ -53,6 +53,7 @@ def test_dry_run_finishes_every_section(tmp_path):
     )
     assert h["moe_1b"]["train_pass_profile"]["unprofiled_wall_ms"] > 0
     assert h["tests"]["failed"] + h["tests"]["error"] == 0
+    assert h["colocated"]["ipc_ok"] and h["colocated"]["offload_ok"], doc["sections"]["colocated"]
     if not torch.cuda.is_available():  # tests/gpu skips on CPU, and the dry run records it
         assert h["tests"]["passed"] == 0 and h["tests"]["skipped"] > 0
     assert h["moe_1b"]["train_mfu"] > 0 and h["rollout_vs_trainer"]
