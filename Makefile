@@ -116,19 +116,23 @@ gpu-check:
 	PYTHONUNBUFFERED=1 MOE_RL_COMMIT=$(GPU_COMMIT) timeout -k 15 $(GPU_CHECK_S) $(GPU_VENV)/bin/python -m tools.gpu_check \
 		--budget-s $$(( $(GPU_CHECK_S) - 20 )) $(GPU_CHECK_ARGS)
 
-# SGLang's own weight-push decoding for tests/unit/test_sglang_weight_push.py: each version's wheel
-# (its Python files only, no dependencies, whatever this Python is) unpacked into .sglang/<version>,
-# with pybase64, which its deserializer uses. The tests skip, naming this target, without it.
+# SGLang's own files for the tests: each version's wheel in .cache/sglang-wheels (where
+# tests/sglang_wheels.py reads it: the fast tier's test_serve_text starts no download), and unpacked
+# (its Python files only, no dependencies, whatever this Python is) into .sglang/<version>, with
+# pybase64, which its deserializer uses, for tests/unit/test_sglang_weight_push.py. The tests skip,
+# naming this target, without them.
 .PHONY: sglang-wheels
 SGLANG_VERSIONS ?= 0.5.11 0.5.23
 SGLANG_PYBASE64 ?= pybase64==1.5.1
+SGLANG_WHEELS ?= .cache/sglang-wheels
 sglang-wheels: $(STAMP)
 	@for v in $(SGLANG_VERSIONS); do \
+	  ls $(SGLANG_WHEELS)/sglang-$$v-*.whl >/dev/null 2>&1 || { echo "fetching sglang==$$v into $(SGLANG_WHEELS)"; \
+	    $(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
+	      --platform manylinux_2_34_x86_64 -d $(SGLANG_WHEELS) "sglang==$$v" || exit 1; }; \
 	  d=.sglang/$$v; test -f $$d/sglang/srt/weight_sync/tensor_bucket.py && continue; \
-	  echo "fetching sglang==$$v into $$d"; rm -rf $$d.tmp && mkdir -p $$d.tmp && \
-	  $(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
-	    --platform manylinux_2_34_x86_64 -d $$d.tmp "sglang==$$v" && \
-	  $(BIN)/python -m zipfile -e $$d.tmp/sglang-$$v-*.whl $$d.tmp && rm $$d.tmp/sglang-$$v-*.whl && \
+	  rm -rf $$d.tmp && mkdir -p $$d.tmp && \
+	  $(BIN)/python -m zipfile -e $$(ls $(SGLANG_WHEELS)/sglang-$$v-*.whl | tail -1) $$d.tmp && \
 	  $(BIN)/python -m pip install -q --no-deps --target $$d.tmp "$(SGLANG_PYBASE64)" && \
 	  rm -rf $$d && mv $$d.tmp $$d || exit 1; \
 	done

@@ -91,8 +91,8 @@ FAST_TIER = ("tests/unit", "tests/badinput")
 "The fast tier's folders (``make test-fast``): no child processes (module docstring)."
 INTEGRATION = ("tests/integration", "tests/dist")
 "Folders whose every test is an integration test (``make test-integration``)."
-ALLOWED_CHILDREN = {"git", "mount", "umount"}
-"Programs a fast test may run: a commit name, a tmpfs to fail on."
+ALLOWED_CHILDREN = {"git", "mount", "umount", "uname"}
+"Programs a fast test may run: a commit name, a tmpfs to fail on, the machine name (platform.processor())."
 
 
 def in_fast_tier(path) -> bool:

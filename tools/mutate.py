@@ -48,14 +48,18 @@ MUTANTS = (
         "moe_rl/trainer/rl.py",
         'replay_BSLK = recorded_BSLK if algo.routing == "r2" else rollout_routes_BSLK',
         'replay_BSLK = recorded_BSLK if algo.routing in ("r2", "r3") else rollout_routes_BSLK',
-        ("tests/unit/test_wiring.py", "tests/unit/test_rl_e2e.py", "tests/unit/test_routing_replay.py"),
+        (
+            "tests/unit/test_wiring.py",
+            "tests/integration/test_rl_e2e.py",
+            "tests/unit/test_routing_replay.py",
+        ),
     ),
     Mutant(
         "correction weights with pi_old and pi_roll swapped (rho inverted)",
         "moe_rl/trainer/rl.py",
         "correction_weights_for(algo, recomputed_BT, rollout_logp_BT, mask_BT)",
         "correction_weights_for(algo, rollout_logp_BT, recomputed_BT, mask_BT)",
-        ("tests/unit/test_wiring.py", "tests/unit/test_rl_e2e.py", "tests/unit/test_corrections.py"),
+        ("tests/unit/test_wiring.py", "tests/integration/test_rl_e2e.py", "tests/unit/test_corrections.py"),
     ),
     Mutant(
         "flip/drift against the replayed routes",
@@ -63,14 +67,14 @@ MUTANTS = (
         "drift = route_flips(natural_BSLK, batch.old_routes_BSLK[rows], batch.valid_BS[rows])",
         "drift = route_flips(natural_BSLK, (batch.replay_BSLK if batch.replay_BSLK is not None "
         "else batch.old_routes_BSLK)[rows], batch.valid_BS[rows])",
-        ("tests/unit/test_wiring.py", "tests/unit/test_rl_e2e.py"),
+        ("tests/unit/test_wiring.py", "tests/integration/test_rl_e2e.py"),
     ),
     Mutant(
         "flip/step's reference never advanced (cumulative drift)",
         "moe_rl/trainer/probe.py",
         "        self.before_PSLK = after_PSLK\n",
         "        pass\n",
-        ("tests/unit/test_wiring.py", "tests/unit/test_trainer_seams.py", "tests/unit/test_rl_e2e.py"),
+        ("tests/unit/test_wiring.py", "tests/unit/test_trainer_seams.py", "tests/integration/test_rl_e2e.py"),
     ),
     Mutant(
         "retention prunes the newest older checkpoints",
@@ -233,7 +237,7 @@ MUTANTS = (
         "moe_rl/lab/stats.py",
         "is None else f > 0 for r in rows)",
         "is None else f >= 0 for r in rows)",
-        ("tests/unit/test_compare.py", "studies/noise/test_design.py"),
+        ("tests/integration/test_compare.py", "studies/noise/test_design.py"),
     ),
     Mutant(
         "the demo's mechanism claim lets R2 sit inside the chaos null's own difference",

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 ARM_CHECKPOINT_EVERY = 10
 """An RL arm saves every this many steps (unless its overrides say otherwise), so that a killed
-one resumes (:func:`run_arm`); saving does not change the run (tests/unit/test_lab_runner.py)."""
+one resumes (:func:`run_arm`); saving does not change the run (tests/integration/test_lab_runner.py)."""
 STATUS_FILE = "status.json"
 "Written into a run's directory when it finishes (done or stopped): a rerun of the sweep skips it."
 

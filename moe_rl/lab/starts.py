@@ -66,7 +66,7 @@ checkpoint's bit for bit): each JSON names its ``sft_key`` and its files' sha256
 key starts from the folder beside it (``model.hf_path``) instead of training the start again."""
 SFT_CHECKPOINT_EVERY = 100
 """An SFT start saves every this many steps: a stopped or killed one resumes where it was (an
-uninterrupted one and a resumed one give the same weights: tests/unit/test_lab_runner.py)."""
+uninterrupted one and a resumed one give the same weights: tests/integration/test_lab_runner.py)."""
 SFT_TRAIN_KEYS = ("seed", "sft_steps", "sft_batch_size", "sft_lr")
 "The train fields the SFT stage reads (the rest of train is RL only)."
 INFO_FILE = "sft.json"

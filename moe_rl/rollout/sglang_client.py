@@ -1,6 +1,6 @@
 """HTTP client for one SGLang server, router or ``moe-rl serve`` (httpx), and SGLang's version range.
 
-Field names follow SGLang as pinned by tests/unit/test_sglang_wheels.py against the wheels of the
+Field names follow SGLang as pinned by tests/integration/test_sglang_wheels.py against the wheels of the
 oldest and newest supported versions (``SUPPORTED_SGLANG``); where each comes from
 (sgl-project/sglang):
 - ``python/sglang/srt/managers/io_struct.py``: GenerateReqInput (input_ids, sampling_params, rid,

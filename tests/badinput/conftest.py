@@ -8,7 +8,9 @@ category, so ``pytest tests/badinput -m bad_input --co -q`` counts them per cate
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 import re
 import subprocess
@@ -59,21 +61,28 @@ class Result:
         return lines[0]
 
 
-def run_cli(*args: str, cwd: Path | None = None, capsys=None, timeout: float = 300) -> Result:
-    """``moe-rl ARGS``: in this process with ``capsys`` (fast), else as a subprocess (real exit
-    code, signals, a fresh interpreter)."""
-    if capsys is not None:
+def run_cli(
+    *args: str, cwd: Path | None = None, capsys=None, timeout: float = 300, in_process: bool = False
+) -> Result:
+    """``moe-rl ARGS``: in this process with ``capsys`` or ``in_process`` (fast; output captured by
+    capsys, or by redirecting ``sys.stdout`` / ``sys.stderr`` where no capsys is at hand: a
+    module-scoped fixture), else as a subprocess (real exit code, signals, a fresh interpreter)."""
+    if capsys is not None or in_process:
         from moe_rl.cli import main
 
-        old = Path.cwd()
+        old, out, err = Path.cwd(), io.StringIO(), io.StringIO()
         os.chdir(cwd or old)
         try:
-            try:
-                code = main([str(a) for a in args])
-            except SystemExit as e:  # argparse errors
-                code = e.code if isinstance(e.code, int) else 2
+            with contextlib.redirect_stdout(out) if capsys is None else contextlib.nullcontext():
+                with contextlib.redirect_stderr(err) if capsys is None else contextlib.nullcontext():
+                    try:
+                        code = main([str(a) for a in args])
+                    except SystemExit as e:  # argparse errors
+                        code = e.code if isinstance(e.code, int) else 2
         finally:
             os.chdir(old)
+        if capsys is None:
+            return Result(code, out.getvalue(), err.getvalue())
         cap = capsys.readouterr()
         return Result(code, cap.out, cap.err)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

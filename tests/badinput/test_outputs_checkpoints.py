@@ -38,9 +38,10 @@ def recipe(folder: Path, name: str = "r.yaml", *, checkpoint=None, **train) -> P
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
-    """A finished 4-step SFT run: checkpoints 0001-sft-step-000002 and 0002-sft-step-000004 (the end)."""
+    """A finished 4-step SFT run: checkpoints 0001-sft-step-000002 and 0002-sft-step-000004 (the end),
+    trained by ``moe-rl train`` in this process (the fast tier starts no child process)."""
     folder = tmp_path_factory.mktemp("finished")
-    res = run_cli("train", recipe(folder), cwd=folder)
+    res = run_cli("train", recipe(folder), cwd=folder, in_process=True)
     assert res.code == 0, res.err[-3000:]
     return folder
 
@@ -65,7 +66,6 @@ def sft_steps(folder: Path) -> list[int]:
 
 
 # -- export: never overwrite what it does not own ---------------------------------------------------
-@pytest.mark.integration
 @pytest.mark.bad_input("output")
 def test_export_refuses_a_non_empty_folder(cli, run_copy):
     out = run_copy / "mine"

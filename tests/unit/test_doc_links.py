@@ -6,7 +6,9 @@ INDEX.md included). Checked: each relative Markdown link ``[text](target)`` name
 (``#anchor``: a heading of that file, GitHub's slug), and each path in backticks that starts with a
 folder of the checkout (``studies/noise/results/x.json``, ``docs/design.md#trackers``) exists; a
 path with a pattern in it (``*``, ``{a,b}``, ``<commit>``) and anything under ``runs/`` (written by
-a run) are not checked.
+a run) are not checked. A test named in the docs' guarantee and metric tables
+(``u/test_x.py::test_name``, ``tests/unit/test_x.py::test_name``; ``u/`` ``b/`` ``i/`` ``d/`` are
+tests/unit, badinput, integration, dist) names an existing file that defines that test.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ TOP = ("benchmarks", "docs", "kernels", "launch", "moe_rl", "recipes", "studies"
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 TICKED = re.compile(r"`([^`\s]+)`")
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+SHORT = {"u": "tests/unit", "b": "tests/badinput", "i": "tests/integration", "d": "tests/dist"}
+TEST_REF = re.compile(r"^(?:([ubid])/|(tests/\w+/))(test_\w+\.py)(?:::(\w+))?")
 
 
 def docs() -> list[Path]:
@@ -79,9 +83,25 @@ def missing_paths(md: Path) -> list[str]:
     return bad
 
 
+def missing_tests(md: Path) -> list[str]:
+    """Tests named in backticks in ``md`` (``u/test_x.py::test_y``) whose file or function is gone."""
+    bad = []
+    for m in TICKED.finditer(md.read_text()):
+        ref = TEST_REF.match(m.group(1))
+        if not ref:
+            continue
+        path = ROOT / (SHORT[ref.group(1)] if ref.group(1) else ref.group(2).rstrip("/")) / ref.group(3)
+        name = ref.group(4)
+        if not path.exists():
+            bad.append(f"{m.group(1)} (no {path.relative_to(ROOT)})")
+        elif name and not re.search(rf"^\s*(async )?def {name}\(", path.read_text(), re.M):
+            bad.append(f"{m.group(1)} (no test {name} in {path.relative_to(ROOT)})")
+    return bad
+
+
 @pytest.mark.parametrize("md", docs(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_and_named_path_resolves(md):
-    bad = broken_links(md) + missing_paths(md)
+    bad = broken_links(md) + missing_paths(md) + missing_tests(md)
     assert not bad, f"{md.relative_to(ROOT)} names what does not exist: {bad}"
 
 
@@ -94,3 +114,10 @@ def test_a_broken_link_a_missing_anchor_and_a_moved_path_are_found(tmp_path):
     )
     assert broken_links(page) == ["gone.md (no such file)", "a.md#nowhere (no heading #nowhere)"]
     assert missing_paths(page) == ["docs/no_such_page.md"]
+    page.write_text(
+        "`u/test_doc_links.py::test_a_broken_link_a_missing_anchor_and_a_moved_path_are_found` `u/test_gone.py` `u/test_doc_links.py::test_gone`\n"
+    )
+    assert missing_tests(page) == [
+        "u/test_gone.py (no tests/unit/test_gone.py)",
+        "u/test_doc_links.py::test_gone (no test test_gone in tests/unit/test_doc_links.py)",
+    ]

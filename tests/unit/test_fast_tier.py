@@ -1,5 +1,5 @@
 """The fast tier starts no child process (conftest.py): a test in tests/unit or tests/badinput that
-does fails, naming tests/integration; git, mount and umount stay allowed."""
+does fails, naming tests/integration; git, mount, umount and uname stay allowed."""
 
 import subprocess
 import sys
@@ -18,7 +18,7 @@ def test_this_file_is_in_the_fast_tier_and_a_child_python_fails_it():
 
 def test_git_and_mount_are_allowed_and_the_rule_reads_every_form():
     assert subprocess.run(["git", "--version"], capture_output=True).returncode == 0
-    assert {"git", "mount", "umount"} == ALLOWED_CHILDREN
+    assert {"git", "mount", "umount", "uname"} == ALLOWED_CHILDREN
     assert child_refused(["/usr/bin/git", "status"]) is None and child_refused("umount /x") is None
     for args in ([sys.executable, "-m", "moe_rl.cli"], "torchrun --nproc 2 x.py", [b"/bin/bash", b"x.sh"]):
         assert "tests/integration" in child_refused(args)

@@ -93,12 +93,12 @@ def scripted():
 @pytest.fixture(scope="module")
 def sglang_openai():
     """SGLang 0.5.23's OpenAI response models and request fields, from its wheel; (None, None) where
-    the wheel cannot be fetched (the behaviour is still checked, the shapes by SGLang's models not)."""
-    from tests.unit.sglang_wheels import OPENAI_PROTOCOL, openai_models, read, struct_fields, wheel
+    the wheel was not fetched (``make sglang-wheels``, which CI runs first; this fast-tier file starts
+    no download): the behaviour is still checked, the shapes by SGLang's models not."""
+    from tests.sglang_wheels import OPENAI_PROTOCOL, cached_wheel, openai_models, read, struct_fields
 
-    try:
-        whl = wheel("0.5.23")
-    except pytest.skip.Exception:
+    whl = cached_wheel("0.5.23")
+    if whl is None:
         return None, None
     src = read(whl, OPENAI_PROTOCOL)
     models = openai_models(

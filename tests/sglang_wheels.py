@@ -1,7 +1,8 @@
 """SGLang's own files, read from the released wheels (no CUDA, no install): helpers of test_sglang_wheels.
 
 - :func:`wheel` downloads ``sglang==<v>`` with ``pip download --no-deps`` into ``.cache/sglang-wheels``
-  (or ``$MOE_RL_WHEEL_CACHE``) once; the test skips only when PyPI cannot be reached.
+  (or ``$MOE_RL_WHEEL_CACHE``) once (``make sglang-wheels`` fetches the tested ones first); the test
+  skips only when PyPI cannot be reached. :func:`cached_wheel` reads a fetched one and never downloads.
 - :func:`route_table` reads ``sglang/srt/entrypoints/http_server.py`` with ``ast``: every
   ``@app.get/post/put/api_route`` path with its methods, request class, auth level, and whether
   it is deprecated (docstring or warning says so) or removed (raises a 404 that says so).
@@ -44,32 +45,29 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MOE_RL_WHEEL_CACHE") or REPO / ".cache" / "sglang-wheels")
 
 
+def cached_wheel(version: str) -> zipfile.ZipFile | None:
+    """The sglang wheel of ``version`` if it was fetched already (``make sglang-wheels`` fetches the
+    tested ones), else None: what the fast tier reads, which starts no download."""
+    found = sorted(cache_dir().glob(f"sglang-{version}-*.whl"))
+    return zipfile.ZipFile(found[-1]) if found else None
+
+
 def wheel(version: str) -> zipfile.ZipFile:
     """The sglang wheel of ``version`` (downloaded once, ~7-40 MB); skips only if PyPI is unreachable."""
+    if (cached := cached_wheel(version)) is not None:
+        return cached
     cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", f"sglang=={version}", "-d", str(cache)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     found = sorted(cache.glob(f"sglang-{version}-*.whl"))
     if not found:
-        cache.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "-q",
-            f"sglang=={version}",
-            "-d",
-            str(cache),
-        ]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        found = sorted(cache.glob(f"sglang-{version}-*.whl"))
-        if not found:
-            text = out.stdout + out.stderr
-            if any(
-                s in text for s in ("Network is unreachable", "Temporary failure", "connection", "Connection")
-            ):
-                pytest.skip(f"PyPI unreachable, cannot fetch sglang=={version}: {text.strip()[-300:]}")
-            raise RuntimeError(f"pip download sglang=={version} failed: {text.strip()[-2000:]}")
+        text = out.stdout + out.stderr
+        if any(
+            s in text for s in ("Network is unreachable", "Temporary failure", "connection", "Connection")
+        ):
+            pytest.skip(f"PyPI unreachable, cannot fetch sglang=={version}: {text.strip()[-300:]}")
+        raise RuntimeError(f"pip download sglang=={version} failed: {text.strip()[-2000:]}")
     return zipfile.ZipFile(found[-1])
 
 

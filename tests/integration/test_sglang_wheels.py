@@ -32,7 +32,7 @@ from moe_rl.rollout.sglang_engine import SGLangEngine
 from moe_rl.rollout.types import SamplingParams
 from moe_rl.serve import http as srv_http
 from moe_rl.serve import weights as srv_weights
-from tests.unit.sglang_wheels import (
+from tests.sglang_wheels import (
     HTTP_SERVER,
     IO_STRUCT,
     REPO,
