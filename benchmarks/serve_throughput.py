@@ -389,5 +389,7 @@ def _push_headline(res: dict, before: dict | None) -> dict:
     return head
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line for a user error, a file error or a stop signal
+    from moe_rl.argparsing import run_main
+
+    raise SystemExit(run_main(main))

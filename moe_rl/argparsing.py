@@ -8,8 +8,11 @@ library and ``moe_rl.errors`` are imported, so both commands use them without im
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 
@@ -22,15 +25,58 @@ class ArgParser(argparse.ArgumentParser):
         self.exit(2, f"moe-rl: usage error: {self.prog}: {message}\n")
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"What stops a command: ``kill``, Ctrl-C, a closed terminal or SSH session."
+
+
+def _interrupt(signum, frame) -> None:
+    from moe_rl.errors import Interrupted
+
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def stop_signals_end_the_command():
+    """While inside (main thread only), SIGTERM / SIGINT / SIGHUP raise
+    :class:`moe_rl.errors.Interrupted` at once. Step loops and sweeps install their own handlers
+    inside (they stop at the next step with a checkpoint) and hand a signal they could not act on
+    back to this one."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, _interrupt) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
 def one_line_errors(command: Callable[[], int], verbose: bool) -> int:
     """``command()``; a :class:`moe_rl.errors.UserError`, an outside service that is down
     (:class:`moe_rl.errors.Unavailable`) or a file-system ``OSError`` (full disk, read-only, permission,
     name too long, ...) becomes one line on stderr and exit code 2 (``verbose``: with its traceback);
-    any other exception is a bug and keeps it."""
-    from moe_rl.errors import Unavailable, UserError
+    a stop signal, at a step (:class:`~moe_rl.errors.StopRequested`) or anywhere else
+    (:class:`~moe_rl.errors.Interrupted`, Ctrl-C), one ``moe-rl: stopped: ...`` line and exit code
+    128 + the signal; any other exception is a bug and keeps its traceback."""
+    from moe_rl.errors import Interrupted, StopRequested, Unavailable, UserError
 
     try:
-        return command()
+        with stop_signals_end_the_command():
+            return command()
+    except StopRequested as e:
+        again = "" if "--resume" in str(e) else "; run the same command again to continue"
+        _one_line("stopped", f"{e}{again}", verbose)
+        return e.exit_code
+    except (Interrupted, KeyboardInterrupt) as e:
+        what = str(e) if isinstance(e, Interrupted) else "SIGINT received"
+        _one_line(
+            "stopped",
+            f"{what}: stopped where no step was under way; nothing half-written is left: run the same "
+            "command again to continue (moe-rl train: with --resume once the run has saved a checkpoint)",
+            verbose,
+        )
+        return getattr(e, "exit_code", 128 + signal.SIGINT)
     except UserError as e:
         return _one_line(e.kind, str(e), verbose)
     except Unavailable as e:
@@ -97,3 +143,19 @@ def _torch_write_failure(e: RuntimeError) -> str | None:
         f"writing a torch file (a checkpoint) failed ({detail}): the disk is full or refused the write; "
         "free space or pick another folder"
     )
+
+
+def run_main(main: Callable[[], int | None], verbose: bool | None = None) -> int:
+    """A command's ``main()`` through :func:`one_line_errors`, for every entry point besides
+    ``moe-rl`` itself (benchmarks, studies, tools, ``python -m`` servers): a user error, a file
+    error, a service that is down or a stop signal is one ``moe-rl: ...`` line; a return value
+    that is no exit code (None, a result dict) counts as 0. ``verbose`` (default: ``-v`` or
+    ``--verbose`` on the command line) adds the traceback."""
+    if verbose is None:
+        verbose = bool({"-v", "--verbose"} & set(sys.argv[1:]))
+
+    def command() -> int:
+        code = main()
+        return code if isinstance(code, int) and not isinstance(code, bool) else 0
+
+    return one_line_errors(command, verbose)

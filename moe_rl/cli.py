@@ -90,15 +90,12 @@ def cmd_train(args) -> int:
     from moe_rl.config import load_recipe
     from moe_rl.preflight import preflight
     from moe_rl.trainer.run import run
-    from moe_rl.trainer.signals import StopRequested
 
     recipe = load_recipe(args.recipe, args.overrides)
     preflight(recipe)  # data, lengths, held-out split: refused before any process group starts
     t0 = time.perf_counter()
-    try:
-        results = run(recipe, resume=args.resume, fresh=args.fresh)
-    except StopRequested as e:  # SIGTERM / SIGINT after a clean save: 128 + signal (signals.py)
-        return e.exit_code
+    # a stop signal after a step: a clean save and 128 + the signal (trainer/signals.py, one_line_errors)
+    results = run(recipe, resume=args.resume, fresh=args.fresh)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 prints it
         print(summary_table(results, time.perf_counter() - t0, recipe.train.out_dir), flush=True)
     return 0
@@ -164,13 +161,18 @@ def compare_parser() -> argparse.ArgumentParser:
         "--out", default=None, help="where the runs and the results go (default: the recipe's train.out_dir)"
     )
     p.add_argument("--status-every", default="20", help="seconds between status lines (default: 20)")
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="train again the runs of --out whose recipe differs from this one (refused otherwise), "
+        "beside what they hold: their checkpoints and metrics rows are kept",
+    )
     return p
 
 
 def cmd_compare(args) -> int:
     from moe_rl.errors import PathError, UserError
     from moe_rl.lab.compare import parse_arms, parse_count, run_compare
-    from moe_rl.lab.runner import stop_cleanly
 
     if not Path(args.recipe).is_file():
         raise PathError(
@@ -185,22 +187,17 @@ def cmd_compare(args) -> int:
         every = -1.0
     if not every > 0:
         raise UserError(f"--status-every {args.status_every!r}: give a number of seconds > 0")
-    done: dict = {}
-    code = stop_cleanly(
-        lambda: done.update(
-            run_compare(
-                args.recipe,
-                args.overrides,
-                arms=arms,
-                seeds=seeds,
-                jobs=jobs,
-                out=args.out,
-                status_every=every,
-            )
-        )
+    # a stop signal: every run saved, then 128 + the signal (StopRequested, one_line_errors)
+    done = run_compare(
+        args.recipe,
+        args.overrides,
+        arms=arms,
+        seeds=seeds,
+        jobs=jobs,
+        out=args.out,
+        status_every=every,
+        fresh=args.fresh,
     )
-    if code:
-        return code
     files = done["files"]
     print(f"\n{done['table']}\n")
     print(
@@ -358,13 +355,25 @@ def cmd_bench(args) -> int:
             if not p.stem.startswith("_") and p.stem not in helpers
         )
         raise UserError(f"no benchmark {args.name!r}; available: {', '.join(names)}")
+    from moe_rl.errors import StopRequested
+    from moe_rl.lab.runner import forwarding_signals
+
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    try:
-        run_child(
-            [sys.executable, "-m", f"benchmarks.{args.name}", *args.args], {**os.environ, "PYTHONPATH": path}
-        )
-    except subprocess.CalledProcessError as e:
-        return e.returncode
+    with forwarding_signals() as stop:  # a stop signal reaches the benchmark, which ends cleanly
+        try:
+            run_child(
+                [sys.executable, "-m", f"benchmarks.{args.name}", *args.args],
+                {**os.environ, "PYTHONPATH": path},
+            )
+        except subprocess.CalledProcessError as e:
+            code = e.returncode if e.returncode >= 0 else 128 - e.returncode  # killed: 128 + signal
+            if stop.signum and e.returncode != 128 + stop.signum:  # else it said its own stop line
+                raise StopRequested(
+                    stop.signum, f"benchmark {args.name} stopped (exit status {code})"
+                ) from None
+            return code
+    if stop.signum:
+        raise StopRequested(stop.signum, f"benchmark {args.name} finished as the stop signal came")
     return 0
 
 
@@ -420,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="runs/demo", help="where the runs and compare.* go")
     d.add_argument("--jobs", default="2", help="runs at a time (default: 2)")
     d.add_argument("--seeds", default="3", help="seeds per arm (default: 3, DEMO_SEEDS)")
+    d.add_argument(
+        "--fresh", action="store_true", help="as moe-rl compare --fresh: train again runs of another recipe"
+    )
     d.add_argument("overrides", nargs="*")
     d.set_defaults(fn=cmd_demo)
     sub.add_parser(

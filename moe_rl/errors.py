@@ -30,3 +30,29 @@ class DataError(UserError):
 class Unavailable(Exception):
     """An outside service the command needs is down or stopped answering (an SGLang server, its
     router): shown as one ``moe-rl: unavailable: ...`` line, exit code 2. The message names it."""
+
+
+class StopRequested(Exception):
+    """A stop signal (SIGTERM, SIGINT, SIGHUP) ended the command at a safe point (after a training
+    step, with its checkpoint; after the runs it waited on saved): one ``moe-rl: stopped: ...``
+    line and exit code 128 + the signal's number (the shell's "ended by this signal")."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+class Interrupted(BaseException):
+    """A stop signal that arrived where no step loop waits for one (loading, building the model,
+    an export, a report, a server shutting down): raised at once by the handler every ``moe-rl``
+    command installs (:func:`moe_rl.argparsing.one_line_errors`). A ``BaseException``, as
+    ``KeyboardInterrupt``, so no ``except Exception`` swallows it; every write it can cut is atomic
+    (a temp file or folder renamed into place, removed when cut), so nothing is left half-written."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(f"{signal.Signals(signum).name} received")
+        self.signum = signum
+        self.exit_code = 128 + signum

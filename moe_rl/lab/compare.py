@@ -35,6 +35,7 @@ handling stops them); with more, each is a ``moe-rl train`` child process, ``job
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -104,6 +105,38 @@ def claim_out(out: Path, recipe: Path, overrides: list[str], *, marker: str) -> 
     """Mark ``out`` (checked by :func:`check_out`) as its command's (``marker``)."""
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / marker, {"recipe": str(recipe), "overrides": overrides})
+
+
+def check_reruns(out: Path, jobs: list[Job], recipe: Path, overrides: list[str], *, fresh: bool) -> None:
+    """Refuse, before anything trains, to run into folders of ``out`` that hold a run of another
+    recipe (a changed override, another recipe, another ``--out`` reused), unless ``fresh``: the
+    message names the runs, how their recipe differs (saved -> asked) and the ways on. A rerun of
+    the same recipe resumes or skips them instead; ``fresh`` trains them again beside what they
+    hold (:func:`moe_rl.lab.runner.run_arm`: nothing is deleted)."""
+    from moe_rl.lab.runner import arm_run_overrides, differences
+
+    differing: dict[tuple[str, ...], list[str]] = {}
+    for job in jobs:
+        ov = arm_run_overrides(job.out, job_overrides(overrides, job), None, None)
+        diff = differences(job.out, recipe, ov, any_start=True)
+        if diff:
+            differing.setdefault(tuple(diff), []).append(job.label)
+    if not differing or fresh:
+        return
+    parts = []
+    for diff, labels in differing.items():
+        more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
+        parts.append(f"{', '.join(labels)} ran with {'; '.join(diff[:4])}{more}")
+    try:
+        was = json.loads((out / MARKER).read_text())
+        ran = " ".join([str(was["recipe"]), *map(str, was["overrides"])])
+    except (OSError, ValueError, KeyError, TypeError):
+        ran = "their recipe.yaml"
+    raise PathError(
+        f"compare --out {out} holds runs of another recipe (saved -> asked): {' | '.join(parts)}; "
+        f"keep them (rerun with what they ran with: {ran}), --fresh to train these runs again beside "
+        "them (their checkpoints and metrics rows are kept), or give another --out"
+    )
 
 
 # -- the command line's values -----------------------------------------------------------------------
@@ -591,15 +624,16 @@ def run_compare(
     out: str | Path | None = None,
     status_every: float = STATUS_EVERY,
     stream=None,
+    fresh: bool = False,
 ) -> dict:
     """Run (or reuse) the start and every arm's every seed; write the table, picture and JSON
-    under ``out`` (default: the recipe's ``train.out_dir``). ``jobs``: runs at a time (default:
-    one per arm). Returns ``{"table", "rows", "failed", "out", "files", "wall_s"}``; a stop signal
-    raises :class:`~moe_rl.trainer.signals.StopRequested` once every child saved
-    (:func:`moe_rl.lab.runner.stop_cleanly` turns it into 128 + the signal)."""
-    import signal
-
-    from moe_rl.trainer.signals import StopRequested
+    under ``out`` (default: the recipe's ``train.out_dir``), which the command holds
+    (:func:`moe_rl.trainer.run_lock.hold_run_dir`) until it ends. ``jobs``: runs at a time
+    (default: one per arm). Folders of ``out`` holding runs of another recipe are refused
+    (:func:`check_reruns`) unless ``fresh``. Returns ``{"table", "rows", "failed", "out", "files",
+    "wall_s"}``; a stop signal raises :class:`~moe_rl.trainer.signals.StopRequested` once every
+    child saved (:func:`moe_rl.lab.runner.stop_cleanly` turns it into 128 + the signal)."""
+    from moe_rl.trainer.run_lock import hold_run_dir
 
     recipe, overrides = Path(recipe), list(overrides)
     arms = list(arms or DEMO_ARMS)
@@ -614,6 +648,43 @@ def run_compare(
     launch = local_launch(None, jobs)  # one at a time: in this process; else a child per run
     threads = max(1, (os.cpu_count() or 1) // jobs) if launch else None
     check_out(out, command="compare", marker=MARKER, writes="a folder per arm, its start and compare.*")
+    plan = _Plan(recipe, overrides, arms, seeds, out, planned, steps, jobs, launch, threads)
+    with hold_run_dir(out, rank=0, what="compare --out"):
+        check_reruns(out, planned, recipe, overrides, fresh=fresh)
+        return _compare_runs(plan, status_every, stream)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What :func:`run_compare` decided before anything runs."""
+
+    recipe: Path
+    overrides: list[str]
+    arms: list[str]
+    seeds: int
+    out: Path
+    planned: list[Job]
+    steps: dict[str, int]
+    jobs: int
+    launch: str | None
+    threads: int | None
+
+
+def _compare_runs(plan: _Plan, status_every: float, stream) -> dict:
+    """:func:`run_compare`'s runs, in a held ``out``: the start, every job, the results."""
+    import signal
+
+    from moe_rl.trainer.signals import StopRequested
+
+    recipe, overrides, arms, seeds, out, planned = (
+        plan.recipe,
+        plan.overrides,
+        plan.arms,
+        plan.seeds,
+        plan.out,
+        plan.planned,
+    )
+    steps, jobs, launch, threads = plan.steps, plan.jobs, plan.launch, plan.threads
     t0 = time.perf_counter()
     progress = Progress(len(planned), status_every, stream)
     how = f"{threads} thread(s) each" if threads else "in this process"

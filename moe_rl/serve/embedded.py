@@ -106,5 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     return server_main(argv, factory=build_engine)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # as SGLang's launch_server (rollout.sglang.module): one line for an error
+    from moe_rl.argparsing import run_main
+
+    sys.exit(run_main(main))

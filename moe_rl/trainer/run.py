@@ -6,8 +6,10 @@ Every rank of a torchrun / Slurm job calls :func:`run` with the same recipe.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 
@@ -69,7 +71,7 @@ def run(
     (:class:`~moe_rl.trainer.signals.StopRequested`). ``hooks``: called after each optimizer step
     of every stage, after the flip probe (:meth:`Run.add_hook`, :mod:`moe_rl.trainer.hooks`).
     """
-    with hold_run_dir(recipe.train.out_dir):  # one run per folder (run_lock.py), before any write
+    with hold_run_dirs(recipe):  # one run per folder (run_lock.py), before any write
         check_out_dir(recipe, resume=resume, fresh=fresh)
         the_run = Run(recipe, write_recipe=False)  # written once the resume, if any, succeeded
         try:
@@ -85,6 +87,19 @@ def run(
                 return _run_stages(the_run, resumed)
         finally:
             the_run.close()
+
+
+@contextlib.contextmanager
+def hold_run_dirs(recipe: Recipe):
+    """Hold every folder the run writes for its life: ``train.out_dir`` and its checkpoint folder
+    (``checkpoint.dir``, else ``<out_dir>/checkpoints``), so a second run sharing either with a
+    live one is refused naming the holder (rank 0 takes them; :func:`hold_run_dir`)."""
+    out, root = Path(recipe.train.out_dir), checkpoint_root(recipe)
+    with contextlib.ExitStack() as held:
+        held.enter_context(hold_run_dir(out))
+        if root.resolve() != out.resolve():
+            held.enter_context(hold_run_dir(root, what="checkpoint.dir"))
+        yield
 
 
 def _run_stages(run: Run, resumed: bool) -> dict[str, dict[str, float]]:
