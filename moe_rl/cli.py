@@ -236,9 +236,10 @@ def cmd_export(args) -> int:
     holding checkpoints none of which is intact is refused (naming why each was skipped), not
     passed over for the recipe's start.
 
-    The destination is checked first (:func:`moe_rl.megatron.hf.check_export_target`): a new or
-    empty directory, anything else only with ``--overwrite``, and never one of the inputs it
-    reads (``--checkpoint``, the run's checkpoints, ``checkpoint.load``, ``model.hf_path``). The
+    The destination is checked first (:func:`moe_rl.outputs.check_export_target`): a new or
+    empty directory, a file or an earlier export only with ``--overwrite``, and never one of the
+    inputs it reads (``--checkpoint``, the run's checkpoints, ``checkpoint.load``,
+    ``model.hf_path``) nor any run's folder or checkpoint folder, nor a path inside one. The
     export is written beside it and renamed into place; a non-finite policy is refused.
     """
     from pathlib import Path
@@ -248,9 +249,10 @@ def cmd_export(args) -> int:
     from moe_rl.config import load_recipe
     from moe_rl.errors import PathError
     from moe_rl.megatron.checkpoint import CheckpointError, NonFiniteWeights, load_checkpoint
-    from moe_rl.megatron.hf import check_export_target, export_hf
+    from moe_rl.megatron.hf import export_hf
     from moe_rl.megatron.parallel import destroy_parallel, init_parallel
     from moe_rl.megatron.policy import build_policy
+    from moe_rl.outputs import check_export_target
     from moe_rl.tasks import load_tokenizer
 
     recipe = load_recipe(args.recipe, args.overrides)

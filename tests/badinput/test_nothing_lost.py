@@ -165,3 +165,58 @@ def test_resume_refuses_a_checkpoint_folder_whose_newest_checkpoint_is_another_r
     line = cli("train", a, ck, "train.sft_steps=4", "--resume").one_line(r"--resume: the newest checkpoint")
     assert f"run {theirs}'s" in line and f"holds run {own}" in line
     assert_kept(before, tmp_path)
+
+
+# -- item 1: export never writes into, over or around a run's checkpoint folder ---------------------
+@output_case
+@pytest.mark.parametrize("overwrite", [True, False], ids=["overwrite", "no-overwrite"])
+def test_export_refuses_a_checkpoint_of_the_run_it_reads_from_another_one_of_its_checkpoints(
+    cli, run_copy, overwrite
+):
+    """``--checkpoint`` the older checkpoint, destination the newest one (the one ``latest``
+    names): ``--overwrite`` replaced it with an HF folder, exit 0."""
+    root = run_copy / "run/checkpoints"
+    older, newest = sorted(p for p in root.iterdir() if p.is_dir())
+    before = snapshot(run_copy)
+    args = ["export", run_copy / "r.yaml", newest, "--checkpoint", older] + (
+        ["--overwrite"] if overwrite else []
+    )
+    cli(*args).one_line(r"inside a run's checkpoint folder .*with or without --overwrite")
+    assert_kept(before, run_copy)
+
+
+@output_case
+@pytest.mark.parametrize("where", ["root", "inside-a-checkpoint", "new-in-root", "run-folder"])
+def test_export_refuses_any_runs_checkpoint_folder_even_with_overwrite(cli, run_copy, finished, where):
+    """Another run's folders (not the recipe's, not the one exported): recognised by their markers."""
+    other = run_copy / "other"
+    shutil.copytree(finished / "run", other)
+    out = {
+        "root": other / "checkpoints",
+        "inside-a-checkpoint": other / "checkpoints" / "0001-sft-step-000002" / "hf",
+        "new-in-root": other / "checkpoints" / "hf",
+        "run-folder": other,
+    }[where]
+    before = snapshot(run_copy)
+    res = cli("export", run_copy / "r.yaml", out, "--checkpoint", run_copy / "run/checkpoints", "--overwrite")
+    res.one_line(
+        r"(is inside a run's checkpoint folder|is a run or checkpoint directory|holds .* a run or checkpoint directory)"
+    )
+    assert_kept(before, run_copy)
+    assert not (other / "checkpoints" / "hf").exists()
+
+
+@pytest.fixture
+def run_copy(tmp_path, request):
+    """The bad-input suite's finished tiny SFT run, copied (tests/badinput/test_outputs_checkpoints.py)."""
+    finished = request.getfixturevalue("finished")
+    from tests.badinput.test_outputs_checkpoints import run_copy as make
+
+    return make.__wrapped__(finished, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    from tests.badinput.test_outputs_checkpoints import finished as make
+
+    return make.__wrapped__(tmp_path_factory)
