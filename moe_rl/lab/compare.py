@@ -200,14 +200,28 @@ def job_overrides(overrides: list[str], job: Job) -> list[str]:
 
 
 def check_arms(recipe: Path, overrides: list[str], arms: list[str]) -> dict[str, int]:
-    """Every arm's RL recipe loads (a ConfigError naming the arm), before anything trains; returns
-    each arm's RL steps."""
-    steps = {}
+    """Before anything trains (the SFT start takes minutes): every arm's RL recipe loads and passes
+    the checks ``moe-rl train`` makes before it starts (:func:`moe_rl.preflight.preflight`: data,
+    lengths, held-out split, layout, an attached server's routes), and every SGLang server or
+    router it attaches to answers (:func:`moe_rl.preflight.check_services`); an error names the
+    arm. Returns each arm's RL steps."""
+    from moe_rl.errors import Unavailable
+    from moe_rl.preflight import check_engine_layout, check_routes_served, check_services, preflight
+
+    steps, checked = {}, False
     for name in arms:
         try:
             r = load_recipe(recipe, [*overrides, *arm_overrides(name, seed=0), "train.stages=[rl]"])
+            if not checked:  # the data, tokenizer and services every arm shares: once
+                preflight(r)
+                check_services(r)
+                checked = True
+            check_routes_served(r)
+            check_engine_layout(r)
         except ConfigError as e:
-            raise ConfigError(f"compare arm {name}: {e}") from None
+            raise type(e)(f"compare arm {name}: {e}") from None
+        except Unavailable as e:
+            raise Unavailable(f"compare arm {name}: {e}") from None
         steps[name] = r.train.rl_steps
     return steps
 
