@@ -65,11 +65,11 @@ def build_engine(args):
 def check_finite(model, source: str) -> None:
     """A ConfigError naming the first parameters of ``model`` with a NaN or an infinity."""
     from moe_rl.config import ConfigError
-    from moe_rl.megatron.checkpoint import weights_finite
+    from moe_rl.megatron.checkpoint import non_finite_names, weights_finite
 
     if weights_finite(model):
         return
-    bad = [name for name, p in model.named_parameters() if not bool(p.detach().isfinite().all())]
+    bad = non_finite_names(model)
     more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
     raise ConfigError(
         f"{source}: weights with NaN or infinite values ({', '.join(bad[:3])}{more}); "

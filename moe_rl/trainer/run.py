@@ -83,6 +83,7 @@ def run(
                 the_run.checkpointer.load_weights(recipe.checkpoint.load)
             if not resumed and recipe.train.start_jitter:
                 jitter_weights(the_run.policy, recipe.train.start_jitter, recipe.train.seed)
+            check_start_finite(the_run, resumed)
             with the_run.signals:
                 return _run_stages(the_run, resumed)
         finally:
@@ -130,6 +131,35 @@ def _run_stages(run: Run, resumed: bool) -> dict[str, dict[str, float]]:
             "%s: the run already finished (%s); nothing to do: raise train.*_steps to continue", run.out, done
         )
     return results
+
+
+def check_start_finite(run: Run, resumed: bool) -> None:
+    """The weights a run starts (or resumes) from are finite: else a :class:`TrainingStopped`
+    naming them and where they came from, before a step (they would make every step's loss NaN,
+    which the stop message would blame on the learning rate)."""
+    from moe_rl.megatron.checkpoint import non_finite_names, weights_finite
+    from moe_rl.trainer.state import TrainingStopped
+
+    if weights_finite(run.policy.model):
+        return
+    r = run.recipe
+    source = (
+        f"the checkpoint resumed ({run.checkpointer.last_good})"
+        if resumed
+        else f"checkpoint.load={r.checkpoint.load}"
+        if r.checkpoint.load
+        else f"model.hf_path={r.model.hf_path}"
+        if r.model.hf_path
+        else "the initialisation"
+    )
+    if not resumed and r.train.start_jitter:
+        source += f" with train.start_jitter={r.train.start_jitter}"
+    bad = non_finite_names(run.policy.model)
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    raise TrainingStopped(
+        f"the start weights hold NaN or infinite values ({', '.join(bad[:3]) or 'on another rank'}{more}), "
+        f"from {source}: nothing trained; start from finite weights"
+    )
 
 
 @torch.no_grad()

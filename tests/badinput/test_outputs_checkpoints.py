@@ -634,3 +634,24 @@ def _load_meta(ck, path) -> dict:
     r = load_recipe(path.parents[2 if ck.step_number(path) is not None else 1] / "r.yaml")
     policy = build_policy(r.model, r.parallel, init_parallel(r.parallel, seed=1))
     return ck.load_checkpoint(path, policy.model, load_rng=False)
+
+
+@pytest.mark.bad_input("checkpoint")
+def test_non_finite_start_weights_are_named_as_such_before_a_step(cli, tmp_path):
+    """An HF start with a NaN in one tensor: the run used to take three non-finite SFT steps and
+    stop blaming the learning rate ("lower optim.lr")."""
+    from safetensors.torch import load_file, save_file
+
+    r = recipe(tmp_path)
+    assert cli("export", r, tmp_path / "hf", "--random-init", "--dtype", "float32").code == 0
+    shard = next((tmp_path / "hf").glob("*.safetensors"))
+    tensors = load_file(shard)
+    name = next(k for k in tensors if "mlp.gate" in k or "router" in k or "experts" in k)
+    tensors[name][0].fill_(float("nan"))
+    save_file(tensors, shard, metadata={"format": "pt"})
+    line = cli("train", r, f"model.hf_path={tmp_path / 'hf'}").one_line(
+        r"training stopped: the start weights hold NaN or infinite values \(.*\), from model\.hf_path=.*hf: "
+        r"nothing trained"
+    )
+    assert "optim.lr" not in line
+    assert not ckpts(tmp_path)
