@@ -59,7 +59,7 @@ def one_line_errors(command: Callable[[], int], verbose: bool) -> int:
     a stop signal, at a step (:class:`~moe_rl.errors.StopRequested`) or anywhere else
     (:class:`~moe_rl.errors.Interrupted`, Ctrl-C), one ``moe-rl: stopped: ...`` line and exit code
     128 + the signal; any other exception is a bug and keeps its traceback."""
-    from moe_rl.errors import Interrupted, StopRequested, Unavailable, UserError
+    from moe_rl.errors import Interrupted, StopRequested, Unavailable, UserError, is_disk_full
 
     try:
         with stop_signals_end_the_command():
@@ -97,6 +97,15 @@ def one_line_errors(command: Callable[[], int], verbose: bool) -> int:
         if message is None:
             raise
         return _one_line("disk full", message, verbose)
+    except (
+        BaseException
+    ) as e:  # a full disk wrapped in a library's own exception (torch's CheckpointException)
+        if not is_disk_full(e):
+            raise
+        first = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        return _one_line(
+            "disk full", f"no space left on the device ({first}): free space or pick another folder", verbose
+        )
 
 
 OS_FIXES = {

@@ -247,7 +247,7 @@ def cmd_export(args) -> int:
     import torch
 
     from moe_rl.config import load_recipe
-    from moe_rl.errors import PathError
+    from moe_rl.errors import PathError, disk_full_at, is_disk_full
     from moe_rl.megatron.checkpoint import CheckpointError, NonFiniteWeights, load_checkpoint
     from moe_rl.megatron.hf import export_hf
     from moe_rl.megatron.parallel import destroy_parallel, init_parallel
@@ -278,6 +278,10 @@ def cmd_export(args) -> int:
             export_hf(policy, args.out, tokenizer=load_tokenizer(recipe.model.tokenizer), dtype=dtype)
     except NonFiniteWeights as e:
         raise CheckpointError(f"{source or 'the initial policy'}: {e}") from None
+    except Exception as e:  # a full disk, however the writer reported it: one line naming the export
+        if is_disk_full(e) and not getattr(e, "filename", None):
+            raise disk_full_at(args.out) from e
+        raise
     finally:
         if owns_dist:
             destroy_parallel()

@@ -56,3 +56,41 @@ class Interrupted(BaseException):
         super().__init__(f"{signal.Signals(signum).name} received")
         self.signum = signum
         self.exit_code = 128 + signum
+
+
+DISK_FULL_WORDS = ("No space left on device", "Disk quota exceeded", "[Errno 28]", "[Errno 122]")
+"""How a full disk reads when a library wraps its OSError in its own exception (megatron-core's and
+torch.distributed.checkpoint's writer workers: ``CheckpointException`` of ``RuntimeError``s)."""
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether ``e``, or what it wraps (its cause, context and, for torch's ``CheckpointException``,
+    every rank's failure), is a full disk (ENOSPC, EDQUOT), however a library reported it."""
+    import errno
+
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(x)
+        if any(w in text for w in DISK_FULL_WORDS) or (
+            "inline_container" in text and ("unexpected pos" in text or "file write failed" in text)
+        ):  # torch's file writer on a full disk
+            return True
+        failures = getattr(x, "failures", None)  # {rank: exception or (exception, traceback)}
+        for f in failures.values() if isinstance(failures, dict) else ():
+            todo += [v for v in (f if isinstance(f, tuple) else (f,)) if isinstance(v, BaseException)]
+        todo += [x.__cause__, x.__context__]
+    return False
+
+
+def disk_full_at(path: object) -> OSError:
+    """The ``OSError`` (ENOSPC) a command's one line reads as "disk full writing <path>"."""
+    import errno
+    import os
+
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))

@@ -192,7 +192,8 @@ class Checkpointer:
     def save(self, optimizer: Optimizer | None, state: RunState) -> Path:
         """Write the next checkpoint with ``state`` in its meta; :class:`NonFiniteWeights` (nothing
         written, ``state`` unchanged) when the policy has a non-finite weight."""
-        from moe_rl.megatron.checkpoint import checkpoint_dirs, save_checkpoint, step_number
+        from moe_rl.errors import disk_full_at, is_disk_full
+        from moe_rl.megatron.checkpoint import checkpoint_dirs, checkpoint_name, save_checkpoint, step_number
 
         highest = max((step_number(p) for p in checkpoint_dirs(self.root)), default=0)
         seq = max(state.checkpoint_seq, highest) + 1
@@ -208,10 +209,25 @@ class Checkpointer:
                 owner=state.run_id,
                 label=state.checkpoint_label(),
             )
-        except BaseException:
+        except BaseException as e:
             state.checkpoint_seq = previous
+            self._drop_staging(seq, state)
+            if is_disk_full(e):  # however megatron-core wrapped it (a CheckpointException of workers')
+                raise disk_full_at(self.root / checkpoint_name(seq, state.checkpoint_label())) from e
             raise
         return self.last_good
+
+    def _drop_staging(self, seq: int, state: RunState) -> None:
+        """Remove the half-written staging folder of checkpoint ``seq`` (rank 0), if it is there."""
+        import shutil
+
+        from moe_rl import dist
+        from moe_rl.megatron.checkpoint import checkpoint_name
+
+        if dist.rank() == 0:
+            shutil.rmtree(
+                self.root / f".tmp-{checkpoint_name(seq, state.checkpoint_label())}", ignore_errors=True
+            )
 
     def saved_state(self) -> RunState | None:
         """The RunState of the newest intact checkpoint, read from its meta only (no tensors loaded)."""
