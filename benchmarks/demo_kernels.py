@@ -28,7 +28,6 @@ whether they hold under every set; the kernels' own spread.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import subprocess
@@ -37,6 +36,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import RESULTS, commit, machine, result_path
+from moe_rl.files import read_json
 from moe_rl.lab import noise
 from moe_rl.lab.arms import DEMO_ARMS, DEMO_SEEDS, arm_dir
 from moe_rl.lab.demo import DEFAULT_RECIPE
@@ -292,7 +292,7 @@ def run_caps(caps: list[str], walls_file: Path, run_one) -> dict:
     torch runs it on this machine; the wall time of a whole, uninterrupted run is recorded once per
     set into ``walls_file``. A run that fails ends the command (rerunning it continues). Returns
     the recorded walls (with no ``caps``: those recorded so far)."""
-    walls = json.loads(walls_file.read_text()) if walls_file.exists() else {}
+    walls = read_json(walls_file) if walls_file.exists() else {}
     for cap in caps:
         got = capability(cap)
         if got.lower() != cap.lower():

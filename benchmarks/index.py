@@ -16,12 +16,13 @@ Each row says which docs cite the file. Pre-registrations (no commit in the name
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+from moe_rl.files import read_json
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -98,7 +99,7 @@ def headline_of(name: str) -> str:
     if not name.endswith(".json"):
         return ""
     try:
-        head = json.loads((RESULTS / name).read_text()).get("headline")
+        head = read_json(RESULTS / name).get("headline")
     except (OSError, ValueError):
         return ""
     if not isinstance(head, dict):

@@ -30,7 +30,6 @@ Writes benchmarks/results/volatility-<machine>-<preset>-<commit>.json and .png.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from benchmarks.common import SMOKE_BASE, commit, machine, result_path
+from moe_rl.files import read_json
 from moe_rl.lab.arms import ARMS, DEMO, flatten
 from moe_rl.lab.results import write_json
 from moe_rl.lab.runner import cpu_seconds
@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.replot:
         path = Path(args.replot)
-        doc = json.loads(path.read_text())
+        doc = read_json(path)
         p = {**PRESETS[doc["preset"]], **doc["settings"], "ref": tuple(doc["settings"]["ref"])}
         doc["where_10pct"] = analyse(doc["configs"], p)
         plot(doc["configs"], doc["where_10pct"], p, path.with_suffix(".png"))

@@ -7,8 +7,10 @@ flushes it to disk and renames it over the target, so a reader sees the old file
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 
 def write_text(path: str | Path, text: str) -> Path:
@@ -26,3 +28,19 @@ def write_text(path: str | Path, text: str) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def read_json(path: str | Path) -> Any:
+    """The JSON document at ``path``; one that is cut short or edited is a
+    :class:`moe_rl.errors.DataError` naming the file, line and column (a missing file: the
+    ``OSError``, which names it)."""
+    from moe_rl.errors import DataError
+
+    text = Path(path).read_text()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}): it was cut short or edited; "
+            "run the command that writes it again"
+        ) from None

@@ -37,8 +37,13 @@ def build_engine(args):
         recipe = load_recipe(path)
         model_cfg, load = recipe.model, recipe.checkpoint.load
     elif (path / "config.json").is_file():
+        from moe_rl.hf_arch import read_config_json
         from moe_rl.megatron.hf import model_config_from_path
 
+        try:
+            read_config_json(path)  # a broken config.json: one line naming it
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("model.hf_path=", "--model-path ")) from None
         model_cfg = model_config_from_path(path)
     else:
         raise ConfigError(

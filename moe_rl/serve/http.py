@@ -265,9 +265,9 @@ def serve(
 
 def build_arg_parser() -> argparse.ArgumentParser:
     """The ``moe-rl serve`` command line: the ``sglang.launch_server`` options the launcher passes, plus ours."""
-    p = argparse.ArgumentParser(
-        "moe-rl serve", description="SGLang-protocol server around a moe-rl rollout engine"
-    )
+    from moe_rl.argparsing import ArgParser
+
+    p = ArgParser("moe-rl serve", description="SGLang-protocol server around a moe-rl rollout engine")
     p.add_argument("--model-path", default="moe-rl-embedded")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
