@@ -52,6 +52,58 @@ def stop_signals_end_the_command():
             signal.signal(s, handler)
 
 
+# -- flag values checked by argparse's type= (a usage line naming the flag) -------------------------
+def _refuse(text: str, want: str):
+    return argparse.ArgumentTypeError(f"{text!r}: give {want}")
+
+
+def count_at_least(minimum: int) -> Callable[[str], int]:
+    """argparse type: a whole number >= ``minimum`` (jobs, seeds, GPUs, bytes, requests)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise _refuse(text, f"a whole number >= {minimum}") from None
+        if value < minimum or value > 2**63 - 1:
+            raise _refuse(text, f"a whole number >= {minimum}")
+        return value
+
+    parse.rule = f"int >= {minimum}"
+    return parse
+
+
+def number_in(low: float = 0.0, high: float | None = None) -> Callable[[str], float]:
+    """argparse type: a finite, normal number > ``low`` (and < ``high``): seconds, GiB, a fraction."""
+    import math
+
+    want = f"a number > {low:g}" + (f" and < {high:g}" if high is not None else "")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise _refuse(text, want) from None
+        if not (math.isfinite(value) and value > low and (high is None or value < high)):
+            raise _refuse(text, want)
+        if abs(value) < sys.float_info.min:
+            raise _refuse(text, f"{want}, not below the smallest normal number")
+        return value
+
+    parse.rule = f"number > {low:g}" if high is None else f"number in ({low:g}, {high:g})"
+    return parse
+
+
+def text_value(text: str) -> str:
+    """argparse type: a non-blank string (a path, a name, a key)."""
+    if not text.strip():
+        raise _refuse(text, "a non-empty value")
+    return text
+
+
+text_value.rule = "text"
+
+
 def one_line_errors(command: Callable[[], int], verbose: bool) -> int:
     """``command()``; a :class:`moe_rl.errors.UserError`, an outside service that is down
     (:class:`moe_rl.errors.Unavailable`) or a file-system ``OSError`` (full disk, read-only, permission,

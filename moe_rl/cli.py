@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from moe_rl.argparsing import ArgParser, one_line_errors
+from moe_rl.argparsing import ArgParser, number_in, one_line_errors, text_value
 
 QUIET_LOGGERS = ("megatron",)
 "Libraries whose INFO lines (DDP buckets, optimizer config, FSDP detection) show only with ``-v``."
@@ -158,7 +158,10 @@ def compare_parser() -> argparse.ArgumentParser:
         help="runs at a time (default: one per arm; 1: one after another, in this process)",
     )
     p.add_argument(
-        "--out", default=None, help="where the runs and the results go (default: the recipe's train.out_dir)"
+        "--out",
+        default=None,
+        type=text_value,
+        help="where the runs and the results go (default: the recipe's train.out_dir)",
     )
     p.add_argument("--status-every", default="20", help="seconds between status lines (default: 20)")
     p.add_argument(
@@ -182,11 +185,9 @@ def cmd_compare(args) -> int:
     seeds = parse_count(args.seeds, "--seeds", "how many seeds each arm runs")
     jobs = None if args.jobs is None else parse_count(args.jobs, "--jobs", "how many runs train at a time")
     try:
-        every = float(args.status_every)
-    except ValueError:
-        every = -1.0
-    if not every > 0:
-        raise UserError(f"--status-every {args.status_every!r}: give a number of seconds > 0")
+        every = number_in(0.0)(str(args.status_every))
+    except argparse.ArgumentTypeError:
+        raise UserError(f"--status-every {args.status_every!r}: give a number of seconds > 0") from None
     # a stop signal: every run saved, then 128 + the signal (StopRequested, one_line_errors)
     done = run_compare(
         args.recipe,
@@ -220,8 +221,16 @@ def cmd_report(args) -> int:
     bad = [r for r in args.runs if r.startswith("=") or r.endswith("=")]
     if bad:
         raise UserError(f"run {bad[0]!r}: write NAME=DIR or DIR")
-    runs = dict(r.split("=", 1) if "=" in r else (r.rstrip("/").split("/")[-1], r) for r in args.runs)
-    table, _ = report(runs, args.out)
+    named = [r.split("=", 1) if "=" in r else (r.rstrip("/").split("/")[-1], r) for r in args.runs]
+    seen: dict[str, str] = {}
+    for name, run in named:
+        if name in seen:
+            raise UserError(
+                f"two runs are named {name!r} ({seen[name]}, {run}): a report shows one curve per name; "
+                "write NAME=DIR for each"
+            )
+        seen[name] = run
+    table, _ = report(seen, args.out)
     print(table)
     out = Path(args.out)
     print(f"curves: {out}; table: {out.with_suffix('.csv')}, {out.with_suffix('.md')}")
@@ -409,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--checkpoint",
         default=None,
+        type=text_value,
         help="moe-rl checkpoint to export (a checkpoint root or one checkpoint directory; default: the "
         "newest checkpoint of the recipe's run, else its checkpoint.load, else its model.hf_path)",
     )
@@ -430,9 +440,12 @@ def build_parser() -> argparse.ArgumentParser:
         "compare on recipes/demo/dial_demo.yaml)",
     )
     d.add_argument(
-        "--recipe", default="recipes/demo/dial_demo.yaml", help="the demo recipe (see recipes/demo)"
+        "--recipe",
+        default="recipes/demo/dial_demo.yaml",
+        type=text_value,
+        help="the demo recipe (see recipes/demo)",
     )  # moe_rl.lab.demo.DEFAULT_RECIPE (a test holds them equal; importing it here costs torch)
-    d.add_argument("--out", default="runs/demo", help="where the runs and compare.* go")
+    d.add_argument("--out", default="runs/demo", type=text_value, help="where the runs and compare.* go")
     d.add_argument("--jobs", default="2", help="runs at a time (default: 2)")
     d.add_argument("--seeds", default="3", help="seeds per arm (default: 3, DEMO_SEEDS)")
     d.add_argument(
@@ -455,7 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rp = sub.add_parser("report", help="plot and tabulate run directories (NAME=DIR or DIR)")
     rp.add_argument("runs", nargs="+")
-    rp.add_argument("--out", default="runs/report.png")
+    rp.add_argument(
+        "--out", default="runs/report.png", type=text_value, help="the curves (.png); the table beside it"
+    )
     rp.set_defaults(fn=cmd_report)
     return p
 

@@ -157,15 +157,21 @@ def parse_arms(text: str) -> list[str]:
     return out
 
 
+MAX_COUNT = 10_000
+"The most seeds per arm, or runs at a time, a comparison takes (more is a typo, not a plan)."
+
+
 def parse_count(text: str | int, flag: str, what: str) -> int:
-    """``text`` as a whole number >= 1 for ``flag``; anything else is a one-line error saying ``what``
-    it counts."""
+    """``text`` as a whole number in 1 .. :data:`MAX_COUNT` for ``flag``; anything else is a
+    one-line error saying ``what`` it counts."""
     try:
         value = int(str(text).strip())
     except ValueError:
         value = None
     if value is None or value < 1:
         raise UserError(f"{flag} {text!r}: give a whole number >= 1 ({what})")
+    if value > MAX_COUNT:
+        raise UserError(f"{flag} {text!r}: give at most {MAX_COUNT} ({what})")
     return value
 
 

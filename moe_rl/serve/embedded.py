@@ -25,12 +25,7 @@ def build_engine(args):
     from moe_rl.rollout.embedded import EmbeddedEngine
     from moe_rl.tasks import load_tokenizer
 
-    for flag, value in (("--tp-size", args.tp_size), ("--ep-size", args.ep_size)):
-        if value != 1:
-            raise ConfigError(
-                f"{flag} {value}: moe-rl serve runs the embedded engine in one process (TP 1, EP 1); "
-                f"drop {flag}, or serve with SGLang (rollout.sglang.module=sglang.launch_server)"
-            )
+    check_engine_args(args)
     path = Path(args.model_path)
     load = None
     if path.suffix in (".yaml", ".yml"):
@@ -65,6 +60,20 @@ def build_engine(args):
     )
     engine.tokenizer = tok  # text in /generate and the OpenAI endpoints (moe_rl.serve.text)
     return engine
+
+
+def check_engine_args(args) -> None:
+    """The embedded engine's flags, before anything is built: ``--tp-size`` / ``--ep-size`` 1 (it
+    runs one process) and a ``--dtype`` SGLang knows; ConfigError naming the flag."""
+    from moe_rl.config import ConfigError
+
+    for flag, value in (("--tp-size", args.tp_size), ("--ep-size", args.ep_size)):
+        if value != 1:
+            raise ConfigError(
+                f"{flag} {value}: moe-rl serve runs the embedded engine in one process (TP 1, EP 1); "
+                f"drop {flag}, or serve with SGLang (rollout.sglang.module=sglang.launch_server)"
+            )
+    serve_dtype(args.dtype)
 
 
 def check_finite(model, source: str) -> None:
@@ -108,7 +117,7 @@ def serve_dtype(value: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     from moe_rl.serve.http import main as server_main
 
-    return server_main(argv, factory=build_engine)
+    return server_main(argv, factory=build_engine, check=check_engine_args)
 
 
 if __name__ == "__main__":  # as SGLang's launch_server (rollout.sglang.module): one line for an error

@@ -265,18 +265,18 @@ def serve(
 
 def build_arg_parser() -> argparse.ArgumentParser:
     """The ``moe-rl serve`` command line: the ``sglang.launch_server`` options the launcher passes, plus ours."""
-    from moe_rl.argparsing import ArgParser
+    from moe_rl.argparsing import ArgParser, count_at_least, number_in, text_value
 
     p = ArgParser("moe-rl serve", description="SGLang-protocol server around a moe-rl rollout engine")
-    p.add_argument("--model-path", default="moe-rl-embedded")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--model-path", default="moe-rl-embedded", type=text_value)
+    p.add_argument("--host", default="127.0.0.1", type=text_value)
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--tp-size", "--tp", type=int, default=1)
     p.add_argument("--ep-size", "--ep", type=int, default=1)
     p.add_argument("--dtype", default="auto", help="weights and compute: auto (fp32) | bfloat16 | float16")
     p.add_argument("--router-dtype", default="same", choices=("same", "fp32"), help="router logits' dtype")
-    p.add_argument("--mem-fraction-static", type=float, default=None)
-    p.add_argument("--base-gpu-id", type=int, default=0)
+    p.add_argument("--mem-fraction-static", type=number_in(0.0, 1.0), default=None)
+    p.add_argument("--base-gpu-id", type=count_at_least(0), default=0)
     p.add_argument(
         "--skip-tokenizer-init",
         action="store_true",
@@ -285,12 +285,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-return-routed-experts", action="store_true")
     p.add_argument("--enable-deterministic-inference", action="store_true")
     p.add_argument("--enable-memory-saver", action="store_true")
-    p.add_argument("--weight-version", default="default")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--admin-api-key", default=None)
+    p.add_argument("--weight-version", default="default", type=text_value)
+    p.add_argument("--api-key", default=None, type=text_value)
+    p.add_argument("--admin-api-key", default=None, type=text_value)
     p.add_argument(
         "--engine-factory",
         default=None,
+        type=text_value,
         help="module:callable taking the parsed args and returning the engine",
     )
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="as SGLang's")
@@ -324,7 +325,7 @@ def check_args(args: argparse.Namespace) -> ServeLimits:
     return limits
 
 
-def main(argv: list[str] | None = None, factory: Any = None) -> int:
+def main(argv: list[str] | None = None, factory: Any = None, check: Any = None) -> int:
     """CLI entry: parse SGLang-style args, build the engine with ``factory(args)``, serve.
 
     The engine's ``tokenizer`` attribute, when it has one, is the server's tokenizer (text and
@@ -334,6 +335,8 @@ def main(argv: list[str] | None = None, factory: Any = None) -> int:
     if unknown:
         logger.warning("ignoring SGLang options moe-rl serve does not use: %s", " ".join(unknown))
     limits = check_args(args)
+    if check is not None:  # the factory's own flags (e.g. the embedded engine's TP and dtype), before it runs
+        check(args)
     if factory is None:
         if not args.engine_factory or ":" not in args.engine_factory:
             logger.error("moe-rl serve: --engine-factory module:callable is required")

@@ -120,7 +120,9 @@ def read_rows(
         first = next(iter(errors.values()))
         raise JsonlDataError(f"{first[0]} in {len(first)} of {len(records)} rows{_examples(first[1:])}")
     answer = "reward_model.ground_truth" if layout == "verl" else answer_field
-    return _usable(rows, str(p), answer, [n for n in extra if n not in (prompt_field, answer_field)])
+    return _usable(
+        rows, str(p), prompt_field, answer, [n for n in extra if n not in (prompt_field, answer_field)]
+    )
 
 
 def _where(p: Path, parquet: bool, n: int) -> str:
@@ -136,12 +138,14 @@ def _blank(value: Any) -> bool:
     return value is None or (isinstance(value, str) and not value.strip())
 
 
-def _usable(rows: list[Row], path: str, answer: str, extra: list[str]) -> list[Row]:
-    """The rows whose answer (and ``extra`` fields, e.g. the SFT response) hold a value. A field
+def _usable(rows: list[Row], path: str, prompt: str, answer: str, extra: list[str]) -> list[Row]:
+    """The rows whose prompt, answer (and ``extra`` fields, e.g. the SFT response) hold a value. A field
     null or empty in every row is a refusal naming it; in some rows, a warning counting and naming
     them, and those rows are left out (a None answer would score every response 0)."""
     blank: dict[str, list[Row]] = {}
     for r in rows:
+        if isinstance(r.prompt, str) and _blank(r.prompt):
+            blank.setdefault(prompt, []).append(r)
         if _blank(r.ground_truth):
             blank.setdefault(answer, []).append(r)
         for name in extra:

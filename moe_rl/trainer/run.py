@@ -34,9 +34,19 @@ def check_out_dir(recipe: Recipe, *, resume: bool, fresh: bool) -> None:
     """Refuse to train into a directory holding another run's checkpoints without ``--resume``
     (or ``--fresh``), and ``--resume`` with nothing to resume; before any process group starts."""
     from moe_rl.errors import PathError
+    from moe_rl.outputs import enclosing_checkpoint_folder, run_markers
 
     if resume and fresh:
         raise PathError("--resume continues the run in train.out_dir and --fresh starts over: give one")
+    out = Path(recipe.train.out_dir).resolve()
+    own = checkpoint_root(recipe).resolve() == out  # checkpoint.dir = train.out_dir: its own checkpoints
+    is_one = not own and any(m in ("meta.json", "latest") or "/" in m for m in run_markers(out))
+    inside = out if is_one else enclosing_checkpoint_folder(out)
+    if inside is not None:
+        raise PathError(
+            f"train.out_dir {recipe.train.out_dir} is or sits inside a run's checkpoint folder ({inside}): "
+            "a run writes beside its checkpoints, never among another run's; give another train.out_dir"
+        )
     root = checkpoint_root(recipe)
     probe = Checkpointer(root, None, keep=recipe.checkpoint.keep)
     found = probe.any_written()
