@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the imported fixtures run_copy and finished are parameters below)
 """Issue 47's own probe: adversarial cases beyond the issue's, on every command, each as a user
 would meet it (the list with verdicts is in the issue's closing note). In process, seconds each;
 the few that train use the one-layer MoE of the bad-input suite.
