@@ -448,9 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="runs/demo", type=text_value, help="where the runs and compare.* go")
     d.add_argument("--jobs", default="2", help="runs at a time (default: 2)")
     d.add_argument("--seeds", default="3", help="seeds per arm (default: 3, DEMO_SEEDS)")
-    d.add_argument(
-        "--fresh", action="store_true", help="as moe-rl compare --fresh: train again runs of another recipe"
-    )
+    d.add_argument("--fresh", action="store_true", help="as moe-rl compare --fresh")
     d.add_argument("overrides", nargs="*")
     d.set_defaults(fn=cmd_demo)
     sub.add_parser(

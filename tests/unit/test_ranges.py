@@ -127,11 +127,15 @@ RECIPE_ROWS = table("recipe")
 FIELDS = recipe_fields()
 
 
+def same_keys(code: dict, rows: dict, name: str) -> None:
+    """The code's fields or flags and the ``ranges:<name>`` table's rows are the same set."""
+    missing, stale = sorted(set(code) - set(rows)), sorted(set(rows) - set(code))
+    assert not missing, f"add a row to docs/safety.md's ranges:{name} table for {missing}"
+    assert not stale, f"docs/safety.md's ranges:{name} table names what the code lacks: {stale}"
+
+
 def test_every_recipe_field_has_a_row_and_no_row_is_stale():
-    missing = sorted(set(FIELDS) - set(RECIPE_ROWS))
-    stale = sorted(set(RECIPE_ROWS) - set(FIELDS))
-    assert not missing, f"add a row to docs/safety.md's ranges:recipe table for {missing}"
-    assert not stale, f"docs/safety.md's ranges:recipe table names fields the recipe lacks: {stale}"
+    same_keys(FIELDS, RECIPE_ROWS, "recipe")
 
 
 @pytest.mark.parametrize("field", sorted(RECIPE_ROWS))
@@ -172,10 +176,7 @@ ACTIONS = flag_actions()
 
 
 def test_every_flag_has_a_row_naming_its_aliases_and_no_row_is_stale():
-    missing = sorted(set(ACTIONS) - set(FLAG_ROWS))
-    stale = sorted(set(FLAG_ROWS) - set(ACTIONS))
-    assert not missing, f"add a row to docs/safety.md's ranges:flags table for {missing}"
-    assert not stale, f"docs/safety.md's ranges:flags table names flags no parser has: {stale}"
+    same_keys(ACTIONS, FLAG_ROWS, "flags")
     for key, (_, action) in ACTIONS.items():
         names = FLAG_ROWS[key][1]
         for alias in action.option_strings[1:]:
