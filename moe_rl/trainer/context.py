@@ -128,12 +128,13 @@ class Run:
         """``<out_dir>/recipe.yaml`` (the resolved recipe) and ``run.json`` (the run's id and
         checkpoint folder: what ``--resume`` continues), each written atomically (rank 0)."""
         from moe_rl.files import write_text
-        from moe_rl.trainer.state import write_run_file
+        from moe_rl.trainer.state import read_run_file, write_run_file
 
         if self.info.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             write_text(self.out / "recipe.yaml", yaml.safe_dump(to_dict(self.recipe), sort_keys=False))
-            write_run_file(self.out, self.state.run_id, self.checkpointer.root)
+            if read_run_file(self.out).get("run_id") != self.state.run_id:  # a resume leaves it be
+                write_run_file(self.out, self.state.run_id, self.checkpointer.root)
 
     def make_optimizer(self, stage: str) -> None:
         """A fresh optimizer for ``stage``: RL does not inherit the SFT stage's Adam moments. In
