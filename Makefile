@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-unit test-dist test-gpu mutate lint format clean
+.PHONY: venv demo test test-fast test-integration test-studies test-studies-changed test-dist test-gpu mutate bench-check lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,11 +20,28 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/moe-rl demo --out runs/demo
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25 tests
+# the tiers by cost (conftest.py): fast = tests/unit + tests/badinput in process (no child
+# processes); integration = child processes, torchrun, Slurm, netns, end-to-end runs (tests/integration,
+# tests/dist, and the few marked tests of the fast folders), then the newest megatron-core; studies =
+# each study's own tests
+PYTEST = $(BIN)/python -m pytest -q --durations=15
+test: test-fast test-integration test-studies
 
-test-unit: $(STAMP)
-	$(BIN)/python -m pytest -q tests/unit
+test-fast: $(STAMP)
+	$(PYTEST) -m "not integration" tests/unit tests/badinput
+
+test-integration: $(STAMP)
+	$(PYTEST) -m integration tests
+	$(MAKE) test-megatron-newest
+
+test-studies: $(STAMP)
+	$(PYTEST) studies
+
+# the tests of the studies a change touches (tools/changed_studies.py; STUDY_BASE: what it is measured from)
+STUDY_BASE ?= main
+test-studies-changed: $(STAMP)
+	@studies="$$($(BIN)/python -m tools.changed_studies --base $(STUDY_BASE))"; \
+	if [ -z "$$studies" ]; then echo "no study changed since $(STUDY_BASE)"; else $(PYTEST) $$studies; fi
 
 test-dist: $(STAMP)
 	$(BIN)/python -m pytest -q tests/dist
@@ -32,10 +49,16 @@ test-dist: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q tests/gpu
 
-# planted bugs against the tests (benchmarks/mutate.py): on demand, not in CI; MUTATE_REV=<commit> for an older one
+# planted bugs against the tests (tools/mutate.py): on demand, not in CI; MUTATE_REV=<commit> for an older one
 MUTATE_REV ?= HEAD
 mutate: $(STAMP)
-	$(BIN)/python -m benchmarks.mutate --rev $(MUTATE_REV)
+	$(BIN)/python -m tools.mutate --rev $(MUTATE_REV)
+
+# each performance benchmark rerun against its committed baseline (benchmarks/baselines.yaml); on
+# demand, on an idle machine (minutes); BENCH="engine_throughput step_time" for some
+BENCH ?=
+bench-check: $(STAMP)
+	$(BIN)/python -m benchmarks.check $(BENCH)
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
@@ -53,7 +76,7 @@ WHL ?= .whl
 GPU_PYTHON ?= python3
 GPU_PY_VERSION ?= 3.12
 GPU_VENV ?= /tmp/moe-rl-venv-gpu
-GPU_CHECK_S ?= 500
+GPU_CHECK_S ?= 420
 GPU_CHECK_ARGS ?=
 # the commit the results are named by, where the copy has no .git (the device machine's)
 GPU_COMMIT ?=
@@ -65,14 +88,16 @@ GPU_DOWNLOAD = $(BIN)/python -m pip download -q --only-binary=:all: --python-ver
 	--implementation cp --abi cp$(subst .,,$(GPU_PY_VERSION)) --platform manylinux_2_28_x86_64 \
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $(WHL)
 
-gpu-wheels: $(STAMP)
+gpu-wheels: $(STAMP) sglang-wheels
 	mkdir -p $(WHL)
 	# pyproject's dependencies and build requirements + what the check needs, less torch and
 	# triton (the GPU's own), numpy (the image's), tensorboard (optional); megatron-core without
 	# its dependencies (torch, numpy, packaging)
-	$(BIN)/python -m benchmarks.gpu_check --requirements $(GPU_WHEELS_EXTRA) > $(WHL)/requirements.txt
+	$(BIN)/python -m tools.gpu_check --requirements $(GPU_WHEELS_EXTRA) > $(WHL)/requirements.txt
 	$(GPU_DOWNLOAD) -r $(WHL)/requirements.txt
 	$(GPU_DOWNLOAD) --no-deps "$(GPU_MEGATRON)"
+	# SGLang's files the colocated IPC check's reader imports (tools/gpu_colocated.py), < 1 MiB
+	$(BIN)/python -m tools.gpu_colocated --export-sglang $(WHL)/sglang
 	du -sh $(WHL)
 
 gpu-check:
@@ -88,7 +113,7 @@ gpu-check:
 	$(GPU_VENV)/bin/python -m pip install -q --no-index --find-links $(WHL) -r $(WHL)/requirements.txt
 	$(GPU_VENV)/bin/python -m pip install -q --no-index --find-links $(WHL) --no-deps "$(GPU_MEGATRON)"
 	$(GPU_VENV)/bin/python -m pip install -q --no-index --find-links $(WHL) --no-deps -e .
-	PYTHONUNBUFFERED=1 MOE_RL_COMMIT=$(GPU_COMMIT) timeout -k 15 $(GPU_CHECK_S) $(GPU_VENV)/bin/python -m benchmarks.gpu_check \
+	PYTHONUNBUFFERED=1 MOE_RL_COMMIT=$(GPU_COMMIT) timeout -k 15 $(GPU_CHECK_S) $(GPU_VENV)/bin/python -m tools.gpu_check \
 		--budget-s $$(( $(GPU_CHECK_S) - 20 )) $(GPU_CHECK_ARGS)
 
 # SGLang's own weight-push decoding for tests/unit/test_sglang_weight_push.py: each version's wheel
@@ -126,7 +151,7 @@ NEWEST_DEV ?= pytest pytest-timeout transformers tokenizers
 MEGATRON_NEWEST_TESTS ?= tests/unit/test_megatron_versions.py tests/unit/test_checkpoint_specs.py \
 	tests/unit/test_local_layers.py tests/unit/test_policy.py tests/unit/test_optim.py \
 	tests/unit/test_routing_replay.py tests/unit/test_replay_pitfall.py tests/unit/test_packing.py tests/unit/test_packed_rope.py \
-	tests/unit/test_hf.py tests/unit/test_decode.py \
+	tests/unit/test_hf.py tests/unit/test_decode.py tests/unit/test_dispatch.py tests/unit/test_checkpoint_old_layout.py \
 	'tests/dist/test_parallel_equivalence.py::test_layout_matches_single_process[layout0]' \
 	'tests/dist/test_hf_parallel.py::test_import_export_at_layout[tp2ep2]'
 

@@ -1,1 +1,2 @@
-"""Benchmark commands (run as ``python -m benchmarks.NAME``); results in benchmarks/results/."""
+"""Performance benchmarks (``python -m benchmarks.NAME``), each against its committed baseline
+(baselines.yaml, ``python -m benchmarks.check``); results in benchmarks/results/."""

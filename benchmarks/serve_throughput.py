@@ -185,7 +185,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--sections", default="single,router", help="comma list of: single, router, pushes")
     ap.add_argument("--before", default=None, help="pushes: another commit's result JSON to compare with")
-    ap.add_argument("--out", default=None, help="pushes: where to write the JSON (default: results/)")
+    ap.add_argument("--out", default=None, help="where to write the JSON (default: results/)")
     a = ap.parse_args(argv)
     sections = set(a.sections.split(","))
     torch.set_num_threads(a.threads)
@@ -209,7 +209,7 @@ def main(argv=None) -> dict:
     if "single" in sections:
         res.update(_bench_single(a, tmp, policy, prompts))
     res = {"headline": _headline(res), **res}
-    path = result_path("serve_throughput", "tiny")
+    path = result_path("serve_throughput", "tiny", a.out)
     write_json(path, res)
     if "router" in res:
         _plot(res, path.with_suffix(".png"))

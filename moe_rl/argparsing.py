@@ -1,7 +1,8 @@
 """The command line's shared parts, a leaf under ``moe_rl.cli`` and ``moe_rl.plan``.
 
-:class:`ArgParser` (the house usage-error line) and :func:`one_line_errors` (a user error, or a
-full disk, becomes one ``moe-rl: <kind>: <message>`` line and exit code 2). Only the standard
+:class:`ArgParser` (the house usage-error line), :func:`one_line_errors` (a user error, or a
+full disk, becomes one ``moe-rl: <kind>: <message>`` line and exit code 2) and the count types of
+the benchmarks' and studies' flags (:func:`int_at_least`). Only the standard
 library and ``moe_rl.errors`` are imported, so both commands use them without importing each other.
 """
 
@@ -55,22 +56,6 @@ def stop_signals_end_the_command():
 # -- flag values checked by argparse's type= (a usage line naming the flag) -------------------------
 def _refuse(text: str, want: str):
     return argparse.ArgumentTypeError(f"{text!r}: give {want}")
-
-
-def count_at_least(minimum: int) -> Callable[[str], int]:
-    """argparse type: a whole number >= ``minimum`` (jobs, seeds, GPUs, bytes, requests)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text.strip())
-        except ValueError:
-            raise _refuse(text, f"a whole number >= {minimum}") from None
-        if value < minimum or value > 2**63 - 1:
-            raise _refuse(text, f"a whole number >= {minimum}")
-        return value
-
-    parse.rule = f"int >= {minimum}"
-    return parse
 
 
 def number_in(low: float = 0.0, high: float | None = None) -> Callable[[str], float]:
@@ -220,3 +205,26 @@ def run_main(main: Callable[[], int | None], verbose: bool | None = None) -> int
         return code if isinstance(code, int) and not isinstance(code, bool) else 0
 
     return one_line_errors(command, verbose)
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """argparse type: a whole number >= ``minimum`` in the 64-bit range (a count of jobs, seeds,
+    steps, threads, GPUs, bytes: 1; warm-up steps, a GPU index: 0)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
+        if value > 2**63 - 1:
+            raise argparse.ArgumentTypeError(f"{value} is past the 64-bit range")
+        return value
+
+    parse.rule = f"int >= {minimum}"
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)

@@ -398,13 +398,15 @@ class RolloutConfig:
     retries: int = 3
     "Retries of a failed request (connection errors and 5xx only)."
     verify_every: int = 10
-    "Read pushed weights back by name after the first push and every N-th (0: never; SGLang engines)."
+    "Check the first push and every N-th: each engine's and the trainer's scores of the same tokens, and read-back by name where the engine has it (0: never; SGLang engines)."
+    verify_tolerance: float | None = None
+    "Largest mean |log-prob difference| the push check allows (None: by precision, fp32 1e-3, fp16 4e-3, bf16 2e-2)."
     route_noise: float = 0.0
     "Selection noise of the engine's routers: sigma of Gaussian noise on the router logits its top-k is taken from, gates from the clean logits (embedded engine; 0: off; docs/algorithms.md#routing-noise)."
 
     def __post_init__(self) -> None:
         check_choices(self, "rollout")
-        require_positive(self, "rollout", "timeout_s")
+        require_positive(self, "rollout", "timeout_s", "verify_tolerance")
         require(self.retries >= 0, f"rollout.retries={self.retries} must be >= 0")
         require(self.verify_every >= 0, f"rollout.verify_every={self.verify_every} must be >= 0 (0: never)")
         require_positive(self, "rollout", "route_noise", strict=False)
@@ -495,7 +497,7 @@ class TrainConfig:
     freeze_router: bool = False
     "RL stage only: no update changes any MoE router weight (SFT still trains them), as verl's actor_rollout_ref.model.override_config.moe_config.freeze_moe_router and NeMo-RL's policy.megatron_cfg.freeze_moe_router; gradients still flow through the gates to the layers below (docs/algorithms.md#router-frozen)."
     router_lr_mult: float = 1.0
-    "RL stage only: the MoE routers' learning rate (and weight decay) as a multiple of optim.lr, a volatility dial: how far each update moves the routing (1: as every other weight; 0 is train.freeze_router without its zeroed gradient; docs/algorithms.md#router-lr)."
+    "RL stage only: the MoE routers' learning rate (and weight decay) as a multiple of optim.lr, a volatility dial: how far each update moves the routing (1: as every other weight; 0 is train.freeze_router without its zeroed gradient; docs/algorithms.md#router-learning-rate)."
 
     def __post_init__(self) -> None:
         check_choices(self, "train")

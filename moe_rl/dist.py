@@ -110,6 +110,24 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     return box[0]
 
 
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every member's ``obj`` (picklable), in rank order, on every member of ``group``."""
+    if not _active(group):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_object(obj: Any, dst: int = 0, group: Any = None) -> list[Any] | None:
+    """Every member's ``obj`` (picklable), in rank order, on global rank ``dst``; None elsewhere."""
+    if not _active(group):
+        return [obj]
+    out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
 def new_group(ranks: Sequence[int], backend: str | None = None) -> Any:
     """A process group over ``ranks`` (every process of the world must call this, in the same order)."""
     return dist.new_group(ranks=list(ranks), backend=backend)

@@ -37,14 +37,11 @@ main copy of bf16 weights)
         N' = prompts x G / DP x max_seq_len (RL only)
         (plan(micro_batch=n) / --micro-batch n: n x max_seq_len for both, as a micro-batching trainer)
     A layout fits when the sum is at most 90% of the GPU's memory (the rest is the CUDA
-    context, NCCL buffers and allocator fragmentation). KV cache is SGLang's business.
+    context, NCCL buffers and allocator fragmentation). KV cache is SGLang's business on its own GPUs.
 
-Colocated SGLang engines (rollout.sglang.colocate) share the trainer's GPUs; each phase must fit:
-    train    the sum above (the engines have released their memory)
-    push     trainer weights + the engine's weights (B_r bytes of rollout.dtype x parameters / its TP)
-             + gradients and optimizer unless rollout.sglang.offload_trainer (then on the host)
-    rollout  rollout.sglang.mem_fraction x GPU memory (SGLang's static pool: weights + KV cache)
-             + weights, gradients and optimizer unless offload_trainer (then nothing)
+Colocated SGLang engines (rollout.sglang.colocate) share the trainer's GPUs: every phase and
+transition of a step must fit, the KV cache must have room beside the engine's weights, and the
+node's host memory must hold what waits there (moe_rl.plan_colocated).
 
 Per step: routing-replay bytes = rollout tokens x L x K x itemsize
 (moe_rl.routing.codec.route_bytes_per_token); weight sync = bf16 full model (2 bytes x total).
@@ -58,6 +55,13 @@ import math
 import sys
 
 from moe_rl.config import ConfigError, ParallelConfig, Recipe
+from moe_rl.plan_colocated import (
+    colocated_detail,
+    colocated_phases,
+    colocated_refusal,
+    format_colocated,
+    host_per_node,
+)
 
 GIB = 1024**3
 USABLE = 0.9
@@ -227,6 +231,8 @@ def plan(
     gpu_mem_gib: float = 80,
     micro_batch: int | None = None,
     allow_unfit: bool = False,
+    host_mem_gib: float = 2048,
+    gpus_per_node: int = 8,
 ) -> dict:
     """Layout, parameter counts and per-GPU memory of ``recipe`` (on ``num_gpus`` GPUs if given).
 
@@ -234,7 +240,9 @@ def plan(
     ``micro_batch``: sequences per forward on one rank, for both the training and the pi_old
     forward (None: the recipe's train.micro_batch_size, or the whole local share when that is 0).
     Raises PlanError when
-    the estimate exceeds 90% of ``gpu_mem_gib``, unless ``allow_unfit``.
+    the estimate exceeds 90% of ``gpu_mem_gib``, unless ``allow_unfit``. Colocated engines: every
+    phase per GPU, and per node of ``gpus_per_node`` GPUs 90% of ``host_mem_gib`` of host memory
+    (:mod:`moe_rl.plan_colocated`).
     """
     p = recipe.parallel
     if num_gpus is not None and num_gpus != p.world_size:
@@ -251,7 +259,6 @@ def plan(
     mem = memory(recipe, p, micro_batch)
     budget = USABLE * gpu_mem_gib * GIB
     phases = colocated_phases(recipe, mem, total["total"], gpu_mem_gib * GIB)
-    fits = mem["total"] <= budget and all(v <= budget for v in (phases or {}).values())
     rollout_tokens = recipe.train.prompts_per_step * recipe.train.group_size * m.max_seq_len
     from moe_rl.routing.codec import route_bytes_per_token
 
@@ -261,62 +268,28 @@ def plan(
         "memory": mem,
         "gpu_mem_gib": gpu_mem_gib,
         "budget_bytes": int(budget),
-        "fits": fits,
+        "host_mem_gib": host_mem_gib,
         "routing_replay_bytes_per_step": rollout_tokens
         * route_bytes_per_token(m.num_layers, m.moe_router_topk, m.num_experts),
         "routing_replay_on": recipe.algo.routing != "none",
         "weight_sync_bytes_per_update": 2 * total["total"],
         "weight_sync_on": recipe.rollout.engine != "embedded",
         "colocated": phases,
-        "refusal": None
-        if fits
-        else (
+        "colocated_detail": phases and colocated_detail(recipe, mem, total["total"], gpu_mem_gib * GIB),
+        "host": host_per_node(recipe, mem, total["total"], p.world_size, gpus_per_node),
+    }
+    if mem["total"] > budget:
+        out["refusal"] = (
             f"layout TP={p.tensor_parallel} EP={p.expert_parallel} DP={p.data_parallel} needs "
             f"{mem['total'] / GIB:.1f} GiB per GPU, more than {USABLE:.0%} of {gpu_mem_gib:g} GiB: "
             + _suggest(recipe, p, mem, budget, micro_batch)
-            if mem["total"] > budget
-            else _colocated_refusal(recipe, phases, budget, gpu_mem_gib)
-        ),
-    }
+        )
+    else:
+        out["refusal"] = phases and colocated_refusal(recipe, out, gpu_mem_gib, host_mem_gib)
+    out["fits"] = fits = not out["refusal"]
     if not fits and not allow_unfit:
         raise PlanError(out["refusal"])
     return out
-
-
-def colocated_phases(r: Recipe, mem: dict, total_params: int, gpu_bytes: float) -> dict | None:
-    """Per-GPU bytes of each phase when SGLang engines share the trainer's GPUs (module
-    docstring), or None when they do not."""
-    cfg = r.rollout.sglang
-    if not r.rollout.colocated:
-        return None
-    t = mem["terms"]
-    state = 0 if cfg.offload_trainer else t["gradients"] + t["optimizer"]
-    engine_weights = {"fp32": 4, "bf16": 2, "fp16": 2}[r.rollout_dtype] * total_params / cfg.tp
-    return {
-        "train": int(mem["total"]),
-        "push": int(t["weights"] + state + engine_weights),
-        "rollout": int(cfg.mem_fraction * gpu_bytes + (0 if cfg.offload_trainer else t["weights"] + state)),
-    }
-
-
-def _colocated_refusal(r: Recipe, phases: dict, budget: float, gpu_mem_gib: float) -> str:
-    """Which colocated phase does not fit, and the setting that makes it fit."""
-    cfg, gpu = r.rollout.sglang, gpu_mem_gib * GIB
-    phase = max(("push", "rollout"), key=phases.get)  # train is the sum above, which fits here
-    head = (
-        f"colocated with SGLang, the {phase} phase needs {phases[phase] / GIB:.1f} GiB per GPU, more than "
-        f"{USABLE:.0%} of {gpu_mem_gib:g} GiB"
-    )
-    if phase == "rollout":
-        resident = phases["rollout"] - cfg.mem_fraction * gpu
-        room = (budget - resident) / gpu
-        tips = [f"lower rollout.sglang.mem_fraction to {room:.2f} or less"] if room > 0.05 else []
-        if not cfg.offload_trainer:
-            tips.append("set rollout.sglang.offload_trainer=true (the trainer's state waits in host memory)")
-        return head + ": " + "; or ".join(tips or ["give the engines their own GPUs (rollout.sglang.gpus)"])
-    tips = [] if cfg.offload_trainer else ["set rollout.sglang.offload_trainer=true"]
-    tips += ["raise rollout.sglang.tp (shards the engine's weights)", "or raise parallel.expert_parallel"]
-    return head + " (trainer weights + the engine's copy): " + "; ".join(tips)
 
 
 def _n(x: float) -> str:
@@ -370,13 +343,8 @@ def format_plan(pl: dict) -> str:
         f"{pl['weight_sync_bytes_per_update'] / GIB:.2f} GiB bf16 per update"
         f"{'' if pl['weight_sync_on'] else ' (embedded engine: none)'}"
     )
-    co = pl.get("colocated")
-    if co:
-        lines.append(
-            "colocated   SGLang on these GPUs, per phase: "
-            + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in co.items())
-            + f" (each within {pl['budget_bytes'] / GIB:.1f} GiB)"
-        )
+    if pl.get("colocated"):
+        lines += format_colocated(pl)
     else:
         lines.append("            KV cache: SGLang's business (--mem-fraction-static on its own GPUs)")
     if pl["refusal"]:
@@ -386,24 +354,28 @@ def format_plan(pl: dict) -> str:
 
 def arg_parser():
     """``moe-rl plan``'s command line (every flag's value range-checked by its type)."""
-    from moe_rl.argparsing import ArgParser, count_at_least, number_in
+    from moe_rl.argparsing import ArgParser, int_at_least, number_in
 
     ap = ArgParser(prog="moe-rl plan", description=__doc__.splitlines()[0])
     ap.add_argument("recipe")
     ap.add_argument("overrides", nargs="*", help="section.field=value")
     ap.add_argument(
         "--num-gpus",
-        type=count_at_least(1),
+        type=int_at_least(1),
         default=None,
         help="GPUs of the job (default: the recipe's world)",
     )
     ap.add_argument("--gpu-mem-gib", type=number_in(0.0), default=80.0, help="memory of one GPU, GiB")
     ap.add_argument(
         "--micro-batch",
-        type=count_at_least(1),
+        type=int_at_least(1),
         default=None,
         help="sequences per forward on one rank (default: train.micro_batch_size, else the whole share)",
     )
+    ap.add_argument(
+        "--host-mem-gib", type=float, default=2048.0, help="host memory of one node, GiB (colocated engines)"
+    )
+    ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (trainer ranks) of one node")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     return ap
 
@@ -420,6 +392,8 @@ def command(argv: list[str] | None = None) -> int:
         gpu_mem_gib=args.gpu_mem_gib,
         micro_batch=args.micro_batch,
         allow_unfit=True,
+        host_mem_gib=args.host_mem_gib,
+        gpus_per_node=args.gpus_per_node,
     )
     print(json.dumps(pl, indent=1) if args.json else format_plan(pl))
     if not pl["fits"]:

@@ -20,7 +20,7 @@ class SGLangConfig:
     url: str | None = None
     "Attach to one running SGLang server at this URL (None with engine=sglang: launch the engines)."
     engines: int | list[str] = 1
-    "How many engines to launch, or the URLs of running ones; 2+ sit behind sglang-router."
+    "How many engines to launch (colocated: in all, spread evenly over the trainer's nodes), or the URLs of running ones; 2+ sit behind sglang-router."
     router_url: str | None = None
     "Attach to a running sglang-router in front of the engines (None with 2+ engines: launch one)."
     router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = "cache_aware"
@@ -36,9 +36,9 @@ class SGLangConfig:
     host: str | None = None
     "Where launched engines bind (None: 127.0.0.1; across nodes rank 0's routable address; docs/multinode.md)."
     gpus: list[int] | None = None
-    "GPUs the rollout engines use: engine i gets gpus[i*tp:(i+1)*tp] as its CUDA_VISIBLE_DEVICES."
+    "GPUs the rollout engines use: engine i gets gpus[i*tp:(i+1)*tp] as its CUDA_VISIBLE_DEVICES (colocated: on each node; default the trainer's)."
     colocate: bool = False
-    "Engines share the trainer's GPUs: --enable-memory-saver, memory released during training, tensor pushes."
+    "Engines share the trainer's GPUs: --enable-memory-saver --enable-weights-cpu-backup, memory held only for a push or a rollout, tensor pushes."
     mem_fraction: float = 0.8
     "SGLang --mem-fraction-static: the share of each GPU's memory an engine reserves (weights + KV cache)."
     offload_trainer: bool = True

@@ -45,6 +45,26 @@ ACCEL = torch.device("cpu", 0)
 DEVICE, HOST = "device", "host"
 _MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu}
 _COPIES = {torch.Tensor.copy_}
+#: calls that read a device tensor's values on the host: CUDA waits for the device (a sync)
+_READS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+}
+#: ops whose output size depends on a device tensor's values: CUDA reads them back first
+_DATA_DEPENDENT = {
+    torch.nonzero,
+    torch.Tensor.nonzero,
+    torch.masked_select,
+    torch.Tensor.masked_select,
+    torch.unique,
+    torch.Tensor.unique,
+    torch.bincount,
+    torch.Tensor.bincount,
+}
 
 
 @dataclass
@@ -69,6 +89,16 @@ def _kind_of(device: Any) -> str | None:
     return DEVICE if d.type == "cuda" or d == ACCEL else HOST
 
 
+def _name(func) -> str:
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+
+
+def _bool_index(index) -> bool:
+    """Whether ``index`` (of ``t[index]``) holds a boolean mask tensor (its count is data-dependent)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
 def _caller() -> str:
     """The innermost frame of moe-rl's own code (else the innermost non-torch frame)."""
     frames = [f for f in traceback.extract_stack()[:-3] if "device_ledger" not in f.filename]
@@ -84,6 +114,8 @@ class DeviceLedger(TorchFunctionMode):
         super().__init__()
         self._tags = WeakIdKeyDictionary()
         self.mixes: list[Mix] = []
+        self.reads: list[Mix] = []
+        "Device-to-host reads (syncs on CUDA): values read on the host, or data-dependent shapes."
         for t in device_tensors:
             self._tags[t] = DEVICE
 
@@ -98,6 +130,21 @@ class DeviceLedger(TorchFunctionMode):
         kwargs = kwargs or {}
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         tags = [self._tags.get(t) for t in tensors]
+        if (
+            tags
+            and tags[0] == DEVICE
+            and (
+                func in _READS
+                or func in _DATA_DEPENDENT
+                or (
+                    func is torch.repeat_interleave
+                    and isinstance(args[0], torch.Tensor)
+                    and "output_size" not in kwargs
+                )
+                or (func is torch.Tensor.__getitem__ and _bool_index(args[1] if len(args) > 1 else None))
+            )
+        ):
+            self.reads.append(Mix(_name(func), [tuple(tensors[0].shape)], [], _caller()))
         if func in _MOVES:
             return self._move(func, args, kwargs)
         if func is torch.Tensor.numpy and tags and tags[0] == DEVICE:
@@ -135,9 +182,8 @@ class DeviceLedger(TorchFunctionMode):
         self._record(func, device, host)
 
     def _record(self, func, device: list[torch.Tensor], host: list[torch.Tensor]) -> None:
-        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
         self.mixes.append(
-            Mix(name, [tuple(t.shape) for t in device], [tuple(t.shape) for t in host], _caller())
+            Mix(_name(func), [tuple(t.shape) for t in device], [tuple(t.shape) for t in host], _caller())
         )
 
     def _move(self, func, args, kwargs):
@@ -153,6 +199,8 @@ class DeviceLedger(TorchFunctionMode):
                     kind = self._tags.get(a)
                 elif isinstance(a, (str, torch.device)):
                     kind = _kind_of(a)  # None: to `x.device`, wherever x is
+        if kind == HOST and self._tags.get(src) == DEVICE:
+            self.reads.append(Mix(_name(func), [tuple(src.shape)], [], _caller()))
         out = src if func is torch.Tensor.cuda else func(*args, **kwargs)  # CPU torch has no .cuda()
         if out is src and kind != self._tags.get(src):
             out = src.clone()  # a real move makes a new tensor; on the CPU `to` would alias src

@@ -57,12 +57,50 @@ TINY_RL: dict[str, Any] = {
 "The smallest RL recipe of the tiny policy (one step of 2 prompts x 2 samples, 2 minibatches)."
 
 
-def tiny_rl_recipe(out_dir, **sections: dict):
-    """:data:`TINY_RL` with ``sections`` merged into its sections, writing to ``out_dir``."""
+TINY_E2E: dict[str, Any] = {
+    "model": {**TINY_MODEL, "vocab_size": 104},  # the char tokenizer's vocabulary
+    "optim": {"lr": 1e-3},
+    "task": {"name": "arithmetic", "arithmetic": {"min_operands": 2, "max_operands": 2, "digits": 1}},
+    "train": {
+        "stages": ["sft", "rl"],
+        "sft_steps": 3,
+        "sft_batch_size": 8,
+        "rl_steps": 2,
+        "prompts_per_step": 2,
+        "group_size": 4,
+        "minibatches": 2,
+        "max_new_tokens": 12,
+        "eval_prompts": 4,
+        "flip_probe_sequences": 2,
+    },
+}
+"""The end-to-end recipe of the tiny policy: 3 SFT steps, then 2 RL steps of 2 prompts x 4 samples."""
+
+
+def tiny_rl_recipe(out_dir, *, base: dict[str, Any] = TINY_RL, **sections: dict):
+    """``base`` (:data:`TINY_RL`, :data:`TINY_E2E`) with ``sections`` merged into its sections,
+    writing to ``out_dir``."""
     from moe_rl.config import recipe_from_dict
 
-    data = {k: dict(v) for k, v in TINY_RL.items()}
+    data = {k: dict(v) for k, v in base.items()}
     for k, v in sections.items():
         data[k] = {**data.get(k, {}), **v}
     data["train"]["out_dir"] = str(out_dir)
     return recipe_from_dict(data)
+
+
+def tiny_e2e(tmp_path, **sections: dict):
+    """:data:`TINY_E2E` with ``sections``, writing to ``tmp_path``/run."""
+    return tiny_rl_recipe(tmp_path / "run", base=TINY_E2E, **sections)
+
+
+def ready_run(out_dir, *, base: dict[str, Any] = TINY_E2E, stage: str = "rl", **sections: dict):
+    """A trainer Run of ``base`` + ``sections`` with only ``stage`` (``train.stages``), its engine and
+    that stage's optimizer built: what a test needs to drive one step by hand. Close it after."""
+    from moe_rl.trainer.context import Run
+
+    sections["train"] = {**sections.get("train", {}), "stages": [stage]}
+    run = Run(tiny_rl_recipe(out_dir, base=base, **sections))
+    run.ensure_engine()
+    run.make_optimizer(stage)
+    return run

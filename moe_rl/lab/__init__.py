@@ -10,5 +10,11 @@ imports this package).
 - :mod:`moe_rl.lab.report`: metrics read back, tables and pictures (``moe-rl report``);
 - :mod:`moe_rl.lab.demo`: ``moe-rl demo``;
 - :mod:`moe_rl.lab.compare`: ``moe-rl compare`` (arms x seeds on a recipe, a seed-paired table);
-- :mod:`moe_rl.lab.stats`: means and least-squares fits.
+- :mod:`moe_rl.lab.stats`: means, least-squares fits, a run's AUC and ratio-outlier steps, paired
+  differences across seeds, time-to-event;
+- :mod:`moe_rl.lab.results`: result files named by machine, preset and commit, written atomically;
+- :mod:`moe_rl.lab.mismatch`: one engine batch against the trainer's fp32 recompute (the mismatch
+  study and the GPU check).
+
+What only one study uses lives in that study (``studies/``); nothing here imports a study.
 """

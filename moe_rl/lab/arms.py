@@ -2,8 +2,8 @@
 
 An arm is a base recipe plus ``section.field=value`` overrides, exactly what ``moe-rl train``
 takes, so the same arm runs in process, under torchrun or through Slurm with the recipe file
-unchanged. The demo (:mod:`moe_rl.lab.demo`), ``benchmarks/collapse.py``, ``benchmarks/phase.py``,
-``benchmarks/volatility.py`` and ``benchmarks/throughput.py`` all read :data:`ARMS`; the clip
+unchanged. The demo (:mod:`moe_rl.lab.demo`), ``studies/collapse/collapse.py``, ``studies/collapse/phase.py``,
+``studies/collapse/volatility.py`` and ``benchmarks/throughput.py`` all read :data:`ARMS`; the clip
 bands are the loss registry's (:data:`moe_rl.losses.LOSSES`).
 """
 
@@ -44,11 +44,11 @@ VARIANTS: dict[str, dict] = {
     "GRPO+R3+gates": {"of": "GRPO+R3", "overrides": {"algo": {"replay_gate_weights": True}}},
 }
 """Issue 31's arms, each an arm of :data:`ARMS` plus overrides (the noise design's ``extra_arms``,
-recipes/demo/noise.plan.yaml, pre-registered with these values; a test holds them equal): the
+studies/noise/noise.plan.yaml, pre-registered with these values; a test holds them equal): the
 chaos null (GRPO from a start jittered by 1e-7, a no-op whose spread is the yardstick for every
 arm difference), GRPO with the routers frozen in RL, and R3 with the engine's gate weights
 replayed too. ``moe-rl compare`` takes them by name; the benchmarks that default to every arm
-(benchmarks/collapse.py) keep :data:`ARMS`."""
+(studies/collapse/collapse.py) keep :data:`ARMS`."""
 
 
 def _merged(a: dict, b: dict) -> dict:
@@ -66,7 +66,7 @@ COMPARE_ARMS: dict[str, dict] = {
 
 DEMO_ARMS = ("GRPO", "GRPO+R2", "CHAOS")
 """The arms ``make demo`` runs (recipes/demo/dial_demo.yaml): GRPO, GRPO + R2 and the chaos null,
-design (b)'s deciding contrast (docs/noise.md), the strongest one measured: R2 removes the steps
+design (b)'s deciding contrast (studies/noise/README.md), the strongest one measured: R2 removes the steps
 with out-of-range token ratios that routing causes there, and held-out accuracy does not move."""
 DEMO_SEEDS = 3
 "Seeds per arm of ``make demo``: each seed one paired comparison, the median and spread drawn."

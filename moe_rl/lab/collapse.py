@@ -1,7 +1,7 @@
 """The fixed collapse criterion: when a run's reward curve counts as collapsed.
 
-One definition for ``moe-rl demo``'s report and the benchmarks (``benchmarks/collapse.py``,
-``benchmarks/phase.py``, whose plan fixed these constants before any run); the trainer's in-run
+One definition for ``moe-rl demo``'s report and the studies (``studies/collapse/collapse.py``,
+``studies/collapse/phase.py``, whose plan fixed these constants before any run); the trainer's in-run
 sentinel applies the same step rule (:func:`moe_rl.trainer.sentinel.reward_drop`) to raw rewards.
 """
 

@@ -50,7 +50,6 @@ from moe_rl.config import load_recipe
 from moe_rl.errors import PathError, UserError
 from moe_rl.lab.arms import COMPARE_ARMS, DEMO_ARMS, arm_dir
 from moe_rl.lab.compare_checks import MARKER, check_arms, check_out, check_reruns, claim_out, job_overrides
-from moe_rl.lab.noise import auc, outlier_steps
 from moe_rl.lab.report import series, summarize
 from moe_rl.lab.results import csv_text, json_safe, write_json, write_text
 from moe_rl.lab.runner import (
@@ -62,7 +61,7 @@ from moe_rl.lab.runner import (
     resumable_run,
 )
 from moe_rl.lab.starts import warm_start
-from moe_rl.lab.stats import mean, paired
+from moe_rl.lab.stats import auc, mean, outlier_steps, paired
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 :data:`~moe_rl.lab.arms.DEMO_ARMS` (GRPO, GRPO + R2 and the chaos null: GRPO from a start jittered
 by 1e-7) x :data:`~moe_rl.lab.arms.DEMO_SEEDS` seeds on ``recipes/demo/dial_demo.yaml``: design
-(b)'s moe-dial30 cell (countdown, the router's learning rate x30; docs/noise.md) at 40 steps, from
+(b)'s moe-dial30 cell (countdown, the router's learning rate x30; studies/noise/README.md) at 40 steps, from
 its SFT start shipped in ``recipes/demo/dial_start``. It is ``moe-rl compare``
 (:func:`moe_rl.lab.compare.run_compare`) with these arms and seeds: runs resumable, two at a time
 by default, a seed-paired table (each arm's difference to GRPO with its 95% interval: held-out

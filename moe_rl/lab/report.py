@@ -28,7 +28,7 @@ PANELS: dict[str, str] = {
     "experts/router_entropy": "router entropy (nats, softmax over the experts)",
 }
 """The title of every curve a report draws, by metric key: :func:`plot` draws :data:`DETAIL_PANELS`
-(and :data:`EXPERT_PANELS` where logged), ``benchmarks/collapse.py`` its runs' curves."""
+(and :data:`EXPERT_PANELS` where logged), ``studies/collapse/collapse.py`` its runs' curves."""
 DETAIL_PANELS = tuple(PANELS)[:8]
 "The panels of ``report-detail.png`` (``moe-rl report``): every metric the arms compare on."
 EXPERT_PANELS = ("experts/load_imbalance", "experts/dead_frac", "experts/router_entropy")

@@ -1,4 +1,8 @@
-"""Result files: JSON written atomically, with ``null`` for a number that is not one.
+"""Result files: named by machine, preset and commit; JSON written atomically, with ``null`` for a
+number that is not one.
+
+:func:`result_path` names a result ``<name>-<machine>-<preset>-<commit>.json`` in the folder of what
+wrote it (``benchmarks/results/``, ``studies/<study>/results/``; ``tools.index`` lists each).
 
 A benchmark or a demo writes its result over the previous one; written in place, a full disk
 left an 8 KB truncated JSON where the last good result was. :func:`write_json` writes a temp file
@@ -12,10 +16,56 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import platform
+import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
 from moe_rl.files import write_text as write_text  # re-exported: callers import it here
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+"The checkout moe_rl runs from (its commit names the results)."
+
+
+def machine() -> str:
+    """A short machine name: the GPU model when CUDA is present, else CPU count and arch."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            name = torch.cuda.get_device_name(0)
+            return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
+    except Exception:
+        pass
+    return f"cpu{os.cpu_count()}-{platform.machine()}"
+
+
+def commit() -> str:
+    """The checkout's short commit (with -dirty when files changed), or 'nocommit'."""
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=CHECKOUT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=CHECKOUT,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except Exception:
+        return "nocommit"
+
+
+def result_path(
+    name: str, preset: str, out: str | None = None, suffix: str = ".json", *, folder: str | Path
+) -> Path:
+    """``folder``/<name>-<machine>-<preset>-<commit><suffix> (or ``out``), its folder made."""
+    p = Path(out) if out else Path(folder) / f"{name}-{machine()}-{preset}-{commit()}{suffix}"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return p
 
 
 def json_safe(obj: Any) -> Any:

@@ -30,6 +30,31 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+SMOKE_BASE = {
+    "model": {
+        "hidden_size": 64,
+        "num_layers": 2,
+        "num_attention_heads": 4,
+        "num_query_groups": 2,
+        "head_dim": 16,
+        "moe_ffn_hidden_size": 64,
+        "num_experts": 4,
+        "max_seq_len": 64,
+    },
+    "task": {"arithmetic": {"min_operands": 2, "max_operands": 2}, "format_reward": 0.1},
+    "train": {
+        "sft_steps": 60,
+        "sft_batch_size": 16,
+        "sft_lr": 3e-3,
+        "prompts_per_step": 4,
+        "group_size": 4,
+        "minibatches": 2,
+        "max_new_tokens": 12,
+        "log_every": 100,
+    },
+}
+"""The smoke presets' policy and task on top of recipes/demo/base.yaml (the studies' and tests'): a\nseconds-long SFT start."""
+
 CACHE = ROOT / "runs" / "bench_cache"
 "Where SFT starts are cached, one directory per SFT signature."
 REUSABLE_SFT = (ROOT / "runs" / "demo" / "sft",)

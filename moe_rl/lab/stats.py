@@ -1,5 +1,6 @@
-"""Small statistics the experiments share: means over what was measured, least-squares fits, paired
-differences across seeds (t interval, exact sign-flip p), Kaplan-Meier and the log-rank test."""
+"""Small statistics the experiments share: means over what was measured, least-squares fits, a run's
+held-out AUC, ratio-outlier steps and routing share, paired differences across seeds (t interval,
+exact sign-flip p), Kaplan-Meier and the log-rank test."""
 
 from __future__ import annotations
 
@@ -18,6 +19,40 @@ def lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
 
     sol, *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(ys, dtype=float), rcond=None)
     return [float(x) for x in sol]
+
+
+# -- per run --------------------------------------------------------------------------------------
+def auc(evals: list[tuple[int, float]]) -> float:
+    """Trapezoid area under (steps done, held-out accuracy) from the first evaluation to the last,
+    divided by the steps between them: a mean accuracy over training (nan with < 2 evaluations)."""
+    pts = sorted((int(s), float(a)) for s, a in evals)
+    if len(pts) < 2 or pts[-1][0] == pts[0][0]:
+        return math.nan
+    area = sum((x1 - x0) * (y0 + y1) / 2 for (x0, y0), (x1, y1) in zip(pts, pts[1:]))
+    return area / (pts[-1][0] - pts[0][0])
+
+
+def outlier_steps(rows: list[dict]) -> float:
+    """The fraction of a run's RL steps (those that logged it) with any token ratio to pi_old
+    outside [0.5, 2] (``ratio/token_frac_outside_0.5_2`` > 0): where routing's outliers show
+    (nan if no step logged it)."""
+    return mean(None if (f := r.get("ratio/token_frac_outside_0.5_2")) is None else f > 0 for r in rows)
+
+
+def routing_share(rows: list[dict]) -> float:
+    """A run's routing share, its steps pooled: 1 - sum Var(log rho, replayed) / sum Var(log rho,
+    natural) over the steps that logged both (nan if none or no natural variance).
+
+    The mean of the per-step shares is the same figure weighted equally per step, which one step
+    with almost no natural variance (all of a probe's ratios ~1: 1e-9 against a run's 4e-4
+    typical) can swing to -2,000; pooling weights each step's share by its natural variance."""
+    pairs = [
+        (r["ratio/log_rho_var_natural"], r["ratio/log_rho_var_replayed"])
+        for r in rows
+        if r.get("ratio/log_rho_var_natural") is not None and r.get("ratio/log_rho_var_replayed") is not None
+    ]
+    natural = sum(n for n, _ in pairs)
+    return 1.0 - sum(v for _, v in pairs) / natural if natural > 0 else math.nan
 
 
 # -- paired comparisons across seeds --------------------------------------------------------------

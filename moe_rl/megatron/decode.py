@@ -97,8 +97,8 @@ class Decoder:
     # -- weights and cache ------------------------------------------------------------------
     @torch.no_grad()
     def begin(self) -> None:
-        """Snapshot every layer's stacked, input-major expert weights ``[E, H, 2F]`` / ``[E, F, H]``
-        (:meth:`GroupedExperts.stacked_weights`) and router weight (fp32 when the model's
+        """Take every layer's input-major expert weights ``[E, H, 2F]`` / ``[E, F, H]``
+        (:meth:`GroupedExperts.input_major`: views of the parameters) and router weight (fp32 when the model's
         ``moe_router_dtype`` is fp32, as megatron computes it) for one generate() call (the
         weights do not change during it). Under EP the experts are
         all-gathered over the EP group in rank order (megatron's global expert id = ep_rank *
@@ -106,7 +106,7 @@ class Decoder:
         info = self.policy.info
         self._experts, self._routers = [], []
         for layer in self.policy.model.decoder.layers:
-            w1t, w2t = layer.mlp.experts.stacked_weights()  # input-major: [E, H, 2F], [E, F, H]
+            w1t, w2t = layer.mlp.experts.input_major()  # [E, H, 2F], [E, F, H]
             if info.ep_size > 1:
                 w1t, w2t = (all_gather_cat(w, info.ep_group, dim=0) for w in (w1t, w2t))
             self._experts.append((w1t, w2t))

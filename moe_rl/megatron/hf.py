@@ -35,7 +35,6 @@ from moe_rl.megatron.hf_mapping import (
     Piece,
     config_from_hf,
     fused_expert_shapes,
-    global_expert_name,
     hf_config,
     hf_from_full,
     hf_shapes,
@@ -223,19 +222,14 @@ class PolicyHFSource:
         device = torch.device(device)
         copy = device.type == "cpu"
         cfg, info = self.policy.cfg, self.policy.info
-        shapes, local_experts = self.shapes, cfg.num_experts // info.ep_size
+        shapes = self.shapes
         for name, p in self.policy.model.named_parameters():
-            kind, arg = shard_kind(name)
-            if kind == "tp":
-                fulls = [(name, dist.all_gather_cat(p.detach(), info.tp_group, dim=arg))]
-            elif kind == "ep":  # rank r's local expert ``arg`` is global expert r * local_experts + arg
-                parts = dist.all_gather_cat(p.detach()[None], info.ep_group).unbind(0)
-                fulls = [(global_expert_name(name, r * local_experts + arg), t) for r, t in enumerate(parts)]
-            else:
-                fulls = [(name, p.detach())]
-            for full_name, full in fulls:
-                for hf_name, t in hf_from_full(full_name, full, cfg, shapes):
-                    yield hf_name, t.to(device=device, dtype=self.dtype or t.dtype, copy=copy).contiguous()
+            kind, dim = shard_kind(name)
+            group = info.tp_group if kind == "tp" else info.ep_group if kind == "ep" else None
+            # EP rank r holds global experts r * E_local ..: the gather along dim 0 is every expert
+            full = dist.all_gather_cat(p.detach(), group, dim=dim) if group is not None else p.detach()
+            for hf_name, t in hf_from_full(name, full, cfg, shapes):
+                yield hf_name, t.to(device=device, dtype=self.dtype or t.dtype, copy=copy).contiguous()
 
     def hf_param_meta(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """HF name -> (full shape, dtype of the policy's parameters)."""

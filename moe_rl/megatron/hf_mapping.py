@@ -11,9 +11,9 @@ Layouts (megatron-core local spec, 0.16.1 .. 0.19):
   ``[R query heads, 1 key head, 1 value head]``; TP splits whole groups (rows).
 - ``linear_proj.weight`` ``[H, Q * D]``: row-parallel, TP splits columns.
 - ``embedding.word_embeddings.weight`` and ``output_layer.weight`` ``[V, H]``: TP splits rows.
-- ``local_experts.{j}.linear_fc1.weight`` ``[2 * I, H]`` stacks ``[gate; up]``;
-  ``linear_fc2.weight`` ``[H, I]``; EP rank r holds global experts ``r * E/EP + j``
-  (expert tensor parallelism is 1).
+- ``mlp.experts.linear_fc1.weight`` ``[E_local, 2 * I, H]``: local expert j's ``[gate; up]`` rows;
+  ``mlp.experts.linear_fc2.weight`` ``[E_local, H, I]``; EP rank r holds global experts
+  ``r * E_local .. (r + 1) * E_local - 1`` (expert tensor parallelism is 1).
 - Norms and the router are replicated.
 
 HF checkpoints name experts one by one (``mlp.experts.{e}.gate_proj.weight``, what
@@ -177,7 +177,7 @@ def _span(start: int, size: int) -> tuple[slice, ...]:
 
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight")
+_EXPERT = re.compile(r"mlp\.experts\.linear_fc([12])\.weight")
 _REPLICATED = {
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",  # TE spec
@@ -203,19 +203,24 @@ def _qkv(p: str, mg: str, cfg: ModelConfig, lay: Layout) -> list[Piece]:
     return out
 
 
-def _expert(p: str, mg: str, j: int, fc: str, cfg: ModelConfig, lay: Layout, fused: bool) -> list[Piece]:
-    e = lay.ep_rank * (cfg.num_experts // lay.ep_size) + j
-    i_ = cfg.moe_ffn_hidden_size
+def _experts(p: str, mg: str, fc: str, cfg: ModelConfig, lay: Layout, fused: bool) -> list[Piece]:
+    """The stacked projection ``mg`` ([E_local, ...]) of this rank's experts."""
+    local = cfg.num_experts // lay.ep_size
+    first, i_ = lay.ep_rank * local, cfg.moe_ffn_hidden_size
     if fused:
         name = p + ("mlp.experts.gate_up_proj" if fc == "1" else "mlp.experts.down_proj")
-        return [Piece(name, mg, (slice(e, e + 1), slice(None), slice(None)), ALL)]
-    x = f"{p}mlp.experts.{e}."
-    if fc == "2":
-        return [Piece(x + "down_proj.weight", mg, ALL, ALL)]
-    return [
-        Piece(x + "gate_proj.weight", mg, ALL, _span(0, i_)),
-        Piece(x + "up_proj.weight", mg, ALL, _span(i_, i_)),
-    ]
+        return [Piece(name, mg, (slice(first, first + local), slice(None), slice(None)), ALL)]
+    out = []
+    for j in range(local):
+        x, row = f"{p}mlp.experts.{first + j}.", slice(j, j + 1)
+        if fc == "2":
+            out.append(Piece(x + "down_proj.weight", mg, ALL, (row,)))
+            continue
+        out += [
+            Piece(x + "gate_proj.weight", mg, ALL, (row, slice(0, i_))),
+            Piece(x + "up_proj.weight", mg, ALL, (row, slice(i_, 2 * i_))),
+        ]
+    return out
 
 
 def param_pieces(mg: str, cfg: ModelConfig, lay: Layout = Layout(), *, fused: bool = False) -> list[Piece]:
@@ -245,24 +250,18 @@ def param_pieces(mg: str, cfg: ModelConfig, lay: Layout = Layout(), *, fused: bo
     ex = _EXPERT.fullmatch(rest)
     if ex is None:
         raise KeyError(f"no Hugging Face mapping for megatron parameter {mg!r}")
-    return _expert(p, mg, int(ex[1]), ex[2], cfg, lay, fused)
+    return _experts(p, mg, ex[1], cfg, lay, fused)
 
 
 def shard_kind(mg: str) -> tuple[str, int]:
-    """How a local megatron parameter is split: ("tp", dim), ("ep", local expert) or ("none", 0)."""
+    """How a local megatron parameter is split: ("tp", dim), ("ep", 0: experts along dim 0) or ("none", 0)."""
     if mg in ("embedding.word_embeddings.weight", "output_layer.weight") or mg.endswith(
         "self_attention.linear_qkv.weight"
     ):
         return "tp", 0
     if mg.endswith("self_attention.linear_proj.weight"):
         return "tp", 1
-    ex = _EXPERT.search(mg)
-    return ("ep", int(ex[1])) if ex else ("none", 0)
-
-
-def global_expert_name(mg: str, expert: int) -> str:
-    """The world-1 name of a local expert parameter, holding global expert ``expert``."""
-    return re.sub(r"local_experts\.\d+\.", f"local_experts.{expert}.", mg)
+    return ("ep", 0) if _EXPERT.search(mg) else ("none", 0)
 
 
 def hf_from_full(

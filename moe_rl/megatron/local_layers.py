@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.module import MegatronModule
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 #: The SDPA kernels attention may run on, in torch's own order of preference. cuDNN's is left
@@ -134,7 +135,7 @@ class SDPAttention(DotProductAttention):
                 )
         t, heads, hn = query.shape
         gqa = key.shape[1] != heads
-        bounds = params.cu_seqlens_q.tolist()
+        bounds = getattr(params, "host_bounds", None) or params.cu_seqlens_q.tolist()  # no device read
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, heads, t, hn]
         outs = []
         for lo, hi in zip(bounds[:-1], bounds[1:]):
@@ -186,45 +187,44 @@ def varlen_causal(fn, query, key, value, cu_seqlens, max_seqlen, scale) -> torch
     return fn(query, key, value, cu, cu, m, m, **kw).reshape(t, heads * hn)
 
 
-class StackIntoMainGrad(torch.autograd.Function):
-    """``torch.stack(weights)`` whose backward, under megatron-core DDP, accumulates the weights'
-    gradients into their ``main_grad`` itself: one fused add for all of them
-    (``torch._foreach_add_``) instead of DDP's per-parameter hook adding each ``param.grad``.
-
-    transformer-engine's gradient-accumulation fusion under the same contract: each weight is
-    marked ``grad_added_to_main_grad`` (DDP resets it when it zeroes its buffer) and handed a
-    gradient of the right shape that is never read (an uninitialised allocation; zeros where
-    ``zero_out_wgrad`` asks for them), so its accumulator and DDP's hook still run (the bucket's
-    readiness with ``overlap_grad_reduce``) but the hook skips its ``main_grad.add_``. Weights
-    without a ``main_grad`` (no DDP: inference, a bare module) get the stack's own backward.
-
-    One rule then holds within a backward window: a weight marked added takes no ``param.grad``
-    from elsewhere. :class:`GroupedExperts` uses the stack for every CUDA training forward of
-    its experts; only a micro-batch routing no token to this rank's experts takes the per-expert
-    path, whose gradients are zeros."""
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: torch's grouped GEMM backward refuses
+    a broadcast (stride-0) gradient, such as ``out.sum().backward()`` gives."""
 
     @staticmethod
-    def forward(ctx, *weights):
-        ctx.weights = weights
-        return torch.stack(weights)
+    def forward(ctx, x):
+        return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        weights, ctx.weights = ctx.weights, None
-        if not all(hasattr(w, "main_grad") and hasattr(w, "grad_added_to_main_grad") for w in weights):
-            return grad.unbind(0)
-        mains = [w.main_grad for w in weights]
-        torch._foreach_add_(mains, list(grad.to(mains[0].dtype).unbind(0)))
-        for w in weights:
-            w.grad_added_to_main_grad = True
-        zero = any(getattr(w, "zero_out_wgrad", False) for w in weights)
-        return (torch.zeros_like(grad) if zero else torch.empty_like(grad)).unbind(0)
+        return grad.contiguous()
 
 
-class GroupedExperts(SequentialMLP):
-    """SequentialMLP whose forward runs all local experts as one grouped matmul per projection."""
+class ExpertWeights(torch.nn.Module):
+    """One projection of every local expert as one parameter: ``weight [E, out, in]``, expert e's
+    ``weight[e]`` in its own ``nn.Linear`` layout."""
 
-    def __init__(self, num_local_experts, config, submodules, **kwargs):
+    def __init__(self, experts: int, out_features: int, in_features: int, *, dtype, device) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(
+            torch.empty(experts, out_features, in_features, dtype=dtype, device=device)
+        )
+
+
+class GroupedExperts(MegatronModule):
+    """Every local expert's SwiGLU MLP, one parameter per projection (megatron-core's grouped-GEMM
+    experts' shape of state; module docstring): ``linear_fc1.weight [E, 2F, H]`` (expert e's rows
+    ``[gate; up]``) and ``linear_fc2.weight [E, H, F]``.
+
+    Built where megatron-core builds ``SequentialMLP`` (same constructor), with the values
+    ``SequentialMLP`` would draw (each expert's ``linear_fc1`` then ``linear_fc2``, expert by expert,
+    by megatron-core's own CPU initialiser) and the same parameter attributes, so a seed gives the same
+    policy in either layout; its checkpoint keys and global shapes are ``SequentialMLP``'s
+    (:meth:`sharded_state_dict`). The forward is one ``torch._grouped_mm`` per projection over the
+    stacked weights seen input-major (a transposed view: no copy), on CPU as on CUDA; a per-expert
+    loop where this torch has no grouped GEMM for the device and dtype."""
+
+    def __init__(self, num_local_experts, config, submodules=None, pg_collection=None, **_kwargs):
         unsupported = {
             "add_bias_linear": config.add_bias_linear,
             "gated_linear_unit must be true": not config.gated_linear_unit,
@@ -236,70 +236,119 @@ class GroupedExperts(SequentialMLP):
         bad = [k for k, v in unsupported.items() if v]
         if bad:
             raise ValueError(f"GroupedExperts does not implement {bad}; build the stock local spec")
-        super().__init__(num_local_experts, config, submodules, **kwargs)
+        super().__init__(config=config)
+        self.num_local_experts = num_local_experts
+        self.ep_group, self.tp_group, self.dp_group = (
+            pg_collection.ep,
+            pg_collection.expt_tp,
+            pg_collection.expt_dp,
+        )
+        h, f = config.hidden_size, config.moe_ffn_hidden_size
+        kw = dict(
+            dtype=config.params_dtype,
+            device=None if config.use_cpu_initialization else torch.cuda.current_device(),
+        )
+        self.linear_fc1 = ExpertWeights(num_local_experts, 2 * f, h, **kw)
+        self.linear_fc2 = ExpertWeights(num_local_experts, h, f, **kw)
+        # SequentialMLP's experts' attributes (column-parallel fc1 with GLU stride 2, row-parallel
+        # fc2), one dimension further for the expert axis
+        for w, dim, stride in ((self.linear_fc1.weight, 1, 2), (self.linear_fc2.weight, 2, 1)):
+            set_tensor_model_parallel_attributes(w, True, dim, stride)
+            w.allreduce = self.ep_group.size() == 1
+        if config.perform_initialization:
+            self._initialize(config)
         self._act = config.activation_func
         self._offset = getattr(config, "glu_linear_offset", 0.0)
+        self._fused_glu = bool(config.bias_activation_fusion) and self._act is F.silu and not self._offset
+
+    @torch.no_grad()
+    def _initialize(self, config) -> None:
+        """Each expert's weights as ``SequentialMLP``'s MLP draws them on CPU (megatron-core's
+        ``_initialize_affine_weight_cpu``, expert by expert, fc1 then fc2)."""
+        from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
+
+        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        (_, f2, h), f = w1.shape, w2.shape[2]
+        for e in range(self.num_local_experts):
+            for w, out, inp, dim, init in (
+                (w1, f2, h, 0, config.init_method),
+                (w2, h, f, 1, config.output_layer_init_method),
+            ):
+                part = torch.empty(out, inp, dtype=w.dtype)
+                _initialize_affine_weight_cpu(
+                    part,
+                    out,
+                    inp,
+                    out if dim == 0 else inp,
+                    dim,
+                    init,
+                    params_dtype=w.dtype,
+                    rank=0,
+                    world_size=1,
+                )
+                w[e].copy_(part)
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        """Tokens sorted by local expert ([N, H], counts [E], probs [N]) -> ([N, H], None).
+        """Tokens sorted by local expert ([N, H], counts [E], probs [N]) -> ([N, H], None)."""
+        w1t, w2t = self.input_major()
+        return self.grouped(permuted_local_hidden_states, tokens_per_expert, permuted_probs, w1t, w2t), None
 
-        One matmul per expert and projection on the experts' own weights: no stacked copy of
-        them (a copy per forward costs more than the matmuls of a small batch on CPU) and
-        gradients land in each expert's parameters directly; same values as :meth:`grouped`.
-        On CUDA, where this torch's grouped GEMM takes the dtype: :meth:`grouped` on a stacked
-        copy (:meth:`stacked_views`; a 64-expert layer is ~6 kernels instead of ~400; the copy is
-        a small memcpy)."""
-        x = permuted_local_hidden_states
-        if x.is_cuda and x.shape[0] > 0 and grouped_mm_ok(x):
-            w1t, w2t = self.stacked_views()
-            if _aligned(x, w1t, w2t):
-                return self.grouped(x, tokens_per_expert, permuted_probs, w1t, w2t), None
-        w1 = [e.linear_fc1.weight for e in self.local_experts]
-        w2 = [e.linear_fc2.weight for e in self.local_experts]
-        return self.per_expert(permuted_local_hidden_states, tokens_per_expert, permuted_probs, w1, w2), None
-
-    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Input-major stacked copies: ``linear_fc1`` weights transposed, ``w1t [E, H, 2F]``, and
-        ``linear_fc2`` weights transposed, ``w2t [E, F, H]``, contiguous (the layout a grouped
-        matmul ``x @ w`` reads without a strided pass; the copies carry gradients back to each
-        expert's parameters)."""
-        w1t, w2t = self.stacked_views()
-        return w1t.contiguous(), w2t.contiguous()
-
-    def stacked_views(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The training forward's stacked weights on CUDA: each projection's weights stacked in their
-        own layout (``linear_fc1``: ``[E, 2F, H]``) and seen input-major (``.transpose(1, 2)``:
-        ``[E, H, 2F]``, column-major, which the grouped GEMM reads as it reads a transposed
-        operand). Unlike :meth:`stacked_weights` the backward then hands expert e its gradient as a
-        contiguous slice in the weight's own layout, which autograd accumulates as it is: no
-        per-expert copy and transpose (on the H100's 1B pass, 1,280 of each per training pass).
-        Under megatron-core DDP the stack's backward adds them all to DDP's buffer at once
-        (:class:`StackIntoMainGrad`)."""
-        w1 = StackIntoMainGrad.apply(*(e.linear_fc1.weight for e in self.local_experts))
-        w2 = StackIntoMainGrad.apply(*(e.linear_fc2.weight for e in self.local_experts))
-        return w1.transpose(1, 2), w2.transpose(1, 2)
+    def input_major(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts' weights as a grouped matmul ``x @ w`` reads them: ``w1t [E, H, 2F]`` and
+        ``w2t [E, F, H]``, transposed views of the parameters (no copy; gradients land in them)."""
+        return self.linear_fc1.weight.transpose(1, 2), self.linear_fc2.weight.transpose(1, 2)
 
     def grouped(self, x, tokens_per_expert, probs, w1t, w2t) -> torch.Tensor:
-        """The experts' SwiGLU MLPs over expert-sorted tokens ``x`` with stacked input-major weights
-        (:meth:`stacked_views` or :meth:`stacked_weights`; one grouped matmul per projection where :func:`grouped_mm_ok`;
-        :meth:`per_expert` elsewhere)."""
+        """The experts' SwiGLU MLPs over expert-sorted tokens ``x [N, H]`` (``tokens_per_expert``
+        rows each) with input-major weights (:meth:`input_major`, or an all-gathered copy of
+        them): one grouped matmul per projection where :func:`grouped_mm_ok` (CUDA also needs
+        16-byte aligned rows), else :meth:`per_expert`."""
         if x.shape[0] > 0 and grouped_mm_ok(x) and (not x.is_cuda or _aligned(x, w1t, w2t)):
             offs = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
-            h = torch._grouped_mm(x, w1t, offs=offs)
-            h = (self._glu(h) * probs.unsqueeze(-1)).to(x.dtype)
-            return torch._grouped_mm(h, w2t, offs=offs)
+            h = self._glu_probs(torch._grouped_mm(x, w1t, offs=offs), probs).to(x.dtype)
+            return _ContiguousGrad.apply(torch._grouped_mm(h, w2t, offs=offs))
         return self.per_expert(x, tokens_per_expert, probs, w1t.transpose(1, 2), w2t.transpose(1, 2))
 
     def per_expert(self, x, tokens_per_expert, probs, w1, w2) -> torch.Tensor:
-        """The experts' SwiGLU MLPs, one ``F.linear`` per expert; ``w1[e]``, ``w2[e]``: expert e's
-        weights (stacked tensors or lists)."""
+        """The same MLPs with one ``F.linear`` per expert; ``w1[e]``, ``w2[e]``: expert e's weights in
+        their ``nn.Linear`` layout (one host read of the counts)."""
         parts = []
         counts = tokens_per_expert.tolist()
         for e, (xe, pe) in enumerate(zip(torch.split(x, counts), torch.split(probs, counts))):
-            h = (self._glu(F.linear(xe, w1[e])) * pe.unsqueeze(-1)).to(xe.dtype)
-            parts.append(F.linear(h, w2[e]))
+            parts.append(F.linear(self._glu_probs(F.linear(xe, w1[e]), pe).to(xe.dtype), w2[e]))
         return torch.cat(parts, dim=0)
 
-    def _glu(self, h):
+    def _glu_probs(self, h, probs):
+        """``silu(gate) * up`` scaled by each row's routing probability (megatron-core's weighted
+        SwiGLU; its fused form with ``bias_activation_fusion``)."""
+        if self._fused_glu:
+            from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+
+            return weighted_bias_swiglu_impl(h, None, probs.unsqueeze(-1))
         gate, lin = torch.chunk(h, 2, dim=-1)
-        return self._act(gate) * (lin + self._offset)
+        return self._act(gate) * (lin + self._offset) * probs.unsqueeze(-1)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """``SequentialMLP``'s checkpoint entries: ``<prefix>experts.linear_fc{1,2}.weight``, global
+        ``[..., E, out, in]`` with this rank's experts at ``ep_rank * E_local``, replicated over the
+        expert-data-parallel group; one ShardedTensor per projection (the parameter itself), which
+        loads from a per-expert checkpoint's pieces as from a stacked one's."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        if (metadata or {}).get("singleton_local_shards"):
+            raise NotImplementedError("GroupedExperts: singleton_local_shards checkpoints")
+        axis = len(sharded_offsets)
+        out = {}
+        for name in ("linear_fc1", "linear_fc2"):
+            out[f"{prefix}{name}.weight"] = ShardedTensor.from_rank_offsets(
+                f"{prefix}experts.{name}.weight",
+                getattr(self, name).weight,
+                *sharded_offsets,
+                (axis, self.ep_group.rank(), self.ep_group.size()),
+                replica_id=(0, 0, self.dp_group.rank()),
+                prepend_axis_num=axis,
+            )
+        return out
+
+    def backward_dw(self):
+        """No delayed weight gradients (megatron-core's experts interface)."""

@@ -55,6 +55,85 @@ def use_transformer_engine(cfg: ModelConfig) -> bool:
     return have_te and torch.cuda.is_available()
 
 
+def _have(module: str, *names: str) -> bool:
+    """Whether ``module`` imports and binds every one of ``names`` to something (megatron-core
+    sets a fused kernel it could not import to None)."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except Exception:  # ImportError, or a broken CUDA extension
+        return False
+    return all(getattr(mod, n, None) is not None for n in names)
+
+
+def fusions(cfg: ModelConfig, par: ParallelConfig) -> dict[str, tuple[bool, str]]:
+    """megatron-core's fusion switches for this build, each on where its kernel exists here:
+    ``{switch: (on, what runs / why not)}``. :func:`transformer_config` applies them and
+    :func:`build_gpt` logs them in one line."""
+    cuda = torch.cuda.is_available()
+    te = use_transformer_engine(cfg)
+    rope_fused = cuda and _have(
+        "megatron.core.models.common.embeddings.rope_utils", "fused_apply_rotary_pos_emb_thd"
+    )
+    permute = ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_unpermute")
+    permute_fused = cuda and te and _have("megatron.core.transformer.moe.moe_utils", *permute)
+    apex_wgrad = cuda and _have("fused_weight_gradient_mlp_cuda")
+    compiled = cuda and _have("triton")
+    from moe_rl.megatron.local_layers import grouped_mm_ok
+
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    grouped = grouped_mm_ok(torch.empty(0, dtype=dtype, device="cuda" if cuda else "cpu"))
+    return {
+        "moe_grouped_gemm": (
+            True,
+            "GroupedExperts, one parameter per projection: "
+            + (
+                "torch._grouped_mm"
+                if grouped
+                else f"a per-expert loop (no torch._grouped_mm for {dtype} here)"
+            ),
+        ),
+        "gradient_accumulation_fusion": (
+            te or apex_wgrad,
+            "weight gradients accumulate into DDP's main_grad in the GEMM"
+            if te or apex_wgrad
+            else "needs transformer-engine's or apex's wgrad kernels",
+        ),
+        "moe_permute_fusion": (
+            permute_fused,
+            "transformer-engine's fused permute"
+            if permute_fused
+            else "needs transformer-engine >= 2.1 on CUDA",
+        ),
+        "moe_router_fusion": (
+            False,
+            "off: routing replay and route capture take megatron-core's unfused top-k (RouterReplay)",
+        ),
+        "apply_rope_fusion": (
+            rope_fused,
+            "transformer-engine's fused RoPE" if rope_fused else "needs transformer-engine on CUDA",
+        ),
+        "bias_activation_fusion": (
+            compiled,
+            "megatron-core's fused weighted SwiGLU (torch.compile)" if compiled else "needs CUDA and Triton",
+        ),
+        "masked_softmax_fusion": (False, "n/a: attention runs SDPA (local) or transformer-engine's own"),
+        "persist_layer_norm": (False, "n/a: the norms are torch's RMSNorm (local) or transformer-engine's"),
+    }
+
+
+def describe_build(cfg: ModelConfig, par: ParallelConfig, switches: dict[str, tuple[bool, str]]) -> str:
+    """The one log line :func:`build_gpt` writes: the layer spec, the dispatcher, each switch."""
+    spec = "transformer-engine" if use_transformer_engine(cfg) else "local"
+    on = [f"{k} ({why})" for k, (v, why) in switches.items() if v]
+    off = [f"{k} ({why})" for k, (v, why) in switches.items() if not v]
+    return (
+        f"policy build: {spec} layer spec, {cfg.moe_token_dispatcher} token dispatcher "
+        f"(EP {par.expert_parallel}); on: {'; '.join(on) or 'none'}; off: {'; '.join(off) or 'none'}"
+    )
+
+
 def transformer_config(cfg: ModelConfig, par: ParallelConfig):
     """megatron-core TransformerConfig for the policy.
 
@@ -66,6 +145,7 @@ def transformer_config(cfg: ModelConfig, par: ParallelConfig):
     from megatron.core.transformer import TransformerConfig
 
     from_hf = bool(cfg.hf_path)
+    switches = {k: on for k, (on, _) in fusions(cfg, par).items()}
 
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     recompute = (
@@ -90,7 +170,6 @@ def transformer_config(cfg: ModelConfig, par: ParallelConfig):
         moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
         moe_z_loss_coeff=cfg.moe_z_loss_coeff or None,
         moe_token_dispatcher_type=cfg.moe_token_dispatcher,
-        moe_grouped_gemm=False,
         moe_enable_routing_replay=True,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.norm_eps,
@@ -106,13 +185,7 @@ def transformer_config(cfg: ModelConfig, par: ParallelConfig):
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not (from_hf and torch.cuda.is_available()),
         perform_initialization=not from_hf,
-        gradient_accumulation_fusion=False,
-        moe_permute_fusion=False,
-        moe_router_fusion=False,
-        apply_rope_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
+        **switches,
         tensor_model_parallel_size=par.tensor_parallel,
         expert_model_parallel_size=par.expert_parallel,
         expert_tensor_parallel_size=1,
@@ -189,28 +262,37 @@ def replace_spec(spec, module=None, **submodules):
     )
 
 
+def _grouped_experts(layer):
+    """A layer spec whose MoE experts are :class:`GroupedExperts` (in place of ``SequentialMLP``)."""
+    from moe_rl.megatron.local_layers import GroupedExperts
+
+    mlp = layer.submodules.mlp
+    mlp = replace_spec(mlp, experts=replace_spec(spec_submodules(mlp).experts, GroupedExperts))
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
+
+
 def layer_spec(cfg: ModelConfig, config, *, stock_local: bool = False):
-    """Transformer-engine block spec on GPU when available, else the local spec with our norm,
-    SDPA attention and grouped experts (``stock_local``: megatron's own local modules, the
-    reference the tests compare them with)."""
+    """Transformer-engine block spec on GPU when available, else the local spec with our norm and
+    SDPA attention; :class:`GroupedExperts` experts in both (``stock_local``: megatron's own local
+    modules, ``SequentialMLP`` experts included, the reference the tests compare them with)."""
     if use_transformer_engine(cfg):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        log.info("building the transformer-engine layer spec")
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=True)
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=True)
+        return dataclasses.replace(block, layer_specs=[_grouped_experts(s) for s in block.layer_specs])
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     spec = get_gpt_layer_local_spec(
         num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=cfg.qk_norm, normalization="RMSNorm"
     )
-    sub = spec.submodules
-    attention, mlp = {}, sub.mlp
+    attention = {}
     if not stock_local:
-        from moe_rl.megatron.local_layers import GroupedExperts, SDPAttention
+        from moe_rl.megatron.local_layers import SDPAttention
 
         attention["core_attention"] = SDPAttention
-        mlp = replace_spec(mlp, experts=replace_spec(spec_submodules(mlp).experts, GroupedExperts))
+        spec = _grouped_experts(spec)
+    sub = spec.submodules
     if cfg.qk_norm:
         attention.update(q_layernorm=RMSNorm, k_layernorm=RMSNorm)
     sub = dataclasses.replace(
@@ -218,15 +300,15 @@ def layer_spec(cfg: ModelConfig, config, *, stock_local: bool = False):
         input_layernorm=RMSNorm,
         pre_mlp_layernorm=RMSNorm,
         self_attention=replace_spec(sub.self_attention, **attention),
-        mlp=mlp,
     )
     spec = dataclasses.replace(spec, submodules=sub)
     return TransformerBlockSubmodules(layer_specs=[spec] * cfg.num_layers, layer_norm=RMSNorm)
 
 
 def check_built(model, cfg: ModelConfig, *, stock_local: bool = False) -> None:
-    """Raise when the built model lacks the modules :func:`layer_spec` asked for (local spec):
-    GroupedExperts experts and SDPAttention in every layer, our RMSNorm for every norm. A spec
+    """Raise when the built model lacks the modules :func:`layer_spec` asked for: GroupedExperts
+    experts in every layer (either spec); with the local spec also SDPAttention and our RMSNorm for
+    every norm. A spec
     override that did not take (a megatron-core whose spec shape is new) builds a model that
     runs, slower and on other code paths; this makes it an error naming the version."""
     from megatron.core.transformer.attention import SelfAttention
@@ -242,13 +324,14 @@ def check_built(model, cfg: ModelConfig, *, stock_local: bool = False) -> None:
         if not isinstance(got, cls):
             wrong.append(f"{attr}: {type(got).__name__}, not {cls.__name__}")
 
+    local = not use_transformer_engine(cfg)
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
-    for layer in layers:
+    for layer in layers if local else ():
         want(layer, "input_layernorm", RMSNorm)
         want(layer, "pre_mlp_layernorm", RMSNorm)
     attentions = [m for m in model.modules() if isinstance(m, SelfAttention)]
     moes = [m for m in model.modules() if isinstance(m, MoELayer)]
-    for attn in attentions:
+    for attn in attentions if local else ():
         if not stock_local:
             want(attn, "core_attention", SDPAttention)
         if cfg.qk_norm:
@@ -297,7 +380,7 @@ def build_gpt(cfg: ModelConfig, par: ParallelConfig, *, stock_local: bool = Fals
     _quiet_gpt_model_deprecation()
     rope.install()  # packed rows' RoPE in one pass (moe_rl/megatron/rope.py)
     config = transformer_config(cfg, par)
-    te = use_transformer_engine(cfg)
+    log.info(describe_build(cfg, par, fusions(cfg, par)))
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(cfg, config, stock_local=stock_local),
@@ -309,8 +392,16 @@ def build_gpt(cfg: ModelConfig, par: ParallelConfig, *, stock_local: bool = Fals
         parallel_output=True,
     )
     RouterReplay.clear_global_router_replay_instances()
-    if not te:
-        check_built(model, cfg, stock_local=stock_local)
+    check_built(model, cfg, stock_local=stock_local)
+    if not stock_local:
+        from moe_rl.megatron import dispatch
+
+        local = dispatch.install(model)
+        if local:
+            log.info(
+                "token dispatch: moe-rl's local dispatcher in %d MoE layers (EP = TP = 1: no host reads)",
+                local,
+            )
     for name, p in model.named_parameters():
         # Experts are replicated over the expert-data-parallel group whatever EP is (under
         # TP with expert-TP 1 each TP rank routes only its sequence-parallel share of the

@@ -68,17 +68,21 @@ class PackedRows:
 
     def packed_seq_params(self, device: torch.device | str | None = None):
         """megatron-core's ``PackedSeqParams`` (``thd``) of this pack, boundaries on ``device``
-        (transformer-engine's fused attention reads them on the GPU)."""
+        (transformer-engine's fused attention reads them on the GPU), and on the host as
+        ``host_bounds`` (a tuple of ints: what attention that loops over the segments needs, without
+        reading the device's copy back)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = self.cu_seqlens.to(device) if device is not None else self.cu_seqlens
-        return PackedSeqParams(
+        params = PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=cu,
             cu_seqlens_kv=cu,
             max_seqlen_q=self.max_seqlen,
             max_seqlen_kv=self.max_seqlen,
         )
+        params.host_bounds = tuple(int(b) for b in self.cu_seqlens.tolist())
+        return params
 
 
 def pack_rows(tokens_BT: torch.Tensor, lens_B: torch.Tensor, *, multiple: int = 1) -> PackedRows:

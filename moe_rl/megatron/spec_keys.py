@@ -16,11 +16,11 @@ Megatron-LM main, ``models/gpt/gpt_layer_specs.py``):
   ``pre_mlp_layernorm.weight`` (an MoE layer has no ``linear_fc1``). **Different**: the one rename.
 - q/k norms (``self_attention.{q,k}_layernorm.weight``), router, embedding, output layer, final
   norm: the same modules' parameters under the same names.
-- experts: with ``moe_grouped_gemm=False`` both build ``SequentialMLP`` (TE with
-  ``TEColumnParallelLinear`` / ``TERowParallelLinear``; local with megatron's, ours as
-  ``GroupedExperts``, which keeps ``SequentialMLP``'s sharded state dict): the same
-  ``mlp.experts.experts.linear_fc{1,2}.weight`` with the expert axis. TE's grouped GEMM
-  (``TEGroupedMLP``, ``...experts.linear_fc1.weight<i>``) is a third layout this does not map.
+- experts: both specs build moe-rl's ``GroupedExperts`` (one stacked parameter per projection),
+  whose sharded state dict is ``SequentialMLP``'s: the same
+  ``mlp.experts.experts.linear_fc{1,2}.weight`` with the expert axis (checkpoints of the earlier
+  per-expert layout load into it). TE's grouped GEMM (``TEGroupedMLP``,
+  ``...experts.linear_fc1.weight<i>``) is a third layout this does not map.
 - ``_extra_state`` objects (fp8 metadata of TE modules, ``None`` for local linears) may exist in
   one layout only; a load leaves a module's own extra state where the checkpoint has none.
 

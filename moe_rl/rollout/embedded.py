@@ -116,7 +116,14 @@ class _Chunk:
         gens: list[torch.Generator],
         sampling: SamplingParams,
     ):
-        self.engine, self.sampling, self.gens = engine, sampling, gens
+        self.engine, self.sampling = engine, sampling
+        # each row's U[0, 1) draws, one per token it may sample, drawn up front: the k-th token a
+        # row samples takes its generator's k-th draw, as drawing one at a time would (the same stream)
+        self.uniforms_bN = (
+            torch.stack([torch.rand(sampling.max_new_tokens, generator=g) for g in gens])
+            if sampling.temperature > 0
+            else None
+        )
         # routes (and gates) from the forward itself (lean); megatron's are captured by a RoutingSession
         self.want_routes = sampling.return_routes and not engine.decoder.routes_from_session
         self.want_gates = sampling.return_gates and not engine.decoder.routes_from_session
@@ -176,8 +183,8 @@ class _Chunk:
         rows_N = self.live[cache_rows_N]
         logits_NV = logits_bV[cache_rows_N.to(logits_bV.device)]
         uniforms_N = None
-        if sampling.temperature > 0:
-            uniforms_N = torch.stack([torch.rand((), generator=self.gens[int(r)]) for r in rows_N])
+        if self.uniforms_bN is not None:  # the k-th sample of a row (k = tokens it sampled so far)
+            uniforms_N = self.uniforms_bN[rows_N, self.total_len[rows_N] - self.prompt_len[rows_N]]
         tok_N = sample_tokens(logits_NV, sampling, uniforms_N)
         logp_N = self.engine.token_logprobs(logits_NV, tok_N, sampling.temperature or 1.0)
         tok_N, logp_N = tok_N.cpu(), logp_N.float().cpu()
@@ -185,11 +192,11 @@ class _Chunk:
         self.logp_bT[rows_N, cur] = logp_N
         self.total_len[rows_N] = cur + 1
         stopped_N = torch.isin(tok_N, self.engine.stop_ids(sampling))
-        full_N = (self.total_len[rows_N] - self.prompt_len[rows_N]) >= sampling.max_new_tokens
-        for row, stopped, full in zip(rows_N.tolist(), stopped_N.tolist(), full_N.tolist()):
-            if stopped or full:
-                self.done[row] = True
-                self.finish[row] = "stop" if stopped else "length"
+        ended_N = stopped_N | ((self.total_len[rows_N] - self.prompt_len[rows_N]) >= sampling.max_new_tokens)
+        if bool(ended_N.any()):  # a Python loop over the rows that ended at this token only
+            self.done[rows_N[ended_N]] = True
+            for row in rows_N[stopped_N].tolist():
+                self.finish[row] = "stop"
 
     def _maybe_compact(self) -> None:
         """Drop finished rows from the cache once at most half of it is live."""

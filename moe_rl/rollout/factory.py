@@ -21,11 +21,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from moe_rl import dist
 from moe_rl.config import ConfigError
 from moe_rl.dist import host_port
+from moe_rl.rollout.colocated import trainer_gpus
 from moe_rl.rollout.sglang_client import SGLangClient, url_host
 from moe_rl.rollout.sglang_engine import SGLangEngine
 from moe_rl.rollout.types import HFStateSource, Rollouts, SamplingParams
@@ -43,59 +42,62 @@ SGLANG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 class RankedSGLangEngine:
-    """SGLangEngine on every rank; weight pushes and (colocated) memory calls from rank 0 only,
-    between barriers, so no engine releases its memory while another rank still generates."""
+    """SGLangEngine on every rank; weight pushes and (colocated) memory calls from rank 0 only.
+
+    Colocated, the memory calls come from the trainer, ordered with its own memory and between
+    barriers on every rank (:mod:`moe_rl.trainer.colocate`): every rank's inner engine follows
+    which tags are resident, rank 0's makes the calls."""
 
     def __init__(self, inner: SGLangEngine, rank: int):
         self.inner, self.rank = inner, rank
         inner.auto_memory = False
+        inner.calls_memory = rank == 0
 
     @property
     def weight_version(self) -> str:
         return self.inner.weight_version
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
-        if self.inner.colocated:
-            if self.rank == 0:
-                self.inner.resume_memory()
-            dist.barrier()
-        rollouts = self.inner.generate(prompts, n, sampling)
-        if self.inner.colocated:
-            dist.barrier()
-            if self.rank == 0:
-                self.inner.release_memory()
-        return rollouts
+        return self.inner.generate(prompts, n, sampling)
+
+    def resume_memory(self, phase: str = "rollout") -> None:
+        """Colocated: the engines take back what ``phase`` needs (rank 0 calls them)."""
+        self.inner.resume_memory(phase)
+
+    def release_memory(self) -> None:
+        """Colocated: the engines give back all their memory (rank 0 calls them)."""
+        self.inner.release_memory()
+
+    def take_push_probes(self) -> list | None:
+        """Rank 0's probes of a due push check, on every rank (collective when one is due)."""
+        if self.inner.verifier.score_due is None:
+            return None
+        return dist.broadcast_object(self.inner.take_push_probes())
 
     def update_weights(self, source: HFStateSource, version: str) -> str:
         if self.rank == 0:
             self.inner.update_weights(source, version)
-        else:
-            from moe_rl.rollout.weight_sync.session import source_tensors
+        else:  # the source's gathers are collective (and a colocated push's payloads): take part
+            self.inner.verifier.count(version)  # a check is due on every rank alike
+            contribute = getattr(self.inner.weight_sync, "contribute", None)
+            if contribute is not None:
+                contribute(source)
+            else:
+                from moe_rl.rollout.weight_sync.session import source_tensors
 
-            for _ in source_tensors(source, dist.group_device()):  # the gathers are collective: take part
-                pass
+                for _ in source_tensors(source, dist.group_device()):
+                    pass
             self.inner.weight_version = version
         dist.barrier()
         return version
 
     def close(self) -> None:
+        """Rank 0: the weight sync and its launched engines (and router); another node's first rank:
+        the engines it launched."""
         if self.rank == 0:
             self.inner.close()
-
-
-def trainer_gpus(env: dict[str, str] | None = None) -> list[int]:
-    """Physical GPU ids this node's trainer ranks use (rank i on visible device i)."""
-    env = os.environ if env is None else env
-    if not torch.cuda.is_available():
-        return []
-    local = int(env.get("LOCAL_WORLD_SIZE", "1"))
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    ids = (
-        [int(x) for x in visible.split(",") if x.strip()]
-        if visible
-        else list(range(torch.cuda.device_count()))
-    )
-    return ids[:local]
+        elif self.inner.launcher is not None:
+            self.inner.launcher.stop()
 
 
 def pin_nccl_for_engines(recipe, *, nccl: bool) -> str | None:
@@ -137,13 +139,10 @@ def spans_nodes(env: Mapping[str, str] | None = None) -> bool:
 def trainer_spans_nodes(env: Mapping[str, str] | None = None) -> bool:
     """Whether the trainer's ranks are on more than one node, the same answer on every rank
     (collective): :func:`spans_nodes` on any rank, or ranks on different hosts."""
-    import torch.distributed as tdist
-
     here = (socket.gethostname(), spans_nodes(env))
     if dist.world_size() < 2:
         return here[1]
-    every: list = [None] * dist.world_size()
-    tdist.all_gather_object(every, here)
+    every = dist.all_gather_object(here)
     return any(flag for _, flag in every) or len({host for host, _ in every}) > 1
 
 
@@ -254,18 +253,33 @@ def engine_gpus(cfg: SGLangConfig, n: int, trainer: list[int]) -> list[tuple[int
         raise ConfigError(str(e)) from e
 
 
-def launch_fleet(recipe: Recipe, out: Path, model_path: str, *, multi_node: bool | None = None):
-    """Rank 0: launch the engines (and the router with 2+) the recipe asks for, logging under
+def launch_fleet(
+    recipe: Recipe,
+    out: Path,
+    model_path: str,
+    *,
+    multi_node: bool | None = None,
+    masks: list[tuple[int, ...] | None] | None = None,
+    first: int = 0,
+    address: tuple[str, str] | None = None,
+    router: bool = True,
+):
+    """Launch the engines (and the router with 2+) the recipe asks for on this node, logging under
     ``out/logs``; returns (Fleet, engine URLs, router URL).
 
     ``multi_node``: whether the trainer spans several nodes (None: :func:`spans_nodes`); the
-    engines then listen where the other nodes reach them (:func:`engine_address`)."""
+    engines then listen where the other nodes reach them (:func:`engine_address`). One node's
+    share of colocated engines across nodes (:func:`moe_rl.rollout.colocated.launch_on_every_node`):
+    ``masks`` their GPUs, ``first`` the index of the first, ``address`` this node's (bind, dial),
+    no ``router``."""
     from moe_rl.rollout.sglang_launcher import SGLangLauncher, SGLangServerConfig
-    from moe_rl.rollout.sglang_router import Fleet, SGLangRouterLauncher
+    from moe_rl.rollout.sglang_router import Fleet
 
     cfg = recipe.rollout.sglang
-    bind, dial = engine_address(cfg, multi_node=spans_nodes() if multi_node is None else multi_node)
-    masks = engine_gpus(cfg, cfg.num_engines, trainer_gpus())
+    bind, dial = address or engine_address(
+        cfg, multi_node=spans_nodes() if multi_node is None else multi_node
+    )
+    masks = engine_gpus(cfg, cfg.num_engines, trainer_gpus()) if masks is None else masks
     dtype = SGLANG_DTYPES[recipe.rollout_dtype]
     if dtype != recipe.model.dtype:
         log.info(
@@ -277,7 +291,7 @@ def launch_fleet(recipe: Recipe, out: Path, model_path: str, *, multi_node: bool
     launchers = []
     fleet = Fleet(launchers)
     try:
-        for i, mask in enumerate(masks):
+        for i, mask in enumerate(masks, first):
             server_cfg = SGLangServerConfig(
                 model_path=model_path,
                 tp_size=cfg.tp,
@@ -291,6 +305,7 @@ def launch_fleet(recipe: Recipe, out: Path, model_path: str, *, multi_node: bool
                 module=cfg.module,
                 gpu_ids=mask,
                 enable_memory_saver=cfg.colocate,
+                enable_weights_cpu_backup=cfg.colocate,  # a rollout after a rollout keeps its weights
                 api_key=cfg.api_key,
                 admin_api_key=cfg.admin_api_key,
             )
@@ -302,30 +317,60 @@ def launch_fleet(recipe: Recipe, out: Path, model_path: str, *, multi_node: bool
             launchers.append(launcher)
             launcher.start()
         urls = [launcher.url for launcher in launchers]
-        router_url = cfg.router_url
-        if len(urls) > 1 and router_url is None:
-            fleet.router = SGLangRouterLauncher(
-                urls,
-                host=bind,
-                policy=cfg.router_policy,
-                api_key=cfg.api_key,
-                log_path=Path(out) / "logs" / "sglang-router.log",
-                request_timeout_s=recipe.rollout.timeout_s,
-            )
-            fleet.router.start()
-            router_url = f"http://{host_port(dial, fleet.router.port)}"  # not 0.0.0.0 / ::
+        router_url = start_router(recipe, out, fleet, urls, (bind, dial)) if router else None
     except BaseException:
         fleet.stop()
         raise
     return fleet, urls, router_url
 
 
+def start_router(recipe: Recipe, out: Path, fleet, urls: list[str], address: tuple[str, str]) -> str | None:
+    """The router URL: ``rollout.sglang.router_url``, else (2+ engines) sglang-router launched here
+    over ``urls`` at ``address`` (bind, dial), owned by ``fleet``; None for one engine."""
+    from moe_rl.rollout.sglang_router import SGLangRouterLauncher
+
+    cfg = recipe.rollout.sglang
+    if len(urls) < 2 or cfg.router_url is not None:
+        return cfg.router_url
+    fleet.router = SGLangRouterLauncher(
+        urls,
+        host=address[0],
+        policy=cfg.router_policy,
+        api_key=cfg.api_key,
+        log_path=Path(out) / "logs" / "sglang-router.log",
+        request_timeout_s=recipe.rollout.timeout_s,
+    )
+    fleet.router.start()
+    return f"http://{host_port(address[1], fleet.router.port)}"  # not 0.0.0.0 / ::
+
+
+def engine_start(recipe: Recipe, *, policy: Policy, tokenizer: Tokenizer, out: Path) -> str | None:
+    """The checkpoint launched engines start from: ``rollout.sglang.model_path``, else ``policy`` as
+    it is now, exported with ``tokenizer`` to ``out/hf_init`` (collective); None for attached engines."""
+    cfg = recipe.rollout.sglang
+    if cfg.url is not None or isinstance(cfg.engines, list):
+        return None
+    if cfg.model_path:
+        return cfg.model_path
+    from moe_rl.megatron.hf import export_hf
+
+    path = str(Path(out) / "hf_init")
+    export_hf(policy, path, tokenizer=tokenizer)
+    return path
+
+
 def build_sglang_engine(
-    recipe: Recipe, *, policy: Policy, tokenizer: Tokenizer, out: Path, rank: int
+    recipe: Recipe,
+    *,
+    policy: Policy,
+    tokenizer: Tokenizer,
+    out: Path,
+    rank: int,
+    model_path: str | None = None,
 ) -> RankedSGLangEngine:
     """The SGLang engine of ``recipe`` on trainer rank ``rank``: attach to the recipe's URLs, or
-    launch engines on rank 0 (from ``policy`` exported with ``tokenizer`` to ``out/hf_init``
-    unless rollout.sglang.model_path names a checkpoint; logs and disk weight sync under ``out``)."""
+    launch engines (from ``model_path``, else :func:`engine_start`'s; logs and disk weight sync
+    under ``out``)."""
     rollout_cfg, model_cfg = recipe.rollout, recipe.model
     cfg = rollout_cfg.sglang
     fleet, router_url = None, cfg.router_url
@@ -336,19 +381,21 @@ def build_sglang_engine(
             urls, router_url, multi_node=multi_node, what="rollout.sglang.url / engines / router_url"
         )
     else:
-        model_path = cfg.model_path or str(Path(out) / "hf_init")
-        if not cfg.model_path:  # the server starts from the policy as it is now
-            from moe_rl.megatron.hf import export_hf
-
-            export_hf(policy, model_path, tokenizer=tokenizer)
-        fleet, urls, router_url = _launch_on_rank0(recipe, out, model_path, multi_node, rank)
+        model_path = model_path or engine_start(recipe, policy=policy, tokenizer=tokenizer, out=out)
+        if cfg.colocate and multi_node:  # colocated engines on every node (slime's layout)
+            fleet, urls, router_url = launch_on_every_node(recipe, out, model_path, rank)
+        else:
+            fleet, urls, router_url = _launch_on_rank0(recipe, out, model_path, multi_node, rank)
     if len(urls) > 1 and router_url is None:
         raise ConfigError("rollout.sglang.engines lists several URLs: set rollout.sglang.router_url too")
     key = cfg.admin_api_key or cfg.api_key
     kw = {"timeout_s": rollout_cfg.timeout_s, "retries": rollout_cfg.retries}
     engines = [SGLangClient(u, api_key=key, **kw) for u in urls]
+    if cfg.colocate and fleet is None and (cfg.url is not None or isinstance(cfg.engines, list)):
+        check_colocated_servers(engines)
     front = SGLangClient(router_url, api_key=cfg.api_key, **kw) if router_url else engines[0]
-    sync = _weight_sync(rollout_cfg, out, engines) if rank == 0 else None
+    tensor = rollout_cfg.weight_sync == "tensor"  # every rank builds its own GPU's payloads
+    sync = _weight_sync(rollout_cfg, out, engines) if rank == 0 or tensor else None
     inner = SGLangEngine(
         front,
         engines=engines,
@@ -362,8 +409,25 @@ def build_sglang_engine(
         max_concurrency=cfg.max_concurrency,
         colocated=cfg.colocate,
         verify_every=rollout_cfg.verify_every,
+        vocab_size=tokenizer.vocab_size,
+        context=model_cfg.max_seq_len,
     )
     return RankedSGLangEngine(inner, rank)
+
+
+def check_colocated_servers(engines: list[SGLangClient]) -> None:
+    """Attached colocated engines must release memory (``--enable-memory-saver``) and keep their
+    weights across a release (``--enable-weights-cpu-backup``: without it SGLang frees them, and a
+    rollout that follows another without a push would serve garbage). A server that does not say
+    (``moe-rl serve``, which keeps its weights) is taken as it is."""
+    for e in engines:
+        info = e.server_info()
+        for flag in ("enable_memory_saver", "enable_weights_cpu_backup"):
+            if info.get(flag) is False:
+                raise ConfigError(
+                    f"rollout.sglang.colocate=true but {e.base_url} runs without --{flag.replace('_', '-')}: "
+                    "relaunch it with --enable-memory-saver --enable-weights-cpu-backup, or set colocate=false"
+                )
 
 
 def _launch_on_rank0(recipe: Recipe, out: Path, model_path: str, multi_node: bool, rank: int):
@@ -405,11 +469,96 @@ def _weight_sync(rollout_cfg: RolloutConfig, out: Path, engines: list[SGLangClie
     tp_sizes = [rollout_cfg.sglang.tp] * len(engines)
     if rollout_cfg.weight_sync == "disk":
         return DiskWeightSync(engines, rollout_cfg.weight_sync_dir or Path(out) / "weights")
-    if rollout_cfg.weight_sync == "tensor":
-        return TensorWeightSync(engines, tp_sizes=tp_sizes, timeout_s=rollout_cfg.timeout_s)
+    if rollout_cfg.weight_sync == "tensor":  # collective: every rank builds its engine rank's payloads
+        from moe_rl.rollout.colocated import colocated_payload_ranks
+
+        ranks = colocated_payload_ranks(rollout_cfg.sglang, len(engines))
+        return TensorWeightSync(
+            engines, tp_sizes=tp_sizes, timeout_s=rollout_cfg.timeout_s, payload_ranks=ranks
+        )
     return DistributedWeightSync(
         engines,
         tp_sizes=tp_sizes,
         master_address=rollout_cfg.sglang.trainer_address,
         timeout_s=rollout_cfg.timeout_s,
     )
+
+
+def own_address(cfg: SGLangConfig, node: int, env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """(bind, dial) of engines launched on ``node``: rank 0's node as
+    :func:`moe_rl.rollout.factory.engine_address` says; another node at its own routable address,
+    the local end of its route to ``$MASTER_ADDR`` (all interfaces with a wildcard host)."""
+
+    if node == 0:
+        return engine_address(cfg, multi_node=True, env=env)
+    env = os.environ if env is None else env
+    if cfg.host is not None and not is_wildcard(cfg.host):
+        raise ConfigError(
+            f"rollout.sglang.host={cfg.host} names one address, but colocated engines run on every node: leave "
+            "it unset (each node's routable address) or use 0.0.0.0 with rollout.sglang.api_key"
+        )
+    master = env.get("MASTER_ADDR")
+    address = route_address(master) if master else None
+    if not address or is_loopback(address.strip("[]")):
+        raise ConfigError(
+            f"node {node} has no routable address toward $MASTER_ADDR={master} for its colocated engines: "
+            "run the trainer with MASTER_ADDR set to rank 0's routable address"
+        )
+    address = address.strip("[]")
+    return (cfg.host, address) if cfg.host is not None else (address, address)
+
+
+def launch_on_every_node(recipe: Recipe, out: Path, model_path: str, rank: int):
+    """Each node's first rank launches that node's colocated engines; rank 0 the router over all
+    of them. Every rank returns (its Fleet or None, every engine URL in placement order, router
+    URL); a failure on any node is raised on every rank. Collective."""
+    from moe_rl.rollout.colocated import colocated_placement, trainer_layout
+    from moe_rl.rollout.sglang_launcher import SGLangLaunchError
+
+    cfg = recipe.rollout.sglang
+    layout = trainer_layout()
+    node = layout[rank][0]
+    fleet = urls = failure = None
+    try:
+        placement = colocated_placement(cfg, cfg.num_engines, layout)
+        if rank == min(r for r, (n, _) in enumerate(layout) if n == node):
+            mine = [i for i, (n, _) in enumerate(placement) if n == node]
+            fleet, urls, _ = launch_fleet(
+                recipe,
+                out,
+                model_path,
+                masks=[placement[i][1] for i in mine],
+                first=mine[0],
+                address=own_address(cfg, node),
+                router=False,
+            )
+    except Exception as e:  # noqa: BLE001 - raised on every rank below
+        failure = e
+    every = dist.all_gather_object((urls or [], _said(failure, node)))
+    errors = [err for _, err in every if err is not None]
+    router_url = None
+    if not errors and rank == 0:
+        try:
+            router_url = start_router(
+                recipe, out, fleet, [url for node_urls, _ in every for url in node_urls], own_address(cfg, 0)
+            )
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            failure = e
+    router_url, error = dist.broadcast_object((router_url, _said(failure, node) if rank == 0 else None))
+    errors += [error] if error else []
+    if errors:
+        if fleet is not None:
+            fleet.stop()
+        is_config, message = errors[0]
+        raise (ConfigError(message) if is_config else SGLangLaunchError(message)) from failure
+    return fleet, [url for node_urls, _ in every for url in node_urls], router_url
+
+
+def _said(failure: Exception | None, node: int) -> tuple[bool, str] | None:
+    """A failure as every rank can raise it: (is a ConfigError, one line naming the node)."""
+    if failure is None:
+        return None
+    first = (str(failure).splitlines() or [""])[0] or type(failure).__name__
+    return isinstance(
+        failure, ConfigError
+    ), f"node {node} could not launch its colocated SGLang engines: {first}"

@@ -11,9 +11,18 @@ Python router does); tests/dist/test_sglang_router.py pins the router's behaviou
 and bounded retries, so one slow or failed row never re-runs the batch. At the step deadline the
 stragglers are aborted (``/abort_request`` on every engine) and come back with the tokens they had
 (finish_reason 'abort', as slime's partial rollouts). Every response's ``weight_version`` must be
-the version last pushed to every engine. In colocated mode (one GPU set for training and rollouts,
-SGLang launched with ``--enable-memory-saver``) the engines release their memory after each
-rollout and resume it around the next weight push.
+the version last pushed to every engine.
+
+Colocated mode (one GPU set for training and rollouts, SGLang launched with
+``--enable-memory-saver`` and ``--enable-weights-cpu-backup``): the engines hold GPU memory only
+for a phase that needs it, :data:`PHASE_TAGS`: a push resumes the weights alone, a rollout the
+weights, KV cache and CUDA graphs (weights first, as slime), and after either every tag is
+released again. SGLang frees released weights unless launched with the CPU backup; with it a
+rollout that follows another without a push between (an evaluation, then the next step) serves
+the weights last pushed. :meth:`SGLangEngine.resume_memory` / :meth:`SGLangEngine.release_memory`
+make the calls; the trainer orders them with its own memory across ranks
+(:mod:`moe_rl.trainer.colocate`); generating or pushing while what the phase needs is released
+raises, naming the call that was missed.
 """
 
 from __future__ import annotations
@@ -47,8 +56,14 @@ from moe_rl.routing.codec import decode_sglang_routes, encode_routes
 
 logger = logging.getLogger(__name__)
 
-RESUME_ORDER = (["weights"], ["kv_cache", "cuda_graph"])
-"Colocated mode: weights come back before a push, the KV cache and CUDA graphs after it (as slime)."
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"SGLang's GPU memory tags (``srt/constants.py``: GPU_MEMORY_ALL_TYPES)."
+PHASE_TAGS = {"rollout": MEMORY_TAGS, "push": ("weights",), "launch": ()}
+"""Colocated mode: what the engines hold in each phase of theirs. A push needs the weights only;
+the KV cache and CUDA graphs come back at the next rollout, after the trainer's state has left the
+GPU; ``launch`` (the engines starting) resumes nothing: they start holding everything."""
+RESUME_ORDER = (("weights",), ("kv_cache", "cuda_graph"))
+"The order tags come back in: the weights, then the KV cache and CUDA graphs (slime's onload order)."
 
 
 def request_id(tag: str, row: int, attempt: int = 0) -> str:
@@ -89,6 +104,8 @@ class SGLangEngine:
         max_concurrency: int = 256,
         colocated: bool = False,
         verify_every: int = 0,
+        vocab_size: int | None = None,
+        context: int | None = None,
     ):
         self.client, self.engines, self.pad_id = client, list(engines or [client]), pad_id
         self.num_layers, self.topk, self.num_experts = num_layers, topk, num_experts
@@ -99,13 +116,17 @@ class SGLangEngine:
         self.weight_version = weight_version if weight_version is not None else self.served_version()
         self._weights_uncertain: str | None = None
         self._seed_checked = False
-        self._released = False
+        self.resident: set[str] = set(MEMORY_TAGS)
+        "Colocated: the memory tags the engines hold now (an engine starts holding every one)."
+        self.calls_memory = True
+        "Whether this process makes the memory calls (False: another trainer rank does; this one follows)."
         self.auto_memory = colocated
-        "Release after each rollout / resume before it here (False: the caller does it, e.g. across ranks)."
+        "Resume before each rollout or push and release after it here (False: the caller orders them)."
         self._warned_direct = False
         self.last_push = None
-        self.verifier = PushVerifier(verify_every, num_layers, num_experts)
-        "Reads pushed weights back by name after the first push and every ``verify_every`` (0: never)."
+        self.verifier = PushVerifier(verify_every, num_layers, num_experts, vocab_size, context or 128)
+        """Checks the first push and every ``verify_every``-th (0: never): read-back by name, and (with
+        ``vocab_size``) the engines' scores of a probe at the next rollout (:meth:`take_push_probes`)."""
 
     def served_version(self) -> str:
         """The weight_version every engine serves; SGLangError if they disagree."""
@@ -130,8 +151,12 @@ class SGLangEngine:
             )
         if sampling.seed is not None and not self._seed_checked:
             self._check_seeds_honoured()
-        if self.auto_memory:
-            self.resume_memory()
+        with self._phase("rollout"):
+            return self._generate(prompts, n, sampling)
+
+    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
+        if self.calls_memory:  # the rank that calls the engines probes them for a due push check
+            self.verifier.probe(self.engines)
         rows = [list(p) for p in prompts for _ in range(n)]
         params = [
             to_sglang_sampling_params(sampling, None if sampling.seed is None else sampling.seed + b)
@@ -152,8 +177,6 @@ class SGLangEngine:
         batch.extras.update(
             generate_s=gen_s, tokens_per_s=ntok / max(gen_s, 1e-9), requests=len(rows), aborted=len(aborted)
         )
-        if self.auto_memory:
-            self.release_memory()
         return batch
 
     def _targets(self, want_routes: bool) -> list[SGLangClient]:
@@ -340,35 +363,62 @@ class SGLangEngine:
             )
 
     # ----------------------------------------------------------------- colocated memory
-    def release_memory(self) -> None:
-        """Colocated mode: every engine gives its GPU memory back for training (no-op otherwise)."""
-        if self.colocated and not self._released:
-            for e in self.engines:
-                e.release_memory_occupation()
-            self._released = True
-
-    def resume_memory(self, tags: list[str] | None = None) -> None:
-        """Colocated mode: take the memory back (``tags`` None: all that was released)."""
-        if not self.colocated or not self._released:
+    @contextlib.contextmanager
+    def _phase(self, phase: str):
+        """Around a rollout or a push: with ``auto_memory`` resume what ``phase`` needs and release
+        everything after it; else check that the caller resumed it."""
+        if not self.colocated:
+            yield
             return
-        for group in RESUME_ORDER if tags is None else (tags,):
+        if not self.auto_memory:
+            missing = [t for t in PHASE_TAGS[phase] if t not in self.resident]
+            if missing:
+                raise SGLangError(
+                    f"a {phase} on colocated engines needs {missing} resident, which are released: call "
+                    f"resume_memory({phase!r}) first (moe_rl.trainer.colocate orders it with the trainer's memory)"
+                )
+            yield
+            return
+        self.resume_memory(phase)
+        try:
+            yield
+        finally:
+            self.release_memory()
+
+    def resume_memory(self, phase: str = "rollout") -> None:
+        """Colocated mode: every engine takes back the memory ``phase`` needs (:data:`PHASE_TAGS`),
+        the weights first; a no-op elsewhere, and for what is resident already (SGLang fails a
+        resume of a tag it holds)."""
+        if not self.colocated:
+            return
+        for group in RESUME_ORDER:
+            tags = [t for t in group if t in PHASE_TAGS[phase] and t not in self.resident]
+            if tags and self.calls_memory:
+                for e in self.engines:
+                    e.resume_memory_occupation(tags)
+            self.resident.update(tags)
+
+    def release_memory(self) -> None:
+        """Colocated mode: every engine gives back all the GPU memory it holds (no-op otherwise)."""
+        if not self.colocated or not self.resident:
+            return
+        tags = [t for t in MEMORY_TAGS if t in self.resident]
+        if self.calls_memory:
             for e in self.engines:
-                e.resume_memory_occupation(list(group))
-        self._released = tags is not None and tags != [t for g in RESUME_ORDER for t in g]
+                e.release_memory_occupation(tags)
+        self.resident.clear()
 
     # ----------------------------------------------------------------- weights
     def update_weights(self, source: HFStateSource, version: str) -> str:
         """Push ``source`` to every engine; they then serve ``version`` (checked per engine)."""
         if self.weight_sync is None:
             raise ValueError("SGLangEngine(weight_sync=...) is needed to push weights")
-        released = self.colocated and self._released
-        if released:
-            self.resume_memory(list(RESUME_ORDER[0]))
-        source, tee = self.verifier.tee(source)
+        source, tee = self.verifier.tee(source, version)
         try:
-            self.last_push = self.weight_sync.push(source, version)
-            if tee is not None:
-                self.verifier.verify(self.engines, tee, version)
+            with self._phase("push"):
+                self.last_push = self.weight_sync.push(source, version)
+                if tee is not None:
+                    self.verifier.verify(self.engines, tee, version)
         except Exception as e:
             if getattr(e, "server_may_be_mixed", False):
                 self._weights_uncertain = (
@@ -376,14 +426,15 @@ class SGLangEngine:
                     f"atomic weight-update sessions; push again before generating"
                 )
             raise
-        finally:
-            if released:
-                for e in self.engines:
-                    e.resume_memory_occupation(list(RESUME_ORDER[1]))
-                self._released = False
         self._weights_uncertain = None
         self.weight_version = version
         return version
+
+    def take_push_probes(self) -> list | None:
+        """The engines' side of the push check due at this rollout (:mod:`~moe_rl.rollout.weight_sync.verify`:
+        each engine's continuation of a fixed prompt with its log-probs), for the trainer to score
+        (:func:`~moe_rl.rollout.weight_sync.verify.check_scores`); None when none is due."""
+        return self.verifier.take()
 
     def close(self) -> None:
         """Destroy the weight-update group and stop launched servers (and the router)."""

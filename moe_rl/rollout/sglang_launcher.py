@@ -7,7 +7,7 @@ address, or all interfaces) and ``advertise_host`` what clients dial (the choice
 rank's torchrun variables (:func:`server_environ`). Option names are SGLang's ServerArgs
 (sgl-project/sglang ``python/sglang/srt/server_args.py``): ``--tp-size``, ``--ep-size``,
 ``--mem-fraction-static``, ``--dtype``, ``--skip-tokenizer-init``,
-``--enable-return-routed-experts``, ``--weight-version`` (initial ``weight_version``, default
+``--enable-return-routed-experts``, ``--enable-memory-saver``, ``--enable-weights-cpu-backup``, ``--weight-version`` (initial ``weight_version``, default
 "default") and ``--enable-deterministic-inference`` (needed for ``sampling_seed`` to make
 non-greedy sampling reproducible). Tests point ``python``/``module`` at ``moe_rl.serve.http``
 to launch ``moe-rl serve`` through the same code path.
@@ -81,6 +81,8 @@ class SGLangServerConfig:
     "GPUs of this server: its CUDA_VISIBLE_DEVICES, with --base-gpu-id 0 (None: inherit the environment)."
     enable_memory_saver: bool = False
     "--enable-memory-saver: colocated mode, memory released and resumed around training."
+    enable_weights_cpu_backup: bool = False
+    "--enable-weights-cpu-backup: released weights wait in host memory (SGLang frees them without it)."
     api_key: str | None = None
     "--api-key (every endpoint but /health*)."
     admin_api_key: str | None = None
@@ -166,6 +168,8 @@ def build_command(cfg: SGLangServerConfig, port: int) -> list[str]:
         cmd += ["--base-gpu-id", "0"]
     if cfg.enable_memory_saver:
         cmd.append("--enable-memory-saver")
+    if cfg.enable_weights_cpu_backup:
+        cmd.append("--enable-weights-cpu-backup")
     if cfg.api_key:
         cmd += ["--api-key", cfg.api_key]
     if cfg.admin_api_key:

@@ -265,7 +265,7 @@ def serve(
 
 def build_arg_parser() -> argparse.ArgumentParser:
     """The ``moe-rl serve`` command line: the ``sglang.launch_server`` options the launcher passes, plus ours."""
-    from moe_rl.argparsing import ArgParser, count_at_least, number_in, text_value
+    from moe_rl.argparsing import ArgParser, int_at_least, number_in, text_value
 
     p = ArgParser("moe-rl serve", description="SGLang-protocol server around a moe-rl rollout engine")
     p.add_argument("--model-path", default="moe-rl-embedded", type=text_value)
@@ -276,7 +276,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="weights and compute: auto (fp32) | bfloat16 | float16")
     p.add_argument("--router-dtype", default="same", choices=("same", "fp32"), help="router logits' dtype")
     p.add_argument("--mem-fraction-static", type=number_in(0.0, 1.0), default=None)
-    p.add_argument("--base-gpu-id", type=count_at_least(0), default=0)
+    p.add_argument("--base-gpu-id", type=int_at_least(0), default=0)
     p.add_argument(
         "--skip-tokenizer-init",
         action="store_true",

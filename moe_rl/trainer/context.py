@@ -118,7 +118,7 @@ class Run:
             checkpoint_root(recipe), self.policy.model, keep=recipe.checkpoint.keep
         )
         self.signals = StopSignals()
-        self.hooks = [FlipProbe(), RoutingShareProbe()]
+        self.hooks = [RoutingShareProbe(), FlipProbe()]  # the share's forward serves the flip probe
         self._bar = None
         self._derived_from: Run | None = None
         if write_recipe:
@@ -354,11 +354,12 @@ class Run:
             )
             self.engine_gives_routes = True  # free: captured during generation
         else:
-            from moe_rl.rollout.factory import build_sglang_engine
+            from moe_rl.rollout.factory import build_sglang_engine, engine_start
 
-            self.engine = build_sglang_engine(
-                self.recipe, policy=self.policy, tokenizer=self.tok, out=self.out, rank=self.info.rank
-            )
+            kw = {"policy": self.policy, "tokenizer": self.tok, "out": self.out}
+            start = engine_start(self.recipe, **kw)  # the export reads the weights: before they leave
+            with self.memory_for_engine("launch"):  # colocated: engines start beside no trainer state
+                self.engine = build_sglang_engine(self.recipe, rank=self.info.rank, model_path=start, **kw)
             self.engine_gives_routes = self.recipe.algo.routing == "r3"
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
@@ -366,30 +367,54 @@ class Run:
         device boundary (engines return host tensors; everything the step computes from the batch
         lives on the policy's device, as NCCL's collectives need). The engine works with the
         trainer's memory on the host where it shares the GPUs (:meth:`memory_for_engine`)."""
-        with self.memory_for_engine(weights=True):  # a rollout reads no trainer tensor
+        with self.memory_for_engine("rollout"):  # a rollout reads no trainer tensor
             rollouts = self.engine.generate(prompt_ids, n, sampling)
+        self.check_push()
         return rollouts.to(self.info.device)
+
+    @torch.no_grad()
+    def check_push(self) -> None:
+        """After a rollout that took a due push check's probes (``rollout.verify_every``): the
+        trainer scores the tokens each engine scored, without route noise; WeightSyncError when an
+        engine's scores are off (:func:`moe_rl.rollout.weight_sync.verify.check_scores`)."""
+        take = getattr(self.engine, "take_push_probes", None)
+        probes = take() if take is not None else None
+        if not probes:
+            return
+        from moe_rl.rollout.weight_sync.verify import check_scores, score_tolerance
+
+        noise, self.policy.route_noise = self.policy.route_noise, RouteNoise()
+        try:
+            mine = [
+                self.policy.logprobs(torch.tensor([p.tokens])).logp_BT[0, p.prompt_len :].tolist()
+                for p in probes
+            ]
+        finally:
+            self.policy.route_noise = noise
+        r = self.recipe
+        tolerance = score_tolerance(r.model.dtype, r.rollout_dtype, r.rollout.verify_tolerance)
+        check_scores(probes, mine, tolerance, self.engine.weight_version)
 
     def push_weights(self) -> None:
         """The policy's weights to the engine, which then serves version ``optimizer.step_count``."""
-        with self.memory_for_engine(weights=False):  # a push reads the weights
+        with self.memory_for_engine("push"):  # a push reads the weights
             self.engine.update_weights(self.weights_for_engine(), str(self.optimizer.step_count))
 
     @contextlib.contextmanager
-    def memory_for_engine(self, *, weights: bool) -> Iterator[None]:
-        """Around an engine's work on the trainer's own GPUs (``rollout.colocated`` with
-        ``rollout.sglang.offload_trainer``): the trainer's gradients and Adam state (and, with
-        ``weights``, its weights) wait in host memory; a no-op elsewhere. Every tensor is back, as
-        it was, when the block ends."""
-        cfg = self.recipe.rollout
-        if not (cfg.colocated and cfg.sglang.offload_trainer and self.optimizer):
+    def memory_for_engine(self, phase: str) -> Iterator[None]:
+        """Around engine phase ``phase`` (rollout, push, launch) on the trainer's own GPUs
+        (``rollout.colocated``): the engines hold memory only inside the block and, with
+        ``rollout.sglang.offload_trainer``, the trainer's state waits in host memory meanwhile, every
+        rank in step (:func:`moe_rl.trainer.colocate.engine_phase`); a no-op elsewhere. Every
+        tensor is back, as it was, when the block ends."""
+        if not self.recipe.rollout.colocated:
             yield
             return
-        self.optimizer.release_memory(weights=weights)
-        try:
+        from moe_rl.trainer.colocate import engine_phase
+
+        trainer = self.optimizer if self.recipe.rollout.sglang.offload_trainer else None
+        with engine_phase(trainer, lambda: self.engine, phase):
             yield
-        finally:
-            self.optimizer.resume_memory()
 
     def weights_for_engine(self) -> HFStateSource | None:
         """What ``engine.update_weights`` reads: None for the embedded engine (it shares the

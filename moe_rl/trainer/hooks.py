@@ -2,8 +2,8 @@
 
 A hook is registered on a run (:meth:`moe_rl.trainer.run.Run.add_hook`) and sees every optimizer
 step of every stage that run trains (SFT and RL), as an :class:`OptimizerStep`. The trainer's own
-flip probe (``flip/step``, :class:`moe_rl.trainer.probe.FlipProbe`) is the first hook of every run;
-benchmarks add theirs beside it (``benchmarks/volatility.py``).
+probes (``ratio/routing_share``, then ``flip/step``: :mod:`moe_rl.trainer.probe`) are the first hooks of
+every run; studies add theirs beside them (``studies/collapse/volatility.py``).
 
 In an RL step the trainer calls, for every hook, in registration order::
 

@@ -15,7 +15,7 @@ from moe_rl import dist
 from moe_rl.megatron.routing import RoutingSession
 from moe_rl.routing import RouterAction
 from moe_rl.trainer.hooks import OptimizerStep, StepHook
-from moe_rl.trainer.rl import flip_rates, natural_routes, packed, probe_rows, route_flips
+from moe_rl.trainer.rl import flip_rates, micro_batches, natural_routes, packed, probe_rows, route_flips
 
 if TYPE_CHECKING:
     from moe_rl.trainer.context import Run
@@ -46,7 +46,11 @@ class FlipProbe(StepHook):
         if run.optimizer.step_count % run.recipe.train.flip_probe_every:
             return
         n = self.before_PSLK.shape[0]
-        after_PSLK = natural_routes(run, batch.tokens_BT[:n], batch.lens_B[:n])
+        shared = batch.probe_after
+        if shared is not None and shared[0] == run.optimizer.step_count and shared[1].shape[0] == n:
+            after_PSLK = shared[1]  # the routing share's natural forward of these rows, after this step
+        else:
+            after_PSLK = natural_routes(run, batch.tokens_BT[:n], batch.lens_B[:n])
         self.counts.append(route_flips(self.before_PSLK, after_PSLK, batch.valid_BS[:n]))
         self.before_PSLK = after_PSLK
 
@@ -57,6 +61,10 @@ class FlipProbe(StepHook):
 
 class RoutingShareProbe(StepHook):
     """How much of the ratios' movement routing carries, after the last update of each RL step.
+
+    Its natural forward also yields the probe rows' natural routes after that update, which it leaves
+    on the batch (``RLBatch.probe_after``) for the flip probe, registered after it, to take instead
+    of a forward of its own.
 
     On the probe rows, log rho = log pi_theta - log pi_old per response token, with pi_theta's
     forward routed naturally and again with pi_old's natural routes replayed (the routes of the
@@ -86,10 +94,18 @@ class RoutingShareProbe(StepHook):
         pack = packed(run, tokens_BT, lens_B)
         temperature = run.recipe.train.temperature
         sums = []
+        # the flip probe's forward of these rows after this update, when it would be this one (one pack)
+        share_routes = len(micro_batches(run, lens_B, 0, n)) == 1
         for routes in (None, batch.old_routes_BSLK[:n]):
             action = RouterAction.NATURAL if routes is None else RouterAction.REPLAY
-            with torch.no_grad(), RoutingSession(run.policy, action, routes_BSLK=routes, pack=pack):
+            session = RoutingSession(run.policy, action, routes_BSLK=routes, pack=pack)
+            with torch.no_grad(), session:
                 logp_BT = run.policy.logprobs(tokens_BT, temperature=temperature, pack=pack).logp_BT
+            if routes is None and share_routes:
+                batch.probe_after = (
+                    run.optimizer.step_count,
+                    session.natural_BSLK(n, tokens_BT.shape[1] - 1),
+                )
             x = (logp_BT.double() - batch.old_logp_BT[:n].double())[mask_BT]
             sums.append(torch.stack([x.new_tensor(float(x.numel())), x.sum(), (x * x).sum()]))
         self.sums = dist.all_reduce(torch.stack(sums), run.info.dp_group)

@@ -77,6 +77,9 @@ class RLBatch:
     old_routes_BSLK: torch.Tensor | None  # pi_old's natural routes, for drift
     is_weights: torch.Tensor | None = None  # train-inference correction, [B, T] or [B] (detached)
     probe_before_BSLK: torch.Tensor | None = None  # the probe rows' natural routes under pi_old
+    # (optimizer step count, the probe rows' natural routes after that step): a probe's natural
+    # forward of them (the routing share's), which the flip probe takes instead of running its own
+    probe_after: tuple[int, torch.Tensor] | None = None
     # the engine's gate weights, replayed with replay_BSLK (R3 with algo.replay_gate_weights)
     replay_gates_BSLK: torch.Tensor | None = None
 

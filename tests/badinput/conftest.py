@@ -35,10 +35,6 @@ RUN_MODEL = {
 CATEGORIES = ("recipe", "override", "data", "checkpoint", "output", "cli", "signal", "server", "reward", "os")
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "bad_input(category): a bad-input case of the named category")
-
-
 def pytest_collection_modifyitems(items):
     for item in items:
         m = item.get_closest_marker("bad_input")

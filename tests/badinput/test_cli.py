@@ -199,6 +199,7 @@ def test_unknown_command(cli):
     cli("trian", RECIPE).one_line(r"usage error: moe-rl: argument cmd: invalid choice: 'trian'")
 
 
+@pytest.mark.integration
 @cli_case
 def test_subprocess_exit_code_and_line(tmp_path):
     """The installed entry point as a user runs it: real exit code 2, one line, no traceback."""

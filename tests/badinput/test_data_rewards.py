@@ -274,6 +274,7 @@ def test_reward_error_names_the_record(cli, tmp_path, name):
     assert_kept(before, tmp_path)
 
 
+@pytest.mark.integration
 @data_case
 def test_characters_the_tokenizer_lacks_are_warned_about_before_training(tmp_path):
     """CJK or emoji under the built-in character tokenizer became ``<unk>`` with no word (a

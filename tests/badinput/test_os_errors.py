@@ -10,7 +10,7 @@ import pytest
 
 from tests.badinput.conftest import ROOT, assert_kept, snapshot
 from tests.badinput.test_outputs_checkpoints import recipe
-from tests.conftest import mount_tmpfs
+from tests.tmpfs import mount_tmpfs
 
 pytestmark = pytest.mark.bad_input("os")
 

@@ -65,6 +65,7 @@ def sft_steps(folder: Path) -> list[int]:
 
 
 # -- export: never overwrite what it does not own ---------------------------------------------------
+@pytest.mark.integration
 @pytest.mark.bad_input("output")
 def test_export_refuses_a_non_empty_folder(cli, run_copy):
     out = run_copy / "mine"

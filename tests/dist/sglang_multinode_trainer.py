@@ -26,6 +26,9 @@ def main(recipe_path: str) -> int:
 
     def traced_generate(self, prompts, n, sampling):
         seen["url"] = self.inner.client.base_url
+        seen["engines"] = [e.base_url for e in self.inner.engines]
+        fleet = self.inner.launcher
+        seen["launched_here"] = [lc.url for lc in fleet.launchers] if fleet is not None else []
         ro = generate(self, prompts, n, sampling)
         seen["generate"].append({"version": ro.weight_version, "rows": ro.batch_size})
         return ro

@@ -60,7 +60,7 @@ def _env() -> dict[str, str]:
 
 
 def _recipe(tmp_path: Path, sglang: dict) -> Path:
-    from tests.unit.test_rl_e2e import TINY
+    from tests.tiny import TINY_E2E as TINY
 
     data = {k: dict(v) for k, v in TINY.items()}
     data["model"]["moe_aux_loss_coeff"] = 0.01  # a gradient without reward: the pushes change weights
@@ -147,7 +147,7 @@ def test_launched_engine_on_rank0s_node_is_reached_from_another_node(lan, tmp_pa
 
 
 def test_attached_engine_on_a_third_node_is_reached_by_both_ranks(lan, tmp_path):
-    from tests.unit.test_rl_e2e import TINY
+    from tests.tiny import TINY_E2E as TINY
 
     model = tmp_path / "engine.yaml"  # moe-rl serve takes a recipe: random init, replaced by the first push
     model.write_text(json.dumps({"model": TINY["model"]}))
@@ -176,6 +176,26 @@ def test_attached_engine_on_a_third_node_is_reached_by_both_ranks(lan, tmp_path)
         _check(text, url)
     finally:
         stop_group(engine)
+
+
+def test_colocated_engines_run_on_every_node(lan, tmp_path):
+    """Colocated (issue 45): each node's first rank launches that node's engine, listening at the
+    node's own address (rank 1's: the local end of its route to rank 0), rank 0 the router over
+    both; rollouts, memory phases and tensor pushes reach both engines across the namespaces.
+    Before: both engines ran on rank 0's node."""
+    sglang = {"module": "moe_rl.serve.embedded", "port": ENGINE_PORT, "colocate": True, "engines": 2}
+    recipe = _recipe(tmp_path, sglang)
+    data = json.loads(recipe.read_text())
+    data["rollout"]["weight_sync"] = "tensor"
+    recipe.write_text(json.dumps(data))
+    text = _train(lan, recipe, tmp_path, timeout_s=240)
+    seen = [json.loads(t.strip().splitlines()[-1]) for t in text]
+    engines = seen[0]["engines"]
+    assert engines == seen[1]["engines"] == [f"http://{RANK0_IP}:{ENGINE_PORT}", engines[1]], engines
+    assert engines[1].startswith(f"http://{RANK1_IP}:"), engines
+    assert seen[0]["launched_here"] == engines[:1] and seen[1]["launched_here"] == engines[1:]
+    _check(text, seen[0]["url"])
+    assert seen[0]["url"].startswith(f"http://{RANK0_IP}:") and seen[0]["url"] not in engines  # the router
 
 
 def test_a_loopback_engine_across_nodes_is_refused_on_every_rank(lan, tmp_path):

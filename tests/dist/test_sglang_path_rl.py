@@ -18,7 +18,7 @@ pytestmark = pytest.mark.dist
 
 @pytest.mark.parametrize("sync", ["distributed", "disk"])
 def test_rl_over_the_sglang_protocol(tmp_path, parallel_info, sync):
-    from tests.unit.test_rl_e2e import TINY
+    from tests.tiny import TINY_E2E as TINY
 
     data = {k: dict(v) for k, v in TINY.items()}
     data["train"].update(stages=["rl"], rl_steps=3, out_dir=str(tmp_path / "run"))

@@ -25,7 +25,7 @@ from moe_rl.rollout.types import SamplingParams
 from moe_rl.rollout.weight_sync import DistributedWeightSync
 from moe_rl.serve.http import ServerThread
 from tests.unit.test_sglang_contract import _EchoEngine
-from tests.unit.test_sglang_e2e import DictSource, E, K, L, _check_matches, _launcher, init_weights
+from tests.integration.test_sglang_e2e import DictSource, E, K, L, _check_matches, _launcher, init_weights
 
 pytestmark = pytest.mark.dist
 
@@ -142,7 +142,7 @@ def test_trainer_runs_rl_with_two_engines_behind_a_launched_router(tmp_path, par
     from moe_rl.config import recipe_from_dict
     from moe_rl.trainer.metrics import read_metrics
     from moe_rl.trainer.run import run
-    from tests.unit.test_rl_e2e import TINY
+    from tests.tiny import TINY_E2E as TINY
 
     data = {k: dict(v) for k, v in TINY.items()}
     data["train"].update(stages=["rl"], rl_steps=2, out_dir=str(tmp_path / "run"))

@@ -1,11 +1,11 @@
 """GPU tier: one trainer RL step on CUDA for every algorithm x routing mode, and resume equality
-(skipped without CUDA). The helpers are benchmarks/gpu_check.py's, whose ``rl_step`` section runs
+(skipped without CUDA). The helpers are tools/gpu_check.py's, whose ``rl_step`` section runs
 the same code (``make gpu-check``, docs/gpu_check.md)."""
 
 import pytest
 import torch
 
-from benchmarks.gpu_check import ALGOS, ROUTINGS, one_rl_step, resume_check
+from tools.gpu_check import ALGOS, ROUTINGS, one_rl_step, resume_check
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

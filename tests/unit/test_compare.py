@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from benchmarks.common import SMOKE_BASE
 from moe_rl.cli import main
 from moe_rl.lab import compare, runner
 from moe_rl.lab.arms import ARMS, COMPARE_ARMS, DEMO, FIRST_SEED, flatten
+from moe_rl.lab.starts import SMOKE_BASE
 from moe_rl.lab.stats import paired
 
 TINY = [
@@ -200,6 +200,7 @@ time.sleep(30)
 """
 
 
+@pytest.mark.integration
 def test_a_stop_signal_is_passed_on_to_every_child_run(tmp_path):
     """SIGTERM to the command reaches each child run_child waits on (each ends as a trainer does on
     it: 128 + the signal), and one started after it gets it at once; the command records it."""

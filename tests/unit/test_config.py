@@ -151,6 +151,7 @@ def test_choice_literals_match_their_registries():
     assert typing.get_args(typing.get_type_hints(AlgoConfig)["rollout_correction"]) == CORRECTIONS
 
 
+@pytest.mark.integration
 def test_tasks_do_not_import_the_recipe_module():
     code = "import sys, moe_rl.tasks; print('moe_rl.config' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -243,6 +243,7 @@ def test_refuses_tensor_parallel_and_bad_requests(engine):
     assert engine.generate([], 2, SamplingParams()).batch_size == 0
 
 
+@pytest.mark.integration
 def test_registry_is_lazy():
     assert set(ROLLOUT_ENGINES) == {"embedded", "sglang"}
     with pytest.raises(ValueError, match="embedded, sglang"):
@@ -270,3 +271,25 @@ def test_ignore_eos_keeps_generating_but_stop_tokens_still_stop(engine):
         prompt, 1, SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, stop_token_ids=(eos,))
     )
     assert halt.response_mask_BT.sum().item() == 1  # explicit stop tokens still stop
+
+
+def test_row_js_kth_token_takes_its_generators_kth_draw(policy, engine):
+    """Sampling at a seed: row j's k-th response token is the inverse-CDF pick of the k-th U[0, 1) of
+    a generator seeded ``seed + j`` (SGLang's per-request seed rule), checked against a naive loop that
+    recomputes the whole batch and draws one uniform at a time."""
+    from moe_rl.rollout.embedded import row_generators, sample_tokens
+
+    sp = SamplingParams(temperature=1.0, max_new_tokens=9, seed=321)
+    ro = engine.generate(PROMPTS, 2, sp)
+    rows = [list(p) for p in PROMPTS for _ in range(2)]
+    gens = row_generators(len(rows), sp.seed)
+    with torch.no_grad():
+        for _ in range(sp.max_new_tokens):
+            width = max(map(len, rows))
+            logits = policy.logits(torch.tensor([r + [0] * (width - len(r)) for r in rows]))
+            last = torch.stack([logits[i, len(r) - 1] for i, r in enumerate(rows)])
+            u = torch.stack([torch.rand((), generator=g) for g in gens])
+            for r, tok in zip(rows, sample_tokens(last, sp, u).tolist()):
+                r.append(tok)
+    for i, r in enumerate(rows):
+        assert response(ro, i) == r[len(PROMPTS[i // 2]) :], i

@@ -10,7 +10,7 @@ from moe_rl.trainer.context import Run
 from moe_rl.trainer.rl import rl_step
 from moe_rl.trainer.sft import sft_batch, sft_step
 from moe_rl.trainer.timer import StepTimer
-from tests.unit.test_rl_e2e import TINY
+from tests.tiny import TINY_E2E as TINY
 
 
 def _weights(run: Run) -> dict[str, torch.Tensor]:

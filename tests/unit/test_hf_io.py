@@ -110,6 +110,7 @@ def test_atomic_dir_replaces_on_success_and_keeps_the_old_on_failure(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temp or trash left behind
 
 
+@pytest.mark.integration
 def test_a_killed_writers_staging_is_removed_by_the_next_and_a_live_ones_kept(tmp_path):
     """``kill -9`` inside :func:`atomic_dir` leaves its hidden staging directory beside the target
     (about 60 GB for a 30B export); the next call into that target removes it, but never the

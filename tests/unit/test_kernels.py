@@ -47,6 +47,7 @@ GRAD_UNITS = {torch.float32: 256, torch.bfloat16: 4}
 EPS32 = torch.finfo(torch.float32).eps
 
 
+@pytest.mark.integration
 def test_in_own_process_when_triton_was_imported_compiled():
     """The fallback: this whole module under pytest in a fresh interpreter."""
     if interpreting():

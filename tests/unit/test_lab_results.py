@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_rl.lab.results import json_safe, write_json
-from tests.conftest import mount_tmpfs
+from tests.tmpfs import mount_tmpfs
 
 
 def test_non_finite_numbers_are_null_and_the_file_is_strict_json(tmp_path):

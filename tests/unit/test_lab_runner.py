@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from benchmarks.common import SMOKE_BASE
 from moe_rl.lab import runner, starts
 from moe_rl.lab.arms import DEMO, ROOT, flatten
+from moe_rl.lab.starts import SMOKE_BASE
 
 SFT = [*flatten(SMOKE_BASE), "train.sft_steps=5", "train.sft_batch_size=4"]
 
@@ -108,6 +108,7 @@ def test_a_stopped_rl_arm_resumes_and_ends_as_one_that_never_saved(tmp_path, par
     assert other["status"] == "done" and not other["resumed"]
 
 
+@pytest.mark.integration
 def test_a_child_run_is_timed_alone_while_others_end_beside_it():
     """Two runs side by side (the sweep's two jobs): the idle one's CPU seconds do not take in the
     busy one that ended during it, as the process-wide children totals would."""
@@ -167,7 +168,7 @@ def test_ctrl_c_in_a_one_at_a_time_sweep_stops_the_arm_at_its_next_step(tmp_path
     from moe_rl.config import recipe_from_dict
     from moe_rl.megatron.checkpoint import latest_checkpoint
     from moe_rl.trainer.run import run
-    from tests.unit.test_rl_e2e import TINY
+    from tests.tiny import TINY_E2E as TINY
 
     def arm(i):
         data = {k: dict(v) for k, v in TINY.items()}

@@ -21,6 +21,13 @@ d. ``moe_rl.rollout`` never imports ``moe_rl.trainer``;
 e. no import cycle among ``moe_rl`` modules at run time (imports under ``if TYPE_CHECKING:`` do not
    close a cycle; they count for rules a-d).
 
+Around the library (issue 46; ``benchmarks/``, ``studies/``, ``tools/`` and ``tests/`` parsed too):
+
+f. ``moe_rl`` imports no benchmark, study or tool;
+g. ``benchmarks`` import no study or tool (a tool may run a benchmark: the GPU check times the kernels);
+h. nothing imports a study (``studies.<name>``) but that study itself: not the library, a benchmark,
+   a tool, the tests or another study (its tests live in its folder).
+
 A failure names the file and line of every offending import (for a cycle: of each edge in it).
 ``KNOWN_UNTIL_MERGE`` lists the edges that break a rule today and that a parallel branch removes;
 the lead empties it as those branches merge (a listed edge that is gone fails
@@ -40,6 +47,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"moe_rl": ROOT / "moe_rl", "moe_rl.kernels": ROOT / "kernels"}
 "Import name -> source directory (pyproject.toml's package-dir)."
+
+AROUND = {name: ROOT / name for name in ("benchmarks", "studies", "tools", "tests")}
+"The tree around the library (rules f-h)."
 
 ANNOTATIONS_COUNT = True
 "Whether imports under ``if TYPE_CHECKING:`` are edges (module docstring)."
@@ -96,6 +106,23 @@ RULES = [
     Rule("c: the trainer never imports lab or benchmarks", ("moe_rl.trainer",), ("moe_rl.lab", "benchmarks")),
     Rule("d: rollout never imports the trainer", ("moe_rl.rollout",), ("moe_rl.trainer",)),
 ]
+
+
+AROUND_RULES = [
+    Rule("f: moe_rl imports no benchmark, study or tool", ("moe_rl",), ("benchmarks", "studies", "tools")),
+    Rule("g: benchmarks import no study or tool", ("benchmarks",), ("studies", "tools")),
+]
+
+
+def study_of(module: str) -> str | None:
+    """``studies.<name>`` of a module inside a study, else None."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "studies" and len(parts) > 1 else None
+
+
+def into_a_study(edges: list[Edge]) -> list[Edge]:
+    """Rule h: the imports of a study from outside it."""
+    return [e for e in edges if study_of(e.dst) and study_of(e.dst) != study_of(e.src)]
 
 
 def under(module: str, prefixes: tuple[str, ...]) -> bool:
@@ -202,10 +229,27 @@ def graph() -> list[Edge]:
     return import_graph()
 
 
+@pytest.fixture(scope="module")
+def whole_graph() -> list[Edge]:
+    return import_graph({**PACKAGES, **AROUND})
+
+
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.name.split(":")[0])
 def test_layer_rule(graph, rule):
     bad = broken(rule, graph, KNOWN_UNTIL_MERGE)
     assert not bad, f"rule {rule.name} is broken by:\n{_report(bad)}"
+
+
+@pytest.mark.parametrize("rule", AROUND_RULES, ids=lambda r: r.name.split(":")[0])
+def test_around_the_library_rule(whole_graph, rule):
+    bad = broken(rule, whole_graph, {})
+    assert not bad, f"rule {rule.name} is broken by:\n{_report(bad)}"
+
+
+def test_nothing_imports_a_study_but_itself(whole_graph):
+    assert any(study_of(e.src) for e in whole_graph), "no study parsed"
+    bad = into_a_study(whole_graph)
+    assert not bad, f"rule h: nothing imports a study but itself; broken by:\n{_report(bad)}"
 
 
 def test_no_import_cycle(graph):
@@ -257,21 +301,12 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
-    return {"moe_rl": tmp_path / "moe_rl"}
+    return {top: tmp_path / top for top in ("moe_rl", *AROUND) if (tmp_path / top).is_dir()}
 
 
 def test_the_planted_base_tree_is_clean(tmp_path):
     edges = import_graph(_tree(tmp_path, BASE_TREE))
     assert all(not broken(r, edges, {}) for r in RULES) and find_cycle(edges, {}) is None
-
-
-@pytest.mark.parametrize("rule_id, rel, text, line", PLANTED, ids=[f"{p[0]}:{p[1]}" for p in PLANTED])
-def test_each_rule_fails_on_a_planted_import(tmp_path, rule_id, rel, text, line):
-    edges = import_graph(_tree(tmp_path, {**BASE_TREE, rel: text}))
-    (rule,) = [r for r in RULES if r.name.startswith(rule_id + ":")]
-    bad = broken(rule, edges, {})
-    assert bad and all(e.path.endswith(rel) for e in bad), _report(bad)
-    assert f"{rel}:{line}: " in "\n".join(str(e).replace(str(tmp_path) + "/", "") for e in bad)
 
 
 def test_a_planted_cycle_is_found_with_its_files_and_lines(tmp_path):
@@ -289,3 +324,56 @@ def test_a_planted_cycle_is_found_with_its_files_and_lines(tmp_path):
     shown = _report(cycle).replace(str(tmp_path) + "/", "")
     assert "moe_rl/plan.py:5: " in shown and "moe_rl/cli.py:1: " in shown
     assert find_cycle(edges, {("moe_rl.plan", "moe_rl.cli"): "allowed"}) is None
+
+
+AROUND_TREE = {
+    **BASE_TREE,
+    "studies/__init__.py": "",
+    "studies/alpha/__init__.py": "from pathlib import Path\n",
+    "studies/alpha/drive.py": "from moe_rl.lab import runner\nfrom studies.alpha import Path\n",
+    "studies/alpha/test_drive.py": "from studies.alpha import drive\n",
+    "studies/beta/__init__.py": "",
+    "benchmarks/__init__.py": "",
+    "benchmarks/speed.py": "from moe_rl.lab import runner\n",
+    "tools/__init__.py": "",
+    "tools/check.py": "from benchmarks import speed\n",
+    "tests/__init__.py": "",
+    "tests/test_lab.py": "from moe_rl.lab import runner\nfrom tools import check\n",
+}
+PLANTED_AROUND = [
+    ("f", "moe_rl/lab/runner.py", "def f():\n    from studies.alpha import drive\n", 2),
+    ("f", "moe_rl/trainer/run.py", "import tools.check\n", 1),
+    ("g", "benchmarks/speed.py", "from studies.alpha.drive import x\n", 1),
+    ("g", "benchmarks/speed.py", "from tools import check\n", 1),
+    ("h", "tests/test_lab.py", "from studies.alpha import drive\n", 1),
+    ("h", "studies/beta/__init__.py", "from studies.alpha.drive import x\n", 1),
+    ("h", "tools/check.py", "\n\ndef f():\n    import studies.alpha\n", 4),
+]
+
+
+def test_the_planted_tree_around_the_library_is_clean(tmp_path):
+    edges = import_graph(_tree(tmp_path, AROUND_TREE))
+    assert not into_a_study(edges) and all(not broken(r, edges, {}) for r in AROUND_RULES)
+    assert {
+        ("studies.alpha.drive", "studies.alpha"),
+        ("studies.alpha.test_drive", "studies.alpha.drive"),
+    } <= {(e.src, e.dst) for e in edges}
+
+
+def broken_by(rule_id: str, edges: list[Edge]) -> list[Edge]:
+    """The edges that break rule ``rule_id`` (a-d, f-g: :data:`RULES`, :data:`AROUND_RULES`; h)."""
+    if rule_id == "h":
+        return into_a_study(edges)
+    (rule,) = [r for r in RULES + AROUND_RULES if r.name.startswith(rule_id + ":")]
+    return broken(rule, edges, {})
+
+
+@pytest.mark.parametrize(
+    "rule_id, rel, text, line, tree",
+    [(*p, BASE_TREE) for p in PLANTED] + [(*p, AROUND_TREE) for p in PLANTED_AROUND],
+    ids=[f"{p[0]}:{p[1]}" for p in PLANTED + PLANTED_AROUND],
+)
+def test_each_rule_fails_on_a_planted_import(tmp_path, rule_id, rel, text, line, tree):
+    bad = broken_by(rule_id, import_graph(_tree(tmp_path, {**tree, rel: text})))
+    assert bad and all(e.path.endswith(rel) for e in bad), _report(bad)
+    assert f"{rel}:{line}: " in "\n".join(str(e).replace(str(tmp_path) + "/", "") for e in bad)

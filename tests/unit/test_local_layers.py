@@ -6,8 +6,24 @@ import torch
 from moe_rl.config import ModelConfig, ParallelConfig
 
 
+def per_expert_state(model) -> dict:
+    """``model``'s state dict in the per-expert layout of megatron-core's ``SequentialMLP``
+    (``...experts.local_experts.<e>.linear_fc<i>.weight``): what a stock model loads."""
+    out = {}
+    for name, t in model.state_dict().items():
+        head, sep, tail = name.partition("mlp.experts.linear_fc")
+        if not sep:
+            out[name] = t
+            continue
+        fc = tail.split(".")[0]
+        for e, w in enumerate(t.unbind(0)):
+            out[f"{head}mlp.experts.local_experts.{e}.linear_fc{fc}.weight"] = w
+    return out
+
+
 def _pair(cfg: ModelConfig, dtype=torch.float32):
-    """(ours, stock) GPT models with identical weights."""
+    """(ours, stock) GPT models with identical weights: built from one seed, which draws the same
+    weights in either layout (checked here), then the stock one loaded from ours."""
     from dataclasses import replace
 
     from moe_rl.megatron.model import build_gpt
@@ -16,10 +32,29 @@ def _pair(cfg: ModelConfig, dtype=torch.float32):
         cfg = replace(cfg, dtype="bfloat16")
     torch.manual_seed(0)
     ours = build_gpt(cfg, ParallelConfig())
+    torch.manual_seed(0)
     stock = build_gpt(cfg, ParallelConfig(), stock_local=True)
-    missing, unexpected = stock.load_state_dict(ours.state_dict(), strict=False)
+    drawn, mine = stock.state_dict(), per_expert_state(ours)
+    tensors = {k: v for k, v in mine.items() if isinstance(v, torch.Tensor)}
+    assert all(torch.equal(drawn[k], v) for k, v in tensors.items()), "a seed draws other weights per layout"
+    missing, unexpected = stock.load_state_dict(mine, strict=False)
     assert not [k for k in missing if not k.endswith("_extra_state")] and not unexpected
     return ours, stock
+
+
+def _stacked_grads(ours, stock) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(stock name, our gradient, stock gradient) of every parameter, ours sliced per expert."""
+    out = []
+    ours_grads = {n: p.grad for n, p in ours.named_parameters()}
+    for name, p in stock.named_parameters():
+        head, sep, tail = name.partition("mlp.experts.local_experts.")
+        if sep:
+            e, rest = tail.split(".", 1)
+            g = ours_grads[f"{head}mlp.experts.{rest}"]
+            out.append((name, None if g is None else g[int(e)], p.grad))
+        else:
+            out.append((name, ours_grads[name], p.grad))
+    return out
 
 
 def _forward(model, tok, **kw):
@@ -38,10 +73,16 @@ def test_modules_are_swapped(parallel_info, tiny_model_cfg):
     assert {SDPAttention, GroupedExperts} <= kinds(ours)
     assert not {SDPAttention, GroupedExperts} & kinds(stock)
     assert {DotProductAttention, SequentialMLP} <= kinds(stock)
-    # same parameter names and shapes: checkpoints, HF mapping and replay see one model
-    assert [(n, p.shape) for n, p in ours.named_parameters()] == [
-        (n, p.shape) for n, p in stock.named_parameters()
+    # one parameter per expert projection (two per MoE layer, whatever the number of experts), the
+    # same names elsewhere; the per-expert layout maps onto it element for element
+    ours_names = [n for n, _ in ours.named_parameters()]
+    experts = [n for n in ours_names if ".mlp.experts." in n]
+    assert len(experts) == 2 * tiny_model_cfg.num_layers
+    assert [n for n in ours_names if n not in experts] == [
+        n for n, _ in stock.named_parameters() if ".mlp.experts." not in n
     ]
+    shapes = lambda sd: {k: v.shape for k, v in sd.items() if isinstance(v, torch.Tensor)}  # noqa: E731
+    assert shapes(per_expert_state(ours)) == shapes(stock.state_dict())
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -58,12 +99,10 @@ def test_logits_and_every_gradient_match_stock(parallel_info, tiny_model_cfg, se
         outs.append(out.detach())
     # measured: max |diff| ~3e-7 on logits of magnitude ~1 (fp32 summation order)
     torch.testing.assert_close(outs[0], outs[1], atol=2e-6, rtol=1e-5)
-    grads_o = dict(ours.named_parameters())
-    for name, p in stock.named_parameters():
-        go = grads_o[name].grad
-        assert go is not None and p.grad is not None, name
-        scale = p.grad.abs().max().clamp_min(1e-6)
-        assert (go - p.grad).abs().max() / scale < 1e-4, name
+    for name, go, gs in _stacked_grads(ours, stock):
+        assert go is not None and gs is not None, name
+        scale = gs.abs().max().clamp_min(1e-6)
+        assert (go - gs).abs().max() / scale < 1e-4, name
 
 
 def test_kv_cache_decode_matches_stock(parallel_info, tiny_model_cfg):
@@ -141,25 +180,25 @@ def test_unsupported_options_are_refused(parallel_info, tiny_model_cfg):
 
 
 def test_per_expert_loop_equals_grouped_mm(parallel_info, tiny_model_cfg, monkeypatch):
-    """The module's per-expert forward (and the fallback of ``grouped`` without CPU grouped_mm)
-    computes what ``torch._grouped_mm`` computes on the stacked weights (the lean decoder's path)."""
+    """The grouped GEMM over the stacked weights (the module's forward, on CPU as on CUDA) and the
+    per-expert loop (its fallback where this torch has no grouped GEMM) give the same outputs and
+    gradients, input and weights, bit for bit on CPU fp32 (measured)."""
     from moe_rl.megatron import local_layers
     from moe_rl.megatron.local_layers import GroupedExperts
 
     ours, _ = _pair(tiny_model_cfg)
     experts = next(m for m in ours.modules() if isinstance(m, GroupedExperts))
+    weights = [experts.linear_fc1.weight, experts.linear_fc2.weight]
     x = torch.randn(9, tiny_model_cfg.hidden_size, requires_grad=True)
     cnt, probs = torch.tensor([2, 0, 4, 3]), torch.rand(9)
     assert local_layers.grouped_mm_ok(x)
-    a = experts.grouped(x, cnt, probs, *experts.stacked_weights())
-    ga = torch.autograd.grad(a.square().sum(), x)[0]
-    b, _ = experts(x, cnt, probs)
-    gb = torch.autograd.grad(b.square().sum(), x)[0]
-    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(ga, gb, atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(local_layers, "grouped_mm_ok", lambda x: False)
-    c = experts.grouped(x, cnt, probs, *experts.stacked_weights())
-    torch.testing.assert_close(a, c, atol=1e-6, rtol=1e-5)
+    results = []
+    for grouped in (True, False):
+        monkeypatch.setattr(local_layers, "grouped_mm_ok", lambda x, g=grouped: g)
+        y, _ = experts(x, cnt, probs)
+        results.append((y, *torch.autograd.grad(y.sum(), [x, *weights])))  # .sum(): a broadcast gradient
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def test_attention_never_runs_on_cudnn(parallel_info, tiny_model_cfg, monkeypatch):
@@ -265,42 +304,34 @@ def test_varlen_call_matches_the_per_segment_attention(parallel_info, tiny_model
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
 
 
-def test_stacked_views_hand_each_expert_its_gradient_without_a_copy(parallel_info, tiny_model_cfg):
-    """The CUDA training forward's stacked weights (``stacked_views``): the grouped GEMM's values
-    and every expert weight's gradient equal the per-expert loop's, and the backward accumulates
-    each expert's gradient as it is: no per-expert copy or transpose (``stacked_weights``, the
-    input-major copy, costs one of each per expert weight)."""
+def test_the_expert_pass_runs_no_per_expert_op(parallel_info):
+    """The experts' forward and backward dispatch the same ops at 4 and 64 experts (one grouped GEMM
+    per projection each way; no per-expert matmul, split, copy or transpose) and never read the
+    token counts on the host (the per-expert loop's ``tolist``: a device-to-host sync per layer)."""
     from moe_rl.megatron.local_layers import GroupedExperts
+    from moe_rl.megatron.model import build_gpt
     from tests.ops import CountOps
+    from tests.tiny import tiny_model_config
 
-    ours, _ = _pair(tiny_model_cfg)
-    experts = next(m for m in ours.modules() if isinstance(m, GroupedExperts))
-    params = [p for e in experts.local_experts for p in (e.linear_fc1.weight, e.linear_fc2.weight)]
-    x = torch.randn(9, tiny_model_cfg.hidden_size)
-    cnt, probs = torch.tensor([2, 0, 4, 3]), torch.rand(9)
-    grads, copies = {}, {}
-    for name in ("per_expert", "stacked_views", "stacked_weights"):
-        for p in params:
-            p.grad = None
-        if name == "per_expert":
-            out, _ = experts(x, cnt, probs)
-        else:
-            out = experts.grouped(x, cnt, probs, *getattr(experts, name)())
+    counted = {}
+    for experts in (4, 64):
+        torch.manual_seed(0)
+        model = build_gpt(tiny_model_config(num_experts=experts), ParallelConfig())
+        module = next(m for m in model.modules() if isinstance(m, GroupedExperts))
+        cnt = torch.full((experts,), 3)
+        x = torch.randn(3 * experts, 64, requires_grad=True)
         with CountOps() as ops:
-            out.square().sum().backward()
-        grads[name] = [p.grad.clone() for p in params]
-        shapes = {tuple(p.shape) for p in params}
-        copies[name] = sum(s in shapes for s in ops.shapes["aten.copy_"]) + ops.count["aten.t"]
-    for a, b in zip(grads["stacked_views"], grads["per_expert"]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    assert copies["stacked_views"] == 0 and copies["stacked_weights"] >= len(params), copies
+            y, _ = module(x, cnt, torch.rand(3 * experts))
+            y.square().sum().backward()
+        counted[experts] = ops.count
+    assert counted[4] == counted[64], set(counted[4].items()) ^ set(counted[64].items())
+    assert counted[4]["aten._grouped_mm"] == 6 and not counted[4]["aten._local_scalar_dense"]
 
 
-def test_stacked_views_add_every_expert_gradient_to_ddps_buffer_at_once(parallel_info, tiny_model_cfg):
-    """Under megatron-core DDP the stacked weights' backward accumulates every expert's gradient
-    into its ``main_grad`` in one fused add (transformer-engine's gradient-accumulation fusion
-    contract: ``grad_added_to_main_grad``), so DDP's hook adds none of them itself: the buffer
-    equals the per-expert loop's (the hook's adds), over two micro-batches too."""
+def test_a_stacked_projection_takes_one_gradient_add_in_ddp(parallel_info, tiny_model_cfg):
+    """Under megatron-core DDP each stacked projection's gradient lands in DDP's buffer by one add
+    (its hook's), whatever the number of experts, over two micro-batches; the buffer holds what the
+    per-expert loop's gradients sum to."""
     from moe_rl.config import OptimConfig
     from moe_rl.megatron.local_layers import GroupedExperts
     from moe_rl.megatron.optim import Optimizer
@@ -309,27 +340,42 @@ def test_stacked_views_add_every_expert_gradient_to_ddps_buffer_at_once(parallel
     ours, _ = _pair(tiny_model_cfg)
     opt = Optimizer(ours, OptimConfig(lr=1e-3), parallel_info)
     experts = next(m for m in ours.modules() if isinstance(m, GroupedExperts))
-    params = [p for e in experts.local_experts for p in (e.linear_fc1.weight, e.linear_fc2.weight)]
-    shapes = {tuple(p.shape) for p in params}
+    weights = [experts.linear_fc1.weight, experts.linear_fc2.weight]
     x = torch.randn(9, tiny_model_cfg.hidden_size)
     cnt, probs = torch.tensor([2, 0, 4, 3]), torch.rand(9)
-    mains, adds = {}, {}
-    for name in ("per_expert", "stacked_views"):
-        opt.zero_grad()
-        with CountOps() as ops:
-            for _ in range(2):  # two micro-batches accumulate
-                if name == "per_expert":
-                    out, _ = experts(x, cnt, probs)
-                else:
-                    out = experts.grouped(x, cnt, probs, *experts.stacked_views())
-                out.square().sum().backward()
-        mains[name] = [p.main_grad.clone() for p in params]
-        adds[name] = sum(s in shapes for s in ops.shapes["aten.add_"])
-        assert all(p.grad is None for p in params)
-    assert sum(int(b.count_nonzero()) for b in mains["per_expert"]) > 0
-    for a, b in zip(mains["stacked_views"], mains["per_expert"]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    assert adds["per_expert"] >= 2 * len(params) and adds["stacked_views"] == 0, adds
-    assert all(p.grad_added_to_main_grad for p in params)
-    opt.zero_grad()  # DDP clears the mark with its buffer
-    assert not any(p.grad_added_to_main_grad for p in params)
+    opt.zero_grad()
+    with CountOps() as ops:
+        for _ in range(2):  # two micro-batches accumulate
+            out, _ = experts(x, cnt, probs)
+            out.square().sum().backward()
+    adds = sum(s in {tuple(w.shape) for w in weights} for s in ops.shapes["aten.add_"])
+    assert adds == 2 * len(weights), adds
+    want = torch.autograd.grad(
+        2 * experts.per_expert(x, cnt, probs, weights[0], weights[1]).square().sum(), weights
+    )
+    for w, g in zip(weights, want):
+        torch.testing.assert_close(w.main_grad, g, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_weighted_swiglu_computes_the_unfused_values(parallel_info, tiny_model_cfg, monkeypatch):
+    """``bias_activation_fusion`` (on where CUDA and Triton are) runs megatron-core's weighted SwiGLU
+    function: its formula and its hand-written backward (here eagerly, its compiler off: the CPU form of
+    the fused op) give the unfused path's outputs and gradients, the routing probabilities' included."""
+    import torch._dynamo
+
+    from moe_rl.megatron.local_layers import GroupedExperts
+
+    ours, _ = _pair(tiny_model_cfg)
+    experts = next(m for m in ours.modules() if isinstance(m, GroupedExperts))
+    x = torch.randn(9, tiny_model_cfg.hidden_size, requires_grad=True)
+    probs = torch.rand(9, requires_grad=True)
+    cnt = torch.tensor([2, 0, 4, 3])
+    results = []
+    for fused in (False, True):
+        monkeypatch.setattr(experts, "_fused_glu", fused)
+        with torch._dynamo.config.patch(disable=True):
+            y, _ = experts(x, cnt, probs)
+            w = torch.linspace(-1, 1, y.numel()).view_as(y)
+            results.append((y, *torch.autograd.grad((y * w).sum(), [x, probs, experts.linear_fc1.weight])))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -19,6 +19,7 @@ def _loaded_after(stmt: str) -> set[str]:
     return set(out.split())
 
 
+@pytest.mark.integration
 def test_import_config_imports_no_torch():
     loaded = _loaded_after("import moe_rl.config")
     assert "torch" not in loaded
@@ -26,6 +27,7 @@ def test_import_config_imports_no_torch():
     assert [m for m in loaded if m.startswith(upper)] == []
 
 
+@pytest.mark.integration
 def test_names_is_data_only():
     assert {m for m in _loaded_after("import moe_rl.names") if m.startswith("moe_rl")} == {
         "moe_rl",

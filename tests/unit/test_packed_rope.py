@@ -5,17 +5,14 @@ of the policy running it (no op slices the RoPE table sequence by sequence)."""
 import pytest
 import torch
 
-from moe_rl.config import ParallelConfig
 from tests.ops import CountOps
 
 SEGMENTS = [16, 5, 11, 1, 9, 16, 3]  # the last: a TP padding segment
 
 
 @pytest.fixture
-def policy(parallel_info, tiny_model_cfg):
-    from moe_rl.megatron.policy import build_policy
-
-    return build_policy(tiny_model_cfg, ParallelConfig(), parallel_info)
+def policy(tiny_policy):
+    return tiny_policy
 
 
 def _cu(segments):

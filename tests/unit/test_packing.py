@@ -13,10 +13,8 @@ LENS = [16, 5, 11, 1, 9, 16]  # input positions per row (mixed; T - 1 = 16)
 
 
 @pytest.fixture
-def policy(parallel_info, tiny_model_cfg):
-    from moe_rl.megatron.policy import build_policy
-
-    return build_policy(tiny_model_cfg, ParallelConfig(), parallel_info)
+def policy(tiny_policy):
+    return tiny_policy
 
 
 def batch(lens=LENS, t=17, v=64, seed=0):

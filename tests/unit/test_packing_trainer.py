@@ -8,7 +8,7 @@ import torch
 from moe_rl.trainer.rl import collect, natural_routes, rl_step
 from moe_rl.trainer.run import Run
 from moe_rl.trainer.timer import StepTimer
-from tests.unit.test_rl_e2e import tiny
+from tests.tiny import tiny_e2e as tiny
 
 KEYS = ("loss/pg", "grad_norm", "entropy/mean", "ratio/token_max", "flip/step/rate", "flip/drift/rate")
 

@@ -219,3 +219,68 @@ def test_colocated_engines_add_up_with_the_trainer_per_phase():
     resident = terms["weights"] + terms["gradients"] + terms["optimizer"]
     assert unfit["colocated"]["rollout"] == int(0.8 * 80 * gib + resident) and not unfit["fits"]
     assert plan(load_recipe(root / "recipes/cluster/qwen3_30b_a3b_gspo.yaml"))["colocated"] is None
+
+
+ONE_NODE = [  # the 30B recipe colocated on one node of 8 x H100 (the recipe's own one-node layout)
+    "rollout.engine=sglang",
+    "rollout.sglang.colocate=true",
+    "rollout.weight_sync=tensor",
+    "parallel.tensor_parallel=2",
+    "parallel.expert_parallel=8",
+    "parallel.data_parallel=4",
+    "train.micro_batch_size=1",
+]
+
+
+def test_colocated_plan_models_every_phase_and_the_hosts_memory():
+    """Issue 45: each phase and transition as moe_rl.trainer.colocate runs them, the KV cache, and
+    the host memory of a node (each rank's pinned arena and the engines' weight backup)."""
+    root = Path(__file__).resolve().parents[2]
+    pl = plan(load_recipe(root / "recipes/cluster/qwen3_30b_a3b_gspo.yaml", ONE_NODE))
+    co, d, host, t = pl["colocated"], pl["colocated_detail"], pl["host"], pl["memory"]["terms"]
+    gib = 1024**3
+    assert list(co) == ["launch", "rollout", "rollout>train", "train", "train>push", "push", "push>train"]
+    engine = int(2 * pl["params"]["total"] / 8)  # bf16, engine tp 8
+    assert d["engine_weights"] == engine and d["kv_cache"] == int(0.8 * 80 * gib) - engine
+    assert co["push"] == t["weights"] + engine + d["push_buffers"]  # no KV cache, no trainer state
+    state = t["weights"] + t["gradients"] + t["optimizer"]
+    assert co["rollout>train"] == co["push>train"] == state  # the larger side of each transition
+    assert host == {
+        "ranks": 8,
+        "trainer_per_rank": t["weights"] + t["optimizer"],
+        "engine_backup": 8 * engine,
+        "total": 8 * (t["weights"] + t["optimizer"]) + 8 * engine,
+    }
+    text = format_plan(pl)
+    assert "push>train" in text and "host/node   8 ranks x 50.9 GiB pinned" in text and pl["fits"]
+
+
+@pytest.mark.parametrize(
+    ("over", "kw", "refusal"),
+    [
+        (["train.micro_batch_size=0"], {}, r"needs 1\d\d\.\d GiB per GPU.*activations"),
+        (["rollout.sglang.offload_trainer=false"], {}, r"the rollout phase needs .*offload_trainer=true"),
+        (
+            ["rollout.sglang.tp=1", "rollout.dtype=fp32"],
+            {},
+            r"the push phase needs 12\d\.\d GiB.*buffers\): raise rollout.sglang.tp",
+        ),
+        (
+            ["rollout.sglang.mem_fraction=0.05"],
+            {},
+            r"holds no KV cache.*raise rollout.sglang.mem_fraction to 0\.1\d",
+        ),
+        (
+            [],
+            {"host_mem_gib": 256},
+            r"host memory per node: 8 trainer ranks x 50.9 GiB.*--host-mem-gib.*expert_parallel",
+        ),
+    ],
+    ids=["train", "rollout", "push", "kv_cache", "host"],
+)
+def test_colocated_plan_refuses_each_phase_naming_the_knob(over, kw, refusal):
+    root = Path(__file__).resolve().parents[2]
+    recipe = load_recipe(root / "recipes/cluster/qwen3_30b_a3b_gspo.yaml", ONE_NODE + over)
+    with pytest.raises(PlanError, match=refusal):
+        plan(recipe, **kw)
+    assert not plan(recipe, allow_unfit=True, **kw)["fits"]

@@ -8,10 +8,8 @@ from moe_rl.kernels.logprob_reference import logprobs_entropy
 
 
 @pytest.fixture
-def policy(parallel_info, tiny_model_cfg):
-    from moe_rl.megatron.policy import build_policy
-
-    return build_policy(tiny_model_cfg, ParallelConfig(), parallel_info)
+def policy(tiny_policy):
+    return tiny_policy
 
 
 def tokens(b=4, t=17, v=64, seed=0):

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from moe_rl.trainer import context
 from moe_rl.trainer.context import Run
 
@@ -57,6 +59,7 @@ def test_only_rank_0_shows_progress(caplog, monkeypatch):
     assert not caplog.records
 
 
+@pytest.mark.integration
 def test_under_torchrun_other_ranks_log_warnings_only_and_name_their_rank():
     code = (
         "import logging; from moe_rl.cli import _setup_logging; _setup_logging(False); "

@@ -1,7 +1,7 @@
 """R3 with the rollout's gate weights replayed (``algo.replay_gate_weights``, issue 31), pinned by
 its effect: the gates the engine reports are the ones its forward mixed the experts with, the
 training forward mixes them with exactly those, and a replayed forward then reproduces the
-engine's log-probs. Each test names the planted bugs it kills (``benchmarks/mutate.py``)."""
+engine's log-probs. Each test names the planted bugs it kills (``tools/mutate.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import dataclasses
 import pytest
 import torch
 
-from moe_rl.config import recipe_from_dict
 from moe_rl.megatron.routing import RoutingSession
 from moe_rl.rollout.types import SamplingParams
 from moe_rl.routing import RouterAction
@@ -18,7 +17,7 @@ from moe_rl.routing.codec import decode_routes
 from moe_rl.trainer.context import Run
 from moe_rl.trainer.rl import collect, rl_step
 from moe_rl.trainer.timer import StepTimer
-from tests.unit.test_rl_e2e import TINY
+from tests.tiny import ready_run
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 SCALE = torch.tensor([0.5, 0.25])
@@ -97,13 +96,8 @@ class KeepingEngine:
 
 
 def _run(tmp_path, replay_gates: bool, **train) -> Run:
-    data = {k: dict(v) for k, v in TINY.items()}
-    data["algo"] = {"name": "grpo", "routing": "r3", "replay_gate_weights": replay_gates}
-    data["train"] = {**data["train"], "stages": ["rl"], "out_dir": str(tmp_path / "run"), **train}
-    run = Run(recipe_from_dict(data))
-    run.ensure_engine()
-    run.make_optimizer("rl")
-    return run
+    algo = {"name": "grpo", "routing": "r3", "replay_gate_weights": replay_gates}
+    return ready_run(tmp_path / "run", algo=algo, train=train)
 
 
 @pytest.mark.parametrize("replay_gates", [False, True])
@@ -223,19 +217,3 @@ def test_replayed_gates_pass_the_live_gates_gradient_to_the_router(parallel_info
     assert all(
         p.grad is not None and p.grad.any() for p in policy.model.decoder.layers[0].mlp.experts.parameters()
     )
-
-
-def test_the_noise_plans_frozen_and_gates_arms_load_as_the_keys_they_name():
-    """The pre-registered plan (recipes/demo/noise.plan.yaml) names these arms by recipe keys: each
-    loads, and sets what its name says."""
-    from moe_rl.config import load_recipe
-    from moe_rl.lab import noise
-    from moe_rl.lab.arms import DEMO
-
-    plan = noise.load_plan()
-    frozen = load_recipe(DEMO, noise.run_overrides(plan, "moe-noise", "GRPO+frozen", 100))
-    gates = load_recipe(DEMO, noise.run_overrides(plan, "moe-noise", "GRPO+R3+gates", 100))
-    assert (
-        frozen.train.freeze_router and frozen.algo.routing == "none" and not frozen.algo.replay_gate_weights
-    )
-    assert gates.algo.replay_gate_weights and gates.algo.routing == "r3" and not gates.train.freeze_router

@@ -4,37 +4,10 @@ import json
 
 import pytest
 
-from moe_rl.config import recipe_from_dict
 from moe_rl.trainer.loop import TrainingStopped
 from moe_rl.trainer.metrics import read_every_attempt, read_metrics, read_samples
 from moe_rl.trainer.run import run
-from tests.tiny import TINY_MODEL
-
-TINY = {
-    "model": {**TINY_MODEL, "vocab_size": 104},  # the char tokenizer's vocabulary
-    "optim": {"lr": 1e-3},
-    "task": {"name": "arithmetic", "arithmetic": {"min_operands": 2, "max_operands": 2, "digits": 1}},
-    "train": {
-        "stages": ["sft", "rl"],
-        "sft_steps": 3,
-        "sft_batch_size": 8,
-        "rl_steps": 2,
-        "prompts_per_step": 2,
-        "group_size": 4,
-        "minibatches": 2,
-        "max_new_tokens": 12,
-        "eval_prompts": 4,
-        "flip_probe_sequences": 2,
-    },
-}
-
-
-def tiny(tmp_path, **sections):
-    data = {k: dict(v) for k, v in TINY.items()}
-    for k, v in sections.items():
-        data[k] = {**data.get(k, {}), **v}
-    data["train"]["out_dir"] = str(tmp_path / "run")
-    return recipe_from_dict(data)
+from tests.tiny import tiny_e2e as tiny
 
 
 @pytest.mark.parametrize("name", ["grpo", "gspo", "gspo_token"])

@@ -15,7 +15,13 @@ import torch
 
 from moe_rl.config import ConfigError, recipe_from_dict
 from moe_rl.rollout import factory
-from moe_rl.rollout.sglang_client import SGLangBadRequest, SGLangClient, SGLangHTTPError, SGLangVersionError
+from moe_rl.rollout.sglang_client import (
+    SGLangBadRequest,
+    SGLangClient,
+    SGLangError,
+    SGLangHTTPError,
+    SGLangVersionError,
+)
 from moe_rl.rollout.sglang_engine import SGLangEngine
 from moe_rl.rollout.sglang_launcher import (
     SGLangLauncher,
@@ -286,23 +292,52 @@ def test_flattened_buckets_round_trip():
 
 
 def test_colocated_cycle_releases_memory_and_pushes_tensors(server):
+    """Standalone colocated engine: a rollout holds every tag, a push the weights alone (the KV
+    cache and CUDA graphs come back at the next rollout, not after the push: issue 45); after
+    either, everything is released."""
     c = SGLangClient(server.url, timeout_s=10, retries=0)
     sync = TensorWeightSync([c], serializer="bytes")
     engine = SGLangEngine(c, num_layers=2, topk=2, num_experts=8, weight_sync=sync, colocated=True)
+    calls, original = [], server.app.handle
+
+    def handle(method, path, body):
+        if "memory_occupation" in path:
+            calls.append((path.split("_")[0].strip("/"), body.get("tags")))
+        return original(method, path, body)
+
+    server.app.handle = handle
     ro = engine.generate([[1]], 2, SamplingParams(max_new_tokens=1))
     assert server.app.released == {"kv_cache", "weights", "cuda_graph"}  # training may use the GPU now
+    assert calls == [("release", ["weights", "kv_cache", "cuda_graph"])]  # it started holding all
     with pytest.raises(SGLangHTTPError, match="released"):
         c.generate([[1]], {"max_new_tokens": 1})
     assert not c.health_generate()
+    seen = {}
+    push = sync.push
+    sync.push = lambda *a: (seen.setdefault("released", set(server.app.released)), push(*a))[1]
+    calls.clear()
     engine.update_weights(_Source({"w": torch.tensor([2.0, 0.0])}), "t1")
-    assert server.app.released == set() and engine.last_push.method == "tensor" and engine.last_push.session
+    assert seen["released"] == {"kv_cache", "cuda_graph"}  # the push ran with the weights alone
+    assert calls == [("resume", ["weights"]), ("release", ["weights"])]
+    assert server.app.released == {"kv_cache", "weights", "cuda_graph"}
+    assert engine.last_push.method == "tensor" and engine.last_push.session
+    calls.clear()
     ro = engine.generate([[1]], 1, SamplingParams(max_new_tokens=1))
     assert ro.logprobs_BT[0, 1].item() == -2.5 and ro.weight_version == "t1"
+    assert calls == [
+        ("resume", ["weights"]),
+        ("resume", ["kv_cache", "cuda_graph"]),
+        ("release", ["weights", "kv_cache", "cuda_graph"]),
+    ]
     assert server.app.released == {"kv_cache", "weights", "cuda_graph"}  # released again after rollout
     engine.resume_memory()
     assert server.app.released == set()
     with pytest.raises(SGLangHTTPError, match="was not released"):
         c.resume_memory_occupation(["weights"])  # as SGLang: resuming what was not released fails
+    engine.auto_memory = False  # the trainer orders the calls: a push it did not prepare is refused
+    engine.release_memory()
+    with pytest.raises(SGLangError, match=r"push on colocated engines needs \['weights'\].*resume_memory"):
+        engine.update_weights(_Source({"w": torch.tensor([2.0, 0.0])}), "t2")
 
 
 def test_registry_names_the_sglang_engine():

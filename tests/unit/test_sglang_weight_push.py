@@ -15,13 +15,14 @@ Importing SGLang's modules: the package ``__init__`` files of ``sglang``, ``sgla
 ``sglang.srt.utils.patch_torch`` and ``sglang.srt.weight_sync.tensor_bucket`` are imported as they
 are, and third-party modules missing here (``STUBBABLE``: ``requests``, ``pynvml``, ``torchvision``,
 ``sgl_kernel``, ...; which ones is printed) are empty stubs: none of them is used by the functions
-under test, which need only pickle, ``pybase64`` (installed next to the wheel) and torch.
-CUDA IPC itself needs a GPU: here the ``ipc`` layout is checked with CPU tensors in one process.
+under test, which need only pickle, ``pybase64`` (installed next to the wheel) and torch (the
+loader, :mod:`tools.gpu_colocated`, is the one ``make gpu-check`` uses).
+CUDA IPC itself needs a GPU: here the ``ipc`` layout is checked with CPU tensors in one process;
+``make gpu-check`` opens an IPC bucket from an unrelated process (tools/gpu_colocated.py).
 """
 
 from __future__ import annotations
 
-import ast
 import inspect
 import json
 import os
@@ -33,22 +34,12 @@ import pytest
 import torch
 
 from moe_rl.rollout.weight_sync import tensor as T
+from tools.gpu_colocated import import_sglang, sglang_loader
 
 ROOT = Path(__file__).resolve().parents[2]
 WHEELS = ROOT / ".sglang"
 VERSIONS = ("0.5.11", "0.5.23")
-STUBBABLE = frozenset(
-    "requests pynvml torchvision sgl_kernel triton PIL starlette orjson psutil numpy msgspec "
-    "pydantic fastapi transformers zmq setproctitle uvloop aiohttp huggingface_hub einops uvicorn "
-    "prometheus_client tqdm safetensors sentencepiece tiktoken IPython openai anthropic interegular "
-    "outlines xgrammar partial_json_parser compressed_tensors torchao decord av cv2 soundfile scipy "
-    "flashinfer jinja2 yaml numba ninja modelscope datasets llguidance blobfile hf_transfer".split()
-)
 SGLANG_META = "sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata"
-RUNNER_FILES = (  # where each version's model runner keeps _update_weights_from_flattened_bucket
-    "sglang/srt/model_executor/model_runner_components/weight_updater.py",  # 0.5.23
-    "sglang/srt/model_executor/model_runner.py",  # 0.5.11
-)
 
 
 def named_tensors() -> list[tuple[str, torch.Tensor]]:
@@ -146,6 +137,7 @@ def assert_every_rank_got_every_tensor(decoded: list[list[list[list]]], tp_sizes
 
 
 # ----------------------------------------------------------------- SGLang's own decoding
+@pytest.mark.integration
 @pytest.mark.parametrize("version", VERSIONS)
 def test_bytes_push_decodes_with_sglangs_own_code(version, monkeypatch, tmp_path):
     """The ``bytes`` payloads of a push from a trainer without sglang, 2 engines (TP 2 and 1),
@@ -167,6 +159,7 @@ def test_bytes_push_decodes_with_sglangs_own_code(version, monkeypatch, tmp_path
     assert_every_rank_got_every_tensor(res["built_with_sglang_read_by_serve"], tp_sizes)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("version", VERSIONS)
 def test_ipc_layout_and_reductions_against_sglang(version, tmp_path):
     """``flatten_bucket`` with and without SGLang, through SGLang's MultiprocessingSerializer
@@ -283,121 +276,13 @@ def test_serve_decoder_runs_no_code():
 
 
 # ----------------------------------------------------------------- the subprocess (one SGLang version)
-def _import_sglang(root: str) -> list[str]:
-    """SGLang's serializer, patch and bucket modules from ``root``, skipping the package inits;
-    returns the third-party modules stubbed because they are missing."""
-    import importlib.abc
-    import importlib.machinery
-    import types
-
-    stubbed: list[str] = []
-
-    class _Any:
-        def __init__(self, *a, **k):
-            pass
-
-        def __call__(self, *a, **k):
-            return a[0] if len(a) == 1 and callable(a[0]) and not k else _Any()
-
-        def __getattr__(self, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return _Any()
-
-        def __mro_entries__(self, bases):
-            return (object,)
-
-        def __getitem__(self, key):
-            return _Any()
-
-        def __iter__(self):
-            return iter(())
-
-        def __bool__(self):
-            return False
-
-    class _Stub(types.ModuleType):
-        def __getattr__(self, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return _Any()
-
-    class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, name, path, target=None):
-            top = name.split(".")[0]
-            if top not in STUBBABLE or ("." in name and not isinstance(sys.modules.get(top), _Stub)):
-                return None
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-
-        def create_module(self, spec):
-            stubbed.append(spec.name)
-            m = _Stub(spec.name)
-            m.__path__ = []
-            return m
-
-        def exec_module(self, module):
-            pass
-
-    sys.path.insert(0, root)
-    for name in ("sglang", "sglang.srt", "sglang.srt.utils"):
-        m = types.ModuleType(name)
-        m.__path__ = [os.path.join(root, *name.split("."))]
-        sys.modules[name] = m
-    sys.meta_path.append(_Finder())  # last: only what no real finder has
-    importlib.import_module("sglang.srt.utils.common")
-    importlib.import_module("sglang.srt.utils.patch_torch")
-    importlib.import_module("sglang.srt.weight_sync.tensor_bucket")
-    return stubbed
-
-
-def _sglang_function(root: str, name: str):
-    """SGLang's model-runner method ``name`` compiled from the wheel's own source."""
-    import __future__
-
-    from sglang.srt.weight_sync import tensor_bucket
-
-    for rel in RUNNER_FILES:
-        path = Path(root, rel)
-        tree = ast.parse(path.read_text()) if path.is_file() else ast.Module(body=[], type_ignores=[])
-        fn = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name), None)
-        if fn is not None:
-            flags = __future__.annotations.compiler_flag
-            code = compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec", flags)
-            ns = {
-                "FlattenedTensorBucket": tensor_bucket.FlattenedTensorBucket,
-                "FlattenedTensorMetadata": tensor_bucket.FlattenedTensorMetadata,
-            }
-            exec(code, ns)
-            return ns[name]
-    raise RuntimeError(f"no {name} in {RUNNER_FILES} under {root}")
-
-
-def _sglang_loader(root: str):
-    """SGLang's ``_update_weights_from_flattened_bucket`` on a model whose ``load_weights``
-    records what it is given; returns bucket dict -> [(name, tensor)]."""
-    import types
-
-    method = _sglang_function(root, "_update_weights_from_flattened_bucket")
-    loaded: list = []
-    model = types.SimpleNamespace(load_weights=loaded.extend)
-    runner = types.SimpleNamespace(model=model, get_model=lambda: model)
-
-    def load(bucket_dict) -> list:
-        loaded.clear()
-        ok, msg = method(runner, flattened_tensor_bucket_dict=bucket_dict)
-        assert ok, msg
-        return [(n, t.clone()) for n, t in loaded]
-
-    return load
-
-
 def _subprocess_main(root: str, inp: str, out: str) -> None:
-    stubbed = _import_sglang(root)
+    stubbed = import_sglang(root)
     from sglang.srt.utils.common import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
     from torch.multiprocessing import reductions
 
-    load = _sglang_loader(root)
+    load = sglang_loader(root)
     job = torch.load(inp, weights_only=True)
     res: dict = {"stubbed": sorted(set(stubbed))}
 

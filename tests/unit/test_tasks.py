@@ -46,6 +46,7 @@ def test_sample_is_deterministic_and_stateless(name):
     assert len({p.text for p in a}) > 8
 
 
+@pytest.mark.integration
 def test_sample_is_identical_across_processes():
     code = (
         "import json; from moe_rl.tasks import TaskConfig, build_task\n"

@@ -12,7 +12,7 @@ from moe_rl.trainer.hooks import OptimizerStep, StepHook
 from moe_rl.trainer.rl import natural_routes, rl_step, route_flips
 from moe_rl.trainer.run import run
 from moe_rl.trainer.timer import StepTimer
-from tests.unit.test_rl_e2e import tiny
+from tests.tiny import tiny_e2e as tiny
 
 
 class Recorder(StepHook):
@@ -124,3 +124,30 @@ def test_derive_reconfigures_a_copy_and_leaves_the_run_as_it_was(tmp_path, paral
         assert opt.step_count == 2
     finally:
         base.close()
+
+
+def test_the_flip_probe_takes_the_routing_shares_forward_after_the_last_update(
+    tmp_path, parallel_info, varied_rewards, monkeypatch
+):
+    """After the last update the routing share's natural forward of the probe rows already holds their
+    natural routes: the flip probe runs forwards after the other updates only (its rates, held to an
+    independent reference by the test above, are unchanged)."""
+    from moe_rl.trainer import probe
+
+    calls = []
+    real = probe.natural_routes
+    monkeypatch.setattr(probe, "natural_routes", lambda *a, **k: calls.append(1) or real(*a, **k))
+    recipe = tiny(tmp_path, train={"stages": ["rl"], "minibatches": 2})
+    the_run = Run(recipe)
+    try:
+        the_run.ensure_engine()
+        the_run.make_optimizer("rl")
+        res = rl_step(the_run, 0, StepTimer())
+        assert "ratio/routing_share" in res.metrics or "ratio/log_rho_var_natural" in res.metrics
+        assert "flip/step/rate" in res.metrics
+        before_reused = res.batch.probe_before_BSLK is not None
+        assert (
+            len(calls) == (0 if before_reused else 1) + 1
+        )  # update 0 probed by its own forward, update 1 shared
+    finally:
+        the_run.close()

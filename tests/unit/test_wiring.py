@@ -10,12 +10,11 @@ import math
 import pytest
 import torch
 
-from moe_rl.config import recipe_from_dict
 from moe_rl.trainer.hooks import StepHook
 from moe_rl.trainer.rl import rl_step
 from moe_rl.trainer.run import Run
 from moe_rl.trainer.timer import StepTimer
-from tests.unit.test_rl_e2e import TINY
+from tests.tiny import ready_run
 
 FORCED = (0, 1)
 "The experts the wrapped engine reports for layer 0 of every token (tiny model: 4 experts, top-2)."
@@ -51,15 +50,7 @@ class ReportingEngine:
 def _run(
     tmp_path, *, train: dict | None = None, optim: dict | None = None, rollout: dict | None = None, **algo
 ) -> Run:
-    data = {k: dict(v) for k, v in TINY.items()}
-    data["algo"] = {**data.get("algo", {}), **algo}
-    data["optim"] = {**data["optim"], **(optim or {})}
-    data["rollout"] = {**data.get("rollout", {}), **(rollout or {})}
-    data["train"] = {**data["train"], **(train or {}), "stages": ["rl"], "out_dir": str(tmp_path / "run")}
-    run = Run(recipe_from_dict(data))
-    run.ensure_engine()
-    run.make_optimizer("rl")
-    return run
+    return ready_run(tmp_path / "run", algo=algo, train=train or {}, optim=optim or {}, rollout=rollout or {})
 
 
 @pytest.mark.parametrize("routing", ["none", "r2", "r3"])

@@ -25,8 +25,10 @@ Serializers (each gives one payload per TP rank of an engine, ``serialized_named
   ``ForkingPickler`` fails on CPU tensors (IndexError), which other code in the trainer may send.
   Every rank of every engine gets its own serialization: CUDA IPC counts references per
   serialization, and deserializing one payload twice breaks that count (SGLang's
-  ``deserialize_own_rank``). CPU tensors are refused: ``ForkingPickler`` passes them as file
-  descriptors, which an unrelated process cannot open.
+  ``deserialize_own_rank``). Each one is built by the trainer rank on that engine rank's own GPU
+  (``payload_ranks``, as slime): a handle opens only on a GPU its reader sees. CPU tensors are
+  refused: ``ForkingPickler`` passes them as file descriptors, which an unrelated process cannot
+  open.
 - ``bytes`` (CPU, ``moe-rl serve``): a plain pickle (base64) that carries the values, readable by
   SGLang's own ``MultiprocessingSerializer.deserialize`` in any process and by
   :func:`deserialize_bytes` (``moe-rl serve``, restricted unpickler, no code runs). The same text
@@ -48,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_rl import dist
 from moe_rl.rollout.sglang_client import SGLangClient
 from moe_rl.rollout.types import HFStateSource
 from moe_rl.rollout.weight_sync.session import PushReport, WeightSyncError, push_buckets, source_tensors
@@ -268,6 +271,15 @@ class TensorWeightSync:
     ``tp_sizes[i]``: TP ranks of engine ``i`` (one payload each). ``serializer``: ipc (GPU) |
     bytes (CPU). ``device``: where the buckets are built (default: the current GPU for ipc, the
     CPU for bytes).
+
+    ``payload_ranks[i][j]``: the trainer rank whose bucket engine ``i``'s TP rank ``j`` reads, the
+    one on that rank's GPU (:func:`moe_rl.rollout.factory.colocated_payload_ranks`), as slime
+    does: a CUDA IPC handle opens only on a GPU its reader sees, and engine ``i >= 1`` (or a TP
+    rank of one engine across the GPUs of a node) does not see trainer rank 0's. Every trainer
+    rank then builds each bucket on its own GPU and serializes it once, the payloads are gathered
+    to the rank that calls the engines (:meth:`push`; the others call :meth:`contribute`), and each
+    rank keeps its bucket until the engines read it. None: this process builds every payload (one
+    process; the ``bytes`` serializer, whose payloads carry values).
     """
 
     def __init__(
@@ -279,11 +291,16 @@ class TensorWeightSync:
         bucket_bytes: int = 512 << 20,
         timeout_s: float = 600.0,
         device: torch.device | str | None = None,
+        payload_ranks: list[list[int]] | None = None,
     ):
         self.clients = list(client) if isinstance(client, (list, tuple)) else [client]
         self.tp_sizes = tp_sizes or [1] * len(self.clients)
         if len(self.tp_sizes) != len(self.clients) or min(self.tp_sizes) < 1:
             raise ValueError(f"tp_sizes={self.tp_sizes}: one TP size >= 1 per engine ({len(self.clients)})")
+        if payload_ranks is not None and [len(r) for r in payload_ranks] != self.tp_sizes:
+            raise ValueError(
+                f"payload_ranks={payload_ranks}: one trainer rank per TP rank of each engine {self.tp_sizes}"
+            )
         serializer = serializer or ("ipc" if torch.cuda.is_available() else "bytes")
         if serializer not in SERIALIZERS:
             raise ValueError(f"serializer {serializer!r}: use one of {sorted(SERIALIZERS)}")
@@ -294,26 +311,81 @@ class TensorWeightSync:
         self.device = torch.device(device)
         self.serializer, self._serialize = serializer, SERIALIZERS[serializer]
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
+        self.payload_ranks = payload_ranks
+        self._kept: dict | None = None  # this rank's last bucket, alive until the engines read it
+
+    def _payloads(self, named: list[tuple[str, torch.Tensor]]) -> list[list[str]] | None:
+        """Each engine's payloads of one bucket (None on a rank that does not call the engines).
+        With ``payload_ranks`` collective: every rank builds and serializes its own bucket."""
+        bucket = flatten_bucket(named)
+        if self.payload_ranks is None:
+            self._keep(bucket)
+            return [self._serialize(bucket, tp) for tp in self.tp_sizes]
+        me = dist.rank()
+        serves = any(me in ranks for ranks in self.payload_ranks)
+        every = dist.gather_object(self._serialize(bucket, 1)[0] if serves else None)
+        self._keep(bucket)  # the previous one was read: its gather needed the caller past its send
+        if every is None:
+            return None
+        return [[every[r] for r in ranks] for ranks in self.payload_ranks]
+
+    def _keep(self, bucket: dict | None) -> None:
+        """Hold ``bucket`` (dropping the one held); free what the engines have let go of (slime too)."""
+        self._kept = bucket
+        if self.serializer == "ipc":
+            torch.cuda.ipc_collect()
+
+    def _done(self) -> None:
+        if self.payload_ranks is not None:
+            dist.barrier()  # every engine read every bucket: the last one may go
+        self._keep(None)
 
     def push(self, source: HFStateSource, version: str) -> PushReport:
-        """Send every bucket to every engine inside the session; they then serve ``version``."""
+        """Send every bucket to every engine inside the session; they then serve ``version``. With
+        ``payload_ranks``, collective with :meth:`contribute` on the other ranks: after a failure
+        the remaining buckets are still built and gathered (the other ranks wait in those
+        gathers), then the failure is raised."""
+        failed: list[Exception] = []
 
         def send(named: list[tuple[str, torch.Tensor]], last: bool) -> None:
-            bucket = flatten_bucket(named)  # alive until every engine has answered
-            for c, tp in zip(self.clients, self.tp_sizes):
-                c.update_weights_from_tensor(
-                    self._serialize(bucket, tp),
-                    load_format="flattened_bucket",
-                    flush_cache=last,
-                    weight_version=version if last else None,
-                    timeout_s=self.timeout_s,
-                )
-            del bucket
-            if self.serializer == "ipc":
-                torch.cuda.ipc_collect()  # free what the engines have let go of (slime does too)
+            payloads = self._payloads(named)
+            if failed:
+                if last:
+                    raise failed[0]
+                return
+            try:
+                for c, p in zip(self.clients, payloads):
+                    c.update_weights_from_tensor(
+                        p,
+                        load_format="flattened_bucket",
+                        flush_cache=last,
+                        weight_version=version if last else None,
+                        timeout_s=self.timeout_s,
+                    )
+            except Exception as e:
+                if self.payload_ranks is None or last:
+                    raise
+                failed.append(e)
 
         buckets = dtype_buckets(source_tensors(source, self.device), self.bucket_bytes)
-        return push_buckets("tensor", self.clients, version, buckets, send)
+        try:
+            return push_buckets("tensor", self.clients, version, buckets, send)
+        finally:
+            if self.payload_ranks is not None:
+                for named, _ in buckets:  # what a failure left unbuilt: the other ranks wait in these gathers
+                    self._payloads(named)
+            self._done()
+
+    def contribute(self, source: HFStateSource) -> None:
+        """A trainer rank that does not call the engines: its part of :meth:`push` (the source's
+        collectives, and with ``payload_ranks`` its payload of every bucket)."""
+        if self.payload_ranks is None:
+            for _ in source_tensors(source, self.device):
+                pass
+            return
+        for named, _ in dtype_buckets(source_tensors(source, self.device), self.bucket_bytes):
+            self._payloads(named)
+        self._done()
 
     def close(self) -> None:
         """Nothing to release."""

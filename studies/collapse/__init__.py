@@ -1,0 +1,6 @@
+"""The collapse study: does GRPO collapse where GSPO and Routing Replay hold (README.md)?"""
+
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+"This study's result files (JSON + PNG by machine, preset and commit; INDEX.md lists them)."

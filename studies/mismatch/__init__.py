@@ -1,0 +1,6 @@
+"""The train-inference mismatch study: engine precision against the fp32 trainer (README.md)."""
+
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+"This study's result files (JSON + PNG by machine, preset and commit; INDEX.md lists them)."
