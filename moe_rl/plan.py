@@ -373,9 +373,14 @@ def arg_parser():
         help="sequences per forward on one rank (default: train.micro_batch_size, else the whole share)",
     )
     ap.add_argument(
-        "--host-mem-gib", type=float, default=2048.0, help="host memory of one node, GiB (colocated engines)"
+        "--host-mem-gib",
+        type=number_in(0.0),
+        default=2048.0,
+        help="host memory of one node, GiB (colocated engines)",
     )
-    ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (trainer ranks) of one node")
+    ap.add_argument(
+        "--gpus-per-node", type=int_at_least(1), default=8, help="GPUs (trainer ranks) of one node"
+    )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     return ap
 

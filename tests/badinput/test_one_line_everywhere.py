@@ -102,9 +102,9 @@ def test_serve_stopped_by_a_signal_shuts_down_with_one_line(cli, tmp_path, signu
 
 @pytest.mark.bad_input("cli")
 def test_a_benchmark_reading_a_half_written_json_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
-    """``python -m benchmarks.collapse --replot RESULT.json`` of a file cut short: JSONDecodeError."""
-    from benchmarks import collapse
+    """``python -m studies.collapse.collapse --replot RESULT.json`` of a file cut short: JSONDecodeError."""
     from moe_rl.argparsing import run_main
+    from studies.collapse import collapse
 
     cut = tmp_path / "collapse.json"
     cut.write_text('{"runs": {"GRPO": [')
