@@ -217,19 +217,7 @@ def run_copy(tmp_path, request):
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, parallel_info):
-    """The bad-input suite's finished 4-step SFT run, trained in this process (the fast tier
-    starts no child process)."""
-    import os
+    """The bad-input suite's finished 4-step SFT run (tests/badinput/test_outputs_checkpoints.py)."""
+    from tests.badinput.test_outputs_checkpoints import finished as make
 
-    from tests.badinput.test_outputs_checkpoints import recipe
-
-    folder = tmp_path_factory.mktemp("finished")
-    old, err = os.getcwd(), io.StringIO()
-    os.chdir(folder)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-            code = main(["train", str(recipe(folder))])
-    finally:
-        os.chdir(old)
-    assert code == 0, err.getvalue()[-3000:]
-    return folder
+    return make.__wrapped__(tmp_path_factory, parallel_info)

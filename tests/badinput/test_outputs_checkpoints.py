@@ -17,7 +17,7 @@ import yaml
 
 from moe_rl.megatron.checkpoint import checkpoint_dirs, verify_checkpoint
 from moe_rl.trainer.metrics import read_every_attempt, read_metrics
-from tests.badinput.conftest import RUN_MODEL, assert_kept, run_cli, snapshot
+from tests.badinput.conftest import RUN_MODEL, assert_kept, snapshot
 
 TRAIN = {"stages": ["sft"], "sft_steps": 4, "sft_batch_size": 4, "log_every": 1}
 
@@ -37,11 +37,24 @@ def recipe(folder: Path, name: str = "r.yaml", *, checkpoint=None, **train) -> P
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory) -> Path:
-    """A finished 4-step SFT run: checkpoints 0001-sft-step-000002 and 0002-sft-step-000004 (the end)."""
+def finished(tmp_path_factory, parallel_info) -> Path:
+    """A finished 4-step SFT run: checkpoints 0001-sft-step-000002 and 0002-sft-step-000004 (the end),
+    trained in this process (the fast tier starts no child process: conftest.py)."""
+    import contextlib
+    import io
+    import os
+
+    from moe_rl.cli import main
+
     folder = tmp_path_factory.mktemp("finished")
-    res = run_cli("train", recipe(folder), cwd=folder)
-    assert res.code == 0, res.err[-3000:]
+    old, err = os.getcwd(), io.StringIO()
+    os.chdir(folder)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            code = main(["train", str(recipe(folder))])
+    finally:
+        os.chdir(old)
+    assert code == 0, err.getvalue()[-3000:]
     return folder
 
 
