@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import re
 import statistics
@@ -40,6 +39,7 @@ import torch
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import commit, gemm_rate, machine  # noqa: E402
+from moe_rl.files import read_json
 from moe_rl.lab.results import write_json
 
 ROOT = Path(__file__).resolve().parent
@@ -318,7 +318,7 @@ def keep_previous(result: dict, path: Path, configs: set) -> None:
     so that a GPU session can split the preset over several commands."""
     if not path.exists():
         return
-    prev = json.loads(path.read_text())
+    prev = read_json(path)
     for key in ("runs", "gspo", "tiles"):
         result[key] = [r for r in prev.get(key, []) if r["config"] not in configs]
 
@@ -505,5 +505,7 @@ def main() -> None:
         run_preset(args)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line for a user error, a file error or a stop signal
+    from moe_rl.argparsing import run_main
+
+    raise SystemExit(run_main(main))

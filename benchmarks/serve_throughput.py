@@ -41,6 +41,7 @@ import torch
 import yaml
 
 from benchmarks.common import TINY_MODEL, result_path
+from moe_rl.files import read_json
 from moe_rl.lab.results import write_json
 
 TINY = {**TINY_MODEL, "max_seq_len": 256}  # the tiny CPU policy, room for 128 new tokens
@@ -336,9 +337,9 @@ def bench_pushes(a, tmp: Path, info) -> dict:
                     sync.close()
         finally:
             launcher.stop()
-    res["headline"] = _push_headline(res, json.loads(Path(a.before).read_text()) if a.before else None)
+    res["headline"] = _push_headline(res, read_json(a.before) if a.before else None)
     if a.before:
-        res["before"] = json.loads(Path(a.before).read_text())
+        res["before"] = read_json(a.before)
     path = result_path("serve_throughput", "pushes", a.out)
     write_json(path, res)  # atomic itself
     _plot_pushes(res, path.with_suffix(".png"))
@@ -389,5 +390,7 @@ def _push_headline(res: dict, before: dict | None) -> dict:
     return head
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line for a user error, a file error or a stop signal
+    from moe_rl.argparsing import run_main
+
+    raise SystemExit(run_main(main))

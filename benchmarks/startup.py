@@ -118,5 +118,7 @@ def _plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line for a user error, a file error or a stop signal
+    from moe_rl.argparsing import run_main
+
+    raise SystemExit(run_main(main))

@@ -224,5 +224,7 @@ if __name__ == "__main__":
     if "--worker" in sys.argv:
         sys.argv.remove("--worker")
         worker(sys.argv[1:])
-    else:
-        main()
+    else:  # one line for a user error, a file error or a stop signal
+        from moe_rl.argparsing import run_main
+
+        raise SystemExit(run_main(main))

@@ -300,5 +300,7 @@ def main(argv=None) -> dict:
     return result
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line for a user error, a file error or a stop signal
+    from moe_rl.argparsing import run_main
+
+    raise SystemExit(run_main(main))

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from moe_rl.argparsing import ArgParser, one_line_errors
+from moe_rl.argparsing import ArgParser, number_in, one_line_errors, text_value
 from moe_rl.quiet import quiet_dependencies
 
 
@@ -81,15 +81,12 @@ def cmd_train(args) -> int:
     from moe_rl.config import load_recipe
     from moe_rl.preflight import preflight
     from moe_rl.trainer.run import run
-    from moe_rl.trainer.signals import StopRequested
 
     recipe = load_recipe(args.recipe, args.overrides)
     preflight(recipe)  # data, lengths, held-out split: refused before any process group starts
     t0 = time.perf_counter()
-    try:
-        results = run(recipe, resume=args.resume, fresh=args.fresh)
-    except StopRequested as e:  # SIGTERM / SIGINT after a clean save: 128 + signal (signals.py)
-        return e.exit_code
+    # a stop signal after a step: a clean save and 128 + the signal (trainer/signals.py, one_line_errors)
+    results = run(recipe, resume=args.resume, fresh=args.fresh)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 prints it
         print(summary_table(results, time.perf_counter() - t0, recipe.train.out_dir), flush=True)
     return 0
@@ -161,16 +158,24 @@ def compare_parser() -> argparse.ArgumentParser:
         help="runs at a time (default: one per arm; 1: one after another, in this process)",
     )
     p.add_argument(
-        "--out", default=None, help="where the runs and the results go (default: the recipe's train.out_dir)"
+        "--out",
+        default=None,
+        type=text_value,
+        help="where the runs and the results go (default: the recipe's train.out_dir)",
     )
     p.add_argument("--status-every", default="20", help="seconds between status lines (default: 20)")
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="train again the runs of --out whose recipe differs from this one (refused otherwise), "
+        "beside what they hold: their checkpoints and metrics rows are kept",
+    )
     return p
 
 
 def cmd_compare(args) -> int:
     from moe_rl.errors import PathError, UserError
     from moe_rl.lab.compare import parse_arms, parse_count, parse_seeds, run_compare
-    from moe_rl.lab.runner import stop_cleanly
 
     if not Path(args.recipe).is_file():
         raise PathError(
@@ -180,27 +185,20 @@ def cmd_compare(args) -> int:
     seeds = parse_seeds(args.seeds)
     jobs = None if args.jobs is None else parse_count(args.jobs, "--jobs", "how many runs train at a time")
     try:
-        every = float(args.status_every)
-    except ValueError:
-        every = -1.0
-    if not every > 0:
-        raise UserError(f"--status-every {args.status_every!r}: give a number of seconds > 0")
-    done: dict = {}
-    code = stop_cleanly(
-        lambda: done.update(
-            run_compare(
-                args.recipe,
-                args.overrides,
-                arms=arms,
-                seeds=seeds,
-                jobs=jobs,
-                out=args.out,
-                status_every=every,
-            )
-        )
+        every = number_in(0.0)(str(args.status_every))
+    except argparse.ArgumentTypeError:
+        raise UserError(f"--status-every {args.status_every!r}: give a number of seconds > 0") from None
+    # a stop signal: every run saved, then 128 + the signal (StopRequested, one_line_errors)
+    done = run_compare(
+        args.recipe,
+        args.overrides,
+        arms=arms,
+        seeds=seeds,
+        jobs=jobs,
+        out=args.out,
+        status_every=every,
+        fresh=args.fresh,
     )
-    if code:
-        return code
     files = done["files"]
     print(f"\n{done['table']}\n")
     print(
@@ -223,7 +221,16 @@ def cmd_report(args) -> int:
     bad = [r for r in args.runs if r.startswith("=") or r.endswith("=")]
     if bad:
         raise UserError(f"run {bad[0]!r}: write NAME=DIR or DIR")
-    runs = dict(r.split("=", 1) if "=" in r else (r.rstrip("/").split("/")[-1], r) for r in args.runs)
+    named = [r.split("=", 1) if "=" in r else (r.rstrip("/").split("/")[-1], r) for r in args.runs]
+    seen: dict[str, str] = {}
+    for name, run in named:
+        if name in seen:
+            raise UserError(
+                f"two runs are named {name!r} ({seen[name]}, {run}): a report shows one curve per name; "
+                "write NAME=DIR for each"
+            )
+        seen[name] = run
+    runs = seen
     out = Path(args.out)
     png = (
         out if out.suffix or out.is_dir() else out.with_suffix(".png")
@@ -242,9 +249,10 @@ def cmd_export(args) -> int:
     holding checkpoints none of which is intact is refused (naming why each was skipped), not
     passed over for the recipe's start.
 
-    The destination is checked first (:func:`moe_rl.megatron.hf.check_export_target`): a new or
-    empty directory, anything else only with ``--overwrite``, and never one of the inputs it
-    reads (``--checkpoint``, the run's checkpoints, ``checkpoint.load``, ``model.hf_path``). The
+    The destination is checked first (:func:`moe_rl.outputs.check_export_target`): a new or
+    empty directory, a file or an earlier export only with ``--overwrite``, and never one of the
+    inputs it reads (``--checkpoint``, the run's checkpoints, ``checkpoint.load``,
+    ``model.hf_path``) nor any run's folder or checkpoint folder, nor a path inside one. The
     export is written beside it and renamed into place; a non-finite policy is refused.
     """
     from pathlib import Path
@@ -252,11 +260,12 @@ def cmd_export(args) -> int:
     import torch
 
     from moe_rl.config import load_recipe
-    from moe_rl.errors import PathError
+    from moe_rl.errors import PathError, disk_full_at, is_disk_full
     from moe_rl.megatron.checkpoint import CheckpointError, NonFiniteWeights, load_checkpoint
-    from moe_rl.megatron.hf import check_export_target, export_hf
+    from moe_rl.megatron.hf import export_hf
     from moe_rl.megatron.parallel import destroy_parallel, init_parallel
     from moe_rl.megatron.policy import build_policy
+    from moe_rl.outputs import check_export_target
     from moe_rl.tasks import load_tokenizer
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -283,6 +292,10 @@ def cmd_export(args) -> int:
             export_hf(policy, args.out, tokenizer=load_tokenizer(recipe.model.tokenizer), dtype=dtype)
     except NonFiniteWeights as e:
         raise CheckpointError(f"{source or 'the initial policy'}: {e}") from None
+    except Exception as e:  # a full disk, however the writer reported it: one line naming the export
+        if is_disk_full(e) and not getattr(e, "filename", None):
+            raise disk_full_at(args.out) from e
+        raise
     finally:
         if owns_dist:
             destroy_parallel()
@@ -367,13 +380,25 @@ def cmd_bench(args) -> int:
             if not p.stem.startswith("_") and p.stem not in helpers
         )
         raise UserError(f"no benchmark {args.name!r}; available: {', '.join(names)}")
+    from moe_rl.errors import StopRequested
+    from moe_rl.lab.runner import forwarding_signals
+
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    try:
-        run_child(
-            [sys.executable, "-m", f"benchmarks.{args.name}", *args.args], {**os.environ, "PYTHONPATH": path}
-        )
-    except subprocess.CalledProcessError as e:
-        return e.returncode
+    with forwarding_signals() as stop:  # a stop signal reaches the benchmark, which ends cleanly
+        try:
+            run_child(
+                [sys.executable, "-m", f"benchmarks.{args.name}", *args.args],
+                {**os.environ, "PYTHONPATH": path},
+            )
+        except subprocess.CalledProcessError as e:
+            code = e.returncode if e.returncode >= 0 else 128 - e.returncode  # killed: 128 + signal
+            if stop.signum and e.returncode != 128 + stop.signum:  # else it said its own stop line
+                raise StopRequested(
+                    stop.signum, f"benchmark {args.name} stopped (exit status {code})"
+                ) from None
+            return code
+    if stop.signum:
+        raise StopRequested(stop.signum, f"benchmark {args.name} finished as the stop signal came")
     return 0
 
 
@@ -403,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--checkpoint",
         default=None,
+        type=text_value,
         help="moe-rl checkpoint to export (a checkpoint root or one checkpoint directory; default: the "
         "newest checkpoint of the recipe's run, else its checkpoint.load, else its model.hf_path)",
     )
@@ -429,15 +455,19 @@ def build_parser() -> argparse.ArgumentParser:
         "compare on recipes/demo/dial_demo.yaml)",
     )
     d.add_argument(
-        "--recipe", default="recipes/demo/dial_demo.yaml", help="the demo recipe (see recipes/demo)"
+        "--recipe",
+        default="recipes/demo/dial_demo.yaml",
+        type=text_value,
+        help="the demo recipe (see recipes/demo)",
     )  # moe_rl.lab.demo.DEFAULT_RECIPE (a test holds them equal; importing it here costs torch)
-    d.add_argument("--out", default="runs/demo", help="where the runs and compare.* go")
+    d.add_argument("--out", default="runs/demo", type=text_value, help="where the runs and compare.* go")
     d.add_argument("--jobs", default="2", help="runs at a time (default: 2)")
     d.add_argument(
         "--seeds",
         default="3",
         help="seeds per arm: a count N (0..N-1) or seeds, 9001,9002,9003 (default: 3, DEMO_SEEDS)",
     )
+    d.add_argument("--fresh", action="store_true", help="as moe-rl compare --fresh")
     d.add_argument("overrides", nargs="*")
     d.set_defaults(fn=cmd_demo)
     sub.add_parser(
@@ -455,7 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rp = sub.add_parser("report", help="plot and tabulate run directories (NAME=DIR or DIR)")
     rp.add_argument("runs", nargs="+")
-    rp.add_argument("--out", default="runs/report.png")
+    rp.add_argument(
+        "--out", default="runs/report.png", type=text_value, help="the curves (.png); the table beside it"
+    )
     rp.set_defaults(fn=cmd_report)
     return p
 

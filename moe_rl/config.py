@@ -26,12 +26,14 @@ from moe_rl.configlib import ConfigError as ConfigError  # re-exported with to_d
 from moe_rl.configlib import build_dataclass as build_dataclass
 from moe_rl.configlib import (
     check_choices,
+    check_text,
     check_type,
     parse_overrides,
     require,
     require_in,
     require_positive,
     require_registered,
+    require_seed,
     resolve_paths,
     set_path,
 )
@@ -134,6 +136,7 @@ class ModelConfig:
         require_positive(self, "model", "moe_router_topk", "max_seq_len")
         require_positive(self, "model", "rope_theta", "norm_eps", "init_std")
         require_positive(self, "model", "moe_aux_loss_coeff", "moe_z_loss_coeff", strict=False)
+        require_seed(self, "model", "seed")
         require(bool(self.tokenizer), "model.tokenizer is empty: use char or a tokenizer directory")
         require(self.hf_path != "", "model.hf_path is empty: give a checkpoint directory or null")
         require(
@@ -152,6 +155,7 @@ class ModelConfig:
             f"model.num_attention_heads={self.num_attention_heads} must be a multiple of "
             f"model.num_query_groups={self.num_query_groups}",
         )
+        check_text(self, "model")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,6 +194,7 @@ class ParallelConfig:
             f"parallel.expert_parallel={self.expert_parallel} must divide tensor_parallel x "
             f"data_parallel = {self.tensor_parallel * self.data_parallel}",
         )
+        check_text(self, "parallel")
 
     @property
     def world_size(self) -> int:
@@ -250,6 +255,7 @@ class OptimConfig:
             self.bucket_size is None or self.bucket_size > 0,
             f"optim.bucket_size must be positive or null, got {self.bucket_size}",
         )
+        check_text(self, "optim")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -266,10 +272,12 @@ class CheckpointConfig:
     "Checkpoint directory to load weights from at start (None: none)."
 
     def __post_init__(self) -> None:
+        check_choices(self, "checkpoint")
         require(self.every >= 0, f"checkpoint.every must be >= 0, got {self.every}")
         for name in ("dir", "load"):
             require(getattr(self, name) != "", f"checkpoint.{name} is empty: give a directory or null")
         require(self.keep >= 1, f"checkpoint.keep must be >= 1, got {self.keep}")
+        check_text(self, "checkpoint")
 
 
 LossAggregation = Literal["seq_mean", "token_mean"]
@@ -346,6 +354,7 @@ class AlgoConfig:
             "set algo.clip_ratio_c=null to turn dual-clip off",
         )
         self._check_correction()
+        check_text(self, "algo")
 
     def _check_correction(self) -> None:
         corr = self.rollout_correction
@@ -445,6 +454,7 @@ class RolloutConfig:
             "engine's first TP rank would join one NCCL group on the same GPU, which NCCL refuses "
             "('Duplicate GPU detected'); set rollout.weight_sync=tensor (CUDA IPC, as verl and slime) or disk",
         )
+        check_text(self, "rollout")
 
     @property
     def colocated(self) -> bool:
@@ -524,6 +534,14 @@ class TrainConfig:
         require_positive(self, "train", "sft_batch_size", "prompts_per_step", "group_size", "minibatches")
         require_positive(self, "train", "max_new_tokens", "eval_prompts", "log_every")
         require_positive(self, "train", "sft_steps", "rl_steps", "eval_every", strict=False)
+        for stage in self.stages:
+            steps = getattr(self, f"{stage}_steps")
+            require(
+                steps >= 1,
+                f"train.{stage}_steps={steps} with {stage} in train.stages: give at least 1 step, or take "
+                f"{stage} out of train.stages",
+            )
+        require_seed(self, "train", "seed")
         require_positive(self, "train", "micro_batch_size", "pack_tokens", strict=False)
         require_positive(self, "train", "samples_every", "samples_per_step", strict=False)
         require(
@@ -554,6 +572,7 @@ class TrainConfig:
             self.packing or self.pack_tokens == 0,
             "train.pack_tokens is a packing budget: set train.packing=true or train.pack_tokens=0",
         )
+        check_text(self, "train")
 
     def _check_loggers(self) -> None:
         """Every name in :data:`moe_rl.names.LOGGERS`, once, jsonl among them, each tracker's package
@@ -643,6 +662,7 @@ class SentinelConfig:
         require(0 < self.rollback_lr_factor <= 1, "sentinel.rollback_lr_factor must be in (0, 1]")
         require_positive(self, "sentinel", "max_abs_seq_log_ratio", "max_grad_norm")
         require_positive(self, "sentinel", "reward_min_best", "min_entropy", "max_rollbacks", strict=False)
+        check_text(self, "sentinel")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 import types
 import typing
 from pathlib import Path
@@ -70,20 +71,60 @@ def _float_fields(cls: type) -> tuple[str, ...]:
 
 
 def require_finite(value: Any, where: str) -> None:
-    """Refuse an infinite or NaN number (``.inf``, ``nan``): no field of a recipe means one."""
+    """Refuse an infinite or NaN number (``.inf``, ``nan``) and a subnormal one (``5e-324``, below
+    the smallest normal double: a learning rate, a temperature or an epsilon no computation can
+    use): no field of a recipe means one."""
     require(
         not isinstance(value, float) or math.isfinite(value),
         f"{where}={value} is not a finite number: give a finite value",
     )
+    require(
+        not isinstance(value, float) or value == 0 or abs(value) >= sys.float_info.min,
+        f"{where}={value} is below the smallest normal number ({sys.float_info.min:.3g}): give 0 or a "
+        "value a computation can use",
+    )
+
+
+INT_RANGE = (-(2**63), 2**63 - 1)
+"Every integer field is a 64-bit integer (torch's and the checkpoints' integers)."
+
+
+def require_text(value: Any, where: str) -> None:
+    """Refuse an empty or blank string (``""``, ``" "``): no text field of a recipe means one (a
+    path, a key, a name); an optional one is null instead."""
+    require(
+        not isinstance(value, str) or bool(value.strip()),
+        f"{where}={value!r} is empty: give a value (or null where the field is optional)",
+    )
+
+
+@functools.cache
+def _text_fields(cls: type) -> tuple[str, ...]:
+    hints = typing.get_type_hints(cls)
+
+    def text(tp: Any) -> bool:
+        return tp is str or any(text(a) for a in typing.get_args(tp) if typing.get_origin(tp) is not Literal)
+
+    return tuple(f.name for f in dataclasses.fields(cls) if text(hints[f.name]))
 
 
 def check_choices(obj: Any, section: str) -> None:
-    """Check every ``Literal`` field of dataclass ``obj`` and that every float field is finite;
-    errors name ``section.field``."""
+    """The rules of every field's type, for dataclass ``obj`` (called first in ``__post_init__``):
+    a ``Literal`` holds one of its values and a float is finite and normal; errors name
+    ``section.field``. :func:`check_text` (called last) refuses blank strings."""
     for name, tp in _choice_fields(type(obj)):
         _check_type(getattr(obj, name), tp, f"{section}.{name}")
     for name in _float_fields(type(obj)):
         require_finite(getattr(obj, name), f"{section}.{name}")
+
+
+def check_text(obj: Any, section: str) -> None:
+    """No string field of dataclass ``obj`` (alone or in a list) is empty or blank; called last in
+    ``__post_init__``, after the checks whose messages say more about a field (``train.out_dir``)."""
+    for name in _text_fields(type(obj)):
+        value = getattr(obj, name)
+        for i, v in enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]:
+            require_text(v, f"{section}.{name}" + ("" if i is None else f"[{i}]"))
 
 
 def require_positive(obj: Any, section: str, *names: str, strict: bool = True) -> None:
@@ -93,6 +134,15 @@ def require_positive(obj: Any, section: str, *names: str, strict: bool = True) -
         if v is not None:
             ok, bound = (v > 0, "> 0") if strict else (v >= 0, ">= 0")
             require(ok, f"{section}.{name}={v} must be {bound}")
+
+
+SEED_MAX = 2**32 - 1
+"The largest seed (numpy's and most samplers' limit; torch's generators take it too)."
+
+
+def require_seed(obj: Any, section: str, name: str) -> None:
+    """Seed field ``name`` of ``obj`` is a whole number in ``[0, SEED_MAX]``."""
+    require_in(obj, section, name, 0, SEED_MAX, f"[0, {SEED_MAX}]")
 
 
 def require_in(obj: Any, section: str, name: str, low: float, high: float, interval: str) -> None:
@@ -128,6 +178,10 @@ def _check_scalar(value: Any, tp: type, where: str) -> Any:
         require(
             isinstance(value, int) and not isinstance(value, bool),
             f"{where} must be an integer, got {value!r}",
+        )
+        require(
+            INT_RANGE[0] <= value <= INT_RANGE[1],
+            f"{where}={value} is outside the 64-bit integer range: give a smaller value",
         )
         return value
     if tp is float:

@@ -30,3 +30,67 @@ class DataError(UserError):
 class Unavailable(Exception):
     """An outside service the command needs is down or stopped answering (an SGLang server, its
     router): shown as one ``moe-rl: unavailable: ...`` line, exit code 2. The message names it."""
+
+
+class StopRequested(Exception):
+    """A stop signal (SIGTERM, SIGINT, SIGHUP) ended the command at a safe point (after a training
+    step, with its checkpoint; after the runs it waited on saved): one ``moe-rl: stopped: ...``
+    line and exit code 128 + the signal's number (the shell's "ended by this signal")."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+class Interrupted(BaseException):
+    """A stop signal that arrived where no step loop waits for one (loading, building the model,
+    an export, a report, a server shutting down): raised at once by the handler every ``moe-rl``
+    command installs (:func:`moe_rl.argparsing.one_line_errors`). A ``BaseException``, as
+    ``KeyboardInterrupt``, so no ``except Exception`` swallows it; every write it can cut is atomic
+    (a temp file or folder renamed into place, removed when cut), so nothing is left half-written."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(f"{signal.Signals(signum).name} received")
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+DISK_FULL_WORDS = ("No space left on device", "Disk quota exceeded", "[Errno 28]", "[Errno 122]")
+"""How a full disk reads when a library wraps its OSError in its own exception (megatron-core's and
+torch.distributed.checkpoint's writer workers: ``CheckpointException`` of ``RuntimeError``s)."""
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether ``e``, or what it wraps (its cause, context and, for torch's ``CheckpointException``,
+    every rank's failure), is a full disk (ENOSPC, EDQUOT), however a library reported it."""
+    import errno
+
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(x)
+        if any(w in text for w in DISK_FULL_WORDS) or (
+            "inline_container" in text and ("unexpected pos" in text or "file write failed" in text)
+        ):  # torch's file writer on a full disk
+            return True
+        failures = getattr(x, "failures", None)  # {rank: exception or (exception, traceback)}
+        for f in failures.values() if isinstance(failures, dict) else ():
+            todo += [v for v in (f if isinstance(f, tuple) else (f,)) if isinstance(v, BaseException)]
+        todo += [x.__cause__, x.__context__]
+    return False
+
+
+def disk_full_at(path: object) -> OSError:
+    """The ``OSError`` (ENOSPC) a command's one line reads as "disk full writing <path>"."""
+    import errno
+    import os
+
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from moe_rl.errors import DataError
+
 INDEX = "model.safetensors.index.json"
 
 
@@ -106,15 +108,31 @@ def write_tensors(
     return writer.finish()
 
 
+class NoWeights(DataError, FileNotFoundError):
+    """A checkpoint directory without safetensors weights (one line naming it)."""
+
+
+def unreadable(path: Path, e: Exception) -> DataError:
+    """The one-line error of a weights or index file that cannot be read (truncated, corrupt)."""
+    detail = " ".join(str(e).split())[:160]
+    return DataError(
+        f"{path}: not a readable {'index' if path.name == INDEX else 'safetensors file'} "
+        f"({type(e).__name__}: {detail}): it was cut short or changed; copy or export it again"
+    )
+
+
 def shard_files(root: str | Path) -> list[str]:
     """The safetensors files of a checkpoint directory: those of its index, else ``*.safetensors``."""
     root = Path(root)
     index = root / INDEX
     if index.is_file():
-        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise unreadable(index, e) from None
     files = sorted(p.name for p in root.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{root} has no {INDEX} and no *.safetensors files")
+        raise NoWeights(f"{root} has no {INDEX} and no *.safetensors files")
     return files
 
 
@@ -123,25 +141,33 @@ def scan_headers(root: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
     Raises ValueError when a name appears in two shards.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     root, header = Path(root), {}
     for fname in shard_files(root):
-        with safe_open(str(root / fname), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name in header:
-                    raise ValueError(f"{root}: {name!r} appears in both {header[name][0]} and {fname}")
-                header[name] = (fname, tuple(f.get_slice(name).get_shape()))
+        try:
+            with safe_open(str(root / fname), framework="pt", device="cpu") as f:
+                shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        except SafetensorError as e:
+            raise unreadable(root / fname, e) from None
+        for name, shape in shapes.items():
+            if name in header:
+                raise ValueError(f"{root}: {name!r} appears in both {header[name][0]} and {fname}")
+            header[name] = (fname, shape)
     return header
 
 
 def read_tensors(root: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint directory (index-aware); ValueError when a name repeats."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     root, named = Path(root), {}
     for fname in shard_files(root):
-        part = load_file(str(root / fname))
+        try:
+            part = load_file(str(root / fname))
+        except SafetensorError as e:
+            raise unreadable(root / fname, e) from None
         repeated = set(part) & set(named)
         if repeated:
             raise ValueError(f"{root}: {sorted(repeated)[0]!r} appears in more than one shard")

@@ -352,30 +352,43 @@ def format_plan(pl: dict) -> str:
     return "\n".join(lines)
 
 
-def command(argv: list[str] | None = None) -> int:
-    """``moe-rl plan RECIPE [overrides] [--num-gpus N] [--gpu-mem-gib G] [--json]``; 1 if it cannot
-    fit. A user error raises (``moe-rl``'s main turns it into one line)."""
-    from moe_rl.argparsing import ArgParser
+def arg_parser():
+    """``moe-rl plan``'s command line (every flag's value range-checked by its type)."""
+    from moe_rl.argparsing import ArgParser, int_at_least, number_in
 
     ap = ArgParser(prog="moe-rl plan", description=__doc__.splitlines()[0])
     ap.add_argument("recipe")
     ap.add_argument("overrides", nargs="*", help="section.field=value")
     ap.add_argument(
-        "--num-gpus", type=int, default=None, help="GPUs of the job (default: the recipe's world)"
+        "--num-gpus",
+        type=int_at_least(1),
+        default=None,
+        help="GPUs of the job (default: the recipe's world)",
     )
-    ap.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory of one GPU, GiB")
+    ap.add_argument("--gpu-mem-gib", type=number_in(0.0), default=80.0, help="memory of one GPU, GiB")
     ap.add_argument(
         "--micro-batch",
-        type=int,
+        type=int_at_least(1),
         default=None,
         help="sequences per forward on one rank (default: train.micro_batch_size, else the whole share)",
     )
     ap.add_argument(
-        "--host-mem-gib", type=float, default=2048.0, help="host memory of one node, GiB (colocated engines)"
+        "--host-mem-gib",
+        type=number_in(0.0),
+        default=2048.0,
+        help="host memory of one node, GiB (colocated engines)",
     )
-    ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (trainer ranks) of one node")
+    ap.add_argument(
+        "--gpus-per-node", type=int_at_least(1), default=8, help="GPUs (trainer ranks) of one node"
+    )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def command(argv: list[str] | None = None) -> int:
+    """``moe-rl plan RECIPE [overrides] [--num-gpus N] [--gpu-mem-gib G] [--json]``; 1 if it cannot
+    fit. A user error raises (``moe-rl``'s main turns it into one line)."""
+    args = arg_parser().parse_args(argv)
     from moe_rl.config import load_recipe
 
     pl = plan(

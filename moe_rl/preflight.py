@@ -134,7 +134,7 @@ def check_routes_served(recipe: Recipe) -> None:
     cfg = recipe.rollout.sglang
     if recipe.rollout.engine != "sglang" or recipe.algo.routing != "r3":
         return
-    urls = [cfg.url] if cfg.url else list(cfg.engines) if isinstance(cfg.engines, list) else []
+    urls = [u for field, u in attached_urls(recipe) if field != "rollout.sglang.router_url"]
     from moe_rl.rollout.sglang_client import SGLangClient, SGLangError
 
     for url in urls:
@@ -150,6 +150,40 @@ def check_routes_served(recipe: Recipe) -> None:
             f"algo.routing=r3 replays the rollout engine's routes, but the SGLang server at {url} was started "
             "without --enable-return-routed-experts: restart it with that flag, or use algo.routing=r2",
         )
+
+
+def attached_urls(recipe: Recipe) -> list[tuple[str, str]]:
+    """``(field, url)`` of every SGLang server or router the recipe attaches to (none launched)."""
+    cfg = recipe.rollout.sglang
+    if recipe.rollout.engine != "sglang":
+        return []
+    urls = [("rollout.sglang.url", cfg.url)] if cfg.url else []
+    if isinstance(cfg.engines, list):
+        urls += [(f"rollout.sglang.engines[{i}]", u) for i, u in enumerate(cfg.engines)]
+    if cfg.router_url:
+        urls.append(("rollout.sglang.router_url", cfg.router_url))
+    return urls
+
+
+def check_services(recipe: Recipe, timeout_s: float = 10.0) -> None:
+    """Every SGLang server or router the recipe attaches to answers ``/health`` now: an
+    :class:`~moe_rl.errors.Unavailable` naming the field and the URL otherwise. For commands that
+    would train for minutes (an SFT start) before the RL stage first asks them."""
+    from moe_rl.errors import Unavailable
+    from moe_rl.rollout.sglang_client import SGLangClient, SGLangError
+
+    cfg = recipe.rollout.sglang
+    for field, url in attached_urls(recipe):
+        client = SGLangClient(url, api_key=cfg.api_key, timeout_s=timeout_s, retries=0)
+        try:
+            client.health(timeout_s=timeout_s)
+        except (SGLangError, OSError) as e:
+            raise Unavailable(
+                f"{field}={url}: no SGLang server answers /health ({type(e).__name__}: {str(e)[:120]}); "
+                "checked before anything trains"
+            ) from None
+        finally:
+            client.close()
 
 
 def check_hf_path(recipe: Recipe) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from moe_rl.configlib import check_choices, require, require_positive
+from moe_rl.configlib import check_choices, check_text, require, require_positive
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +87,11 @@ class SGLangConfig:
             "set rollout.sglang.url (one engine) or rollout.sglang.engines: [urls], not both",
         )
         require(self.max_concurrency >= 1, "rollout.sglang.max_concurrency must be >= 1")
+        require(
+            all(g >= 0 for g in self.gpus or ()),
+            f"rollout.sglang.gpus={self.gpus}: GPU indices are >= 0 (CUDA_VISIBLE_DEVICES numbers)",
+        )
+        check_text(self, "rollout.sglang")
 
     @property
     def num_engines(self) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,5 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # one line for a user error, a file error or a stop signal
+    from moe_rl.argparsing import run_main
+
+    raise SystemExit(run_main(main))

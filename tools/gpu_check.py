@@ -1201,5 +1201,7 @@ def cli() -> None:
         sys.exit(1)
 
 
-if __name__ == "__main__":
-    cli()
+if __name__ == "__main__":  # one line for a user error, a file error or a stop signal
+    from moe_rl.argparsing import run_main
+
+    raise SystemExit(run_main(cli))

@@ -420,5 +420,7 @@ def main(argv=None) -> None:
         print(json.dumps({"ipc": check_ipc(args.dry_run), "offload": host_offload(args.dry_run)}, indent=1))
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line for a user error, a file error or a stop signal
+    from moe_rl.argparsing import run_main
+
+    raise SystemExit(run_main(main))

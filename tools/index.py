@@ -22,12 +22,13 @@ Each row says which docs cite the file. Pre-registrations (no commit in the name
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+from moe_rl.files import read_json
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -130,7 +131,7 @@ def headline_of(path: Path) -> str:
     if path.suffix != ".json":
         return ""
     try:
-        head = json.loads(path.read_text()).get("headline")
+        head = read_json(path).get("headline")
     except (OSError, ValueError):
         return ""
     if not isinstance(head, dict):
@@ -226,5 +227,7 @@ def main(argv=None) -> int:
     return bad
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # one line for a user error, a file error or a stop signal
+    from moe_rl.argparsing import run_main
+
+    raise SystemExit(run_main(main))

@@ -42,9 +42,10 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_rl.config import ConfigError, load_recipe
+from moe_rl.config import load_recipe
 from moe_rl.errors import PathError, UserError
-from moe_rl.lab.arms import COMPARE_ARMS, DEMO_ARMS, arm_dir, arm_overrides
+from moe_rl.lab.arms import COMPARE_ARMS, DEMO_ARMS, arm_dir
+from moe_rl.lab.compare_checks import MARKER, check_arms, check_out, check_reruns, claim_out, job_overrides
 from moe_rl.lab.compare_plot import plot
 from moe_rl.lab.report import summarize
 from moe_rl.lab.results import csv_text, json_safe, write_json, write_text
@@ -62,8 +63,6 @@ from moe_rl.lab.status import STATUS_EVERY, StatusLines, fmt
 
 log = logging.getLogger(__name__)
 
-MARKER = ".moe-rl-compare"
-"Written into a comparison's ``out``: the folder is the command's own (a rerun may write into it)."
 METRICS: dict[str, str] = {
     "reward": "final reward (mean of the last 5 RL steps)",
     "accuracy": "final held-out greedy accuracy",
@@ -76,28 +75,6 @@ METRICS: dict[str, str] = {
 "The table's per-run values, each averaged over an arm's seeds and paired by seed against the first arm."
 FINISHED = ("done", "stopped")
 "A run's end that has results (``stopped``: the trainer ended it on purpose, e.g. non-finite steps)."
-
-
-# -- the output folder ------------------------------------------------------------------------------
-def check_out(out: Path, *, command: str, marker: str, writes: str) -> None:
-    """Refuse an ``out`` holding anything ``command`` did not write (a user's folders or files):
-    one without ``command``'s ``marker`` (:func:`claim_out`) that is not empty."""
-    if out.exists() and not out.is_dir():
-        raise PathError(f"{command} --out {out} is a file: give a new or empty folder")
-    if out.is_dir() and not (out / marker).exists():
-        theirs = sorted(p.name for p in out.iterdir())
-        if theirs:
-            shown = ", ".join(theirs[:3]) + (f" and {len(theirs) - 3} more" if len(theirs) > 3 else "")
-            raise PathError(
-                f"{command} --out {out} holds files the {command} did not write ({shown}): give a new or "
-                f"empty folder (the {command} writes {writes} there)"
-            )
-
-
-def claim_out(out: Path, recipe: Path, overrides: list[str], *, marker: str) -> None:
-    """Mark ``out`` (checked by :func:`check_out`) as its command's (``marker``)."""
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / marker, {"recipe": str(recipe), "overrides": overrides})
 
 
 # -- the command line's values -----------------------------------------------------------------------
@@ -146,15 +123,21 @@ def seeds_text(seeds: list[int]) -> str:
     return f"{n} seed{'' if n == 1 else 's'} ({which})"
 
 
+MAX_COUNT = 10_000
+"The most seeds per arm, or runs at a time, a comparison takes (more is a typo, not a plan)."
+
+
 def parse_count(text: str | int, flag: str, what: str) -> int:
-    """``text`` as a whole number >= 1 for ``flag``; anything else is a one-line error saying ``what``
-    it counts."""
+    """``text`` as a whole number in 1 .. :data:`MAX_COUNT` for ``flag``; anything else is a
+    one-line error saying ``what`` it counts."""
     try:
         value = int(str(text).strip())
     except ValueError:
         value = None
     if value is None or value < 1:
         raise UserError(f"{flag} {text!r}: give a whole number >= 1 ({what})")
+    if value > MAX_COUNT:
+        raise UserError(f"{flag} {text!r}: give at most {MAX_COUNT} ({what})")
     return value
 
 
@@ -182,24 +165,6 @@ def plan_jobs(arms: list[str], seeds: int | list[int], out: Path) -> list[Job]:
     first: a comparison cut short still has whole seeds to pair)."""
     seeds = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
     return [Job(a, s, out / arm_dir(a) / f"s{s}") for s in seeds for a in arms]
-
-
-def job_overrides(overrides: list[str], job: Job) -> list[str]:
-    """The recipe overrides of ``job``: the user's, then the arm's and the seed's."""
-    return [*overrides, *arm_overrides(job.arm, seed=job.seed)]
-
-
-def check_arms(recipe: Path, overrides: list[str], arms: list[str]) -> dict[str, int]:
-    """Every arm's RL recipe loads (a ConfigError naming the arm), before anything trains; returns
-    each arm's RL steps."""
-    steps = {}
-    for name in arms:
-        try:
-            r = load_recipe(recipe, [*overrides, *arm_overrides(name, seed=0), "train.stages=[rl]"])
-        except ConfigError as e:
-            raise ConfigError(f"compare arm {name}: {e}") from None
-        steps[name] = r.train.rl_steps
-    return steps
 
 
 @contextlib.contextmanager
@@ -468,15 +433,16 @@ def run_compare(
     out: str | Path | None = None,
     status_every: float = STATUS_EVERY,
     stream=None,
+    fresh: bool = False,
 ) -> dict:
     """Run (or reuse) the start and every arm's every seed; write the table, picture and JSON
-    under ``out`` (default: the recipe's ``train.out_dir``). ``jobs``: runs at a time (default:
-    one per arm). Returns ``{"table", "rows", "failed", "out", "files", "wall_s"}``; a stop signal
-    raises :class:`~moe_rl.trainer.signals.StopRequested` once every child saved
-    (:func:`moe_rl.lab.runner.stop_cleanly` turns it into 128 + the signal)."""
-    import signal
-
-    from moe_rl.trainer.signals import StopRequested
+    under ``out`` (default: the recipe's ``train.out_dir``), which the command holds
+    (:func:`moe_rl.trainer.run_lock.hold_run_dir`) until it ends. ``jobs``: runs at a time
+    (default: one per arm). Folders of ``out`` holding runs of another recipe are refused
+    (:func:`check_reruns`) unless ``fresh``. Returns ``{"table", "rows", "failed", "out", "files",
+    "wall_s"}``; a stop signal raises :class:`~moe_rl.trainer.signals.StopRequested` once every
+    child saved (:func:`moe_rl.lab.runner.stop_cleanly` turns it into 128 + the signal)."""
+    from moe_rl.trainer.run_lock import hold_run_dir
 
     recipe, overrides = Path(recipe), list(overrides)
     arms = list(arms or DEMO_ARMS)
@@ -492,6 +458,43 @@ def run_compare(
     launch = local_launch(None, jobs)  # one at a time: in this process; else a child per run
     threads = max(1, (os.cpu_count() or 1) // jobs) if launch else None
     check_out(out, command="compare", marker=MARKER, writes="a folder per arm, its start and compare.*")
+    plan = _Plan(recipe, overrides, arms, seeds, out, planned, steps, jobs, launch, threads)
+    with hold_run_dir(out, rank=0, what="compare --out"):
+        check_reruns(out, planned, recipe, overrides, fresh=fresh)
+        return _compare_runs(plan, status_every, stream)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What :func:`run_compare` decided before anything runs."""
+
+    recipe: Path
+    overrides: list[str]
+    arms: list[str]
+    seeds: list[int]
+    out: Path
+    planned: list[Job]
+    steps: dict[str, int]
+    jobs: int
+    launch: str | None
+    threads: int | None
+
+
+def _compare_runs(plan: _Plan, status_every: float, stream) -> dict:
+    """:func:`run_compare`'s runs, in a held ``out``: the start, every job, the results."""
+    import signal
+
+    from moe_rl.trainer.signals import StopRequested
+
+    recipe, overrides, arms, seeds, out, planned = (
+        plan.recipe,
+        plan.overrides,
+        plan.arms,
+        plan.seeds,
+        plan.out,
+        plan.planned,
+    )
+    steps, jobs, launch, threads = plan.steps, plan.jobs, plan.launch, plan.threads
     t0 = time.perf_counter()
     progress = StatusLines(len(planned), status_every, stream, jobs=jobs)
     how = f"{threads} thread(s) each" if threads else "in this process"

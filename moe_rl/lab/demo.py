@@ -12,7 +12,7 @@ yardstick: an arm that differs from GRPO by no more than the null does is not se
 demo.
 
 ``out`` is the command's own: a folder holding anything it did not write (no marker,
-:func:`moe_rl.lab.compare.claim_out`) is refused, so ``--out`` never replaces a user's folders.
+:func:`moe_rl.lab.compare_checks.claim_out`) is refused, so ``--out`` never replaces a user's folders.
 """
 
 from __future__ import annotations

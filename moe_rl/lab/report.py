@@ -69,18 +69,59 @@ def read_run_metrics(run_dir: str | Path) -> list[dict]:
             raise DataError(f"{path}:{lineno}: not a JSON metrics row ({type(e).__name__})") from e
         if not isinstance(row, dict) or "stage" not in row or "step" not in row:
             raise DataError(f"{path}:{lineno}: a metrics row needs 'stage' and 'step'")
+        if isinstance(row["step"], bool) or not isinstance(row["step"], int):
+            raise DataError(f"{path}:{lineno}: 'step' is {row['step']!r}, not a whole number")
         rows.append(row)
     return rows
 
 
 def load_arm(run_dir: str | Path) -> dict:
     """The newest run's RL and evaluation rows in ``run_dir`` (an earlier run in a folder reused with
-    ``--fresh`` is not mixed in)."""
+    ``--fresh`` is not mixed in); ``dropped``: ``{metric: count}`` of values that are no number
+    (left out), ``stages``: the stages its rows hold."""
     from moe_rl.trainer.metrics import newest_run
 
     rows = newest_run(read_run_metrics(run_dir))
+    dropped = numbers_only(rows)
     rl = [r for r in rows if r["stage"] == "rl"]
-    return {"rl": rl, "eval": eval_rows(rows)}
+    return {
+        "rl": rl,
+        "eval": eval_rows(rows),
+        "dropped": dropped,
+        "stages": sorted({str(r["stage"]) for r in rows}),
+    }
+
+
+NOT_METRICS = frozenset({"stage", "step", "run", "attempt"})
+"Row keys that are no metric (the rest are numbers or null as the trainer writes them)."
+
+
+def numbers_only(rows: list[dict]) -> dict[str, int]:
+    """Remove from ``rows`` (in place) every metric value that is no finite-or-null number (a
+    string, a list, true/false: a hand-edited or foreign file) and a ``step`` that is no whole
+    number's row; ``{metric: count}`` of what was removed."""
+    dropped: dict[str, int] = {}
+    for r in rows:
+        for k in [k for k in r if k not in NOT_METRICS]:
+            v = r[k]
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                del r[k]
+                dropped[k] = dropped.get(k, 0) + 1
+    return dropped
+
+
+def unplotted(name: str, arm: dict) -> list[str]:
+    """What :func:`report` cannot draw of run ``name``, and why (one sentence each)."""
+    notes = [
+        f"{name}: {n} value(s) of {k} are no number: left out"
+        for k, n in sorted(arm.get("dropped", {}).items())
+    ]
+    if not arm.get("stages"):
+        notes.append(f"{name}: not plotted: its metrics.jsonl holds no rows (a run that wrote none yet)")
+    elif not arm["rl"] and not arm["eval"]:
+        stages = ", ".join(arm["stages"])
+        notes.append(f"{name}: not plotted: no RL rows (its rows are {stages}: the curves are RL steps)")
+    return notes
 
 
 def eval_rows(rows: list[dict]) -> list[dict]:
@@ -354,15 +395,40 @@ def story(arms: dict[str, dict], out_png: str | Path) -> dict:
     }
 
 
+def check_report_out(out_png: Path) -> None:
+    """``--out`` is a new or earlier report's ``.png``: not a folder, not another kind of file (a
+    run's ``metrics.jsonl``), and its ``.csv`` / ``.md`` beside it are an earlier report's or new."""
+    if out_png.is_dir():
+        raise PathError(f"--out {out_png} is a folder: give a file name, e.g. {out_png / 'report.png'}")
+    if out_png.suffix.lower() != ".png":
+        raise PathError(
+            f"--out {out_png}: give a .png path (the curves; the table goes beside it as .csv and .md), "
+            f"e.g. {out_png.with_suffix('.png')}"
+        )
+    if not out_png.exists():
+        theirs = [str(f) for f in (out_png.with_suffix(".csv"), out_png.with_suffix(".md")) if f.exists()]
+        if theirs:
+            raise PathError(
+                f"--out {out_png}: {', '.join(theirs)} exist and no earlier report wrote them (there is no "
+                f"{out_png.name}): the report would replace them; give another --out"
+            )
+
+
 def report(runs: dict[str, str | Path], out_png: str | Path) -> tuple[str, list[dict]]:
     """Plot and tabulate named run directories: ``out_png``, and beside it the table as ``.csv``
     and ``.md`` (same stem); return the table text and summary rows."""
+    import logging
+
     from moe_rl.lab.results import csv_text, write_text
 
     out_png = Path(out_png)
-    if out_png.is_dir():
-        raise PathError(f"--out {out_png} is a folder: give a file name, e.g. {out_png / 'report.png'}")
+    check_report_out(out_png)
     arms = {name: load_arm(d) for name, d in runs.items()}
+    notes = [note for name, arm in arms.items() for note in unplotted(name, arm)]
+    for note in notes:
+        logging.getLogger(__name__).warning("report: %s", note)
+    if all(not a["rl"] and not a["eval"] for a in arms.values()):
+        raise DataError(f"nothing to plot: {'; '.join(n for n in notes if 'not plotted' in n)}")
     plot(arms, out_png)
     rows = [summarize(n, a) for n, a in arms.items()]
     write_text(out_png.with_suffix(".csv"), csv_text(rows))

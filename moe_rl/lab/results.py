@@ -23,6 +23,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from moe_rl.files import write_text as write_text  # re-exported: callers import it here
+
 CHECKOUT = Path(__file__).resolve().parents[2]
 "The checkout moe_rl runs from (its commit names the results)."
 
@@ -84,23 +86,6 @@ def write_json(path: str | Path, doc: Any, *, indent: int | None = 1, newline: b
     ``null``, other non-JSON values as their ``str``. ``newline``: end the file with one."""
     text = json.dumps(json_safe(doc), indent=indent, default=str, allow_nan=False) + ("\n" if newline else "")
     return write_text(path, text)
-
-
-def write_text(path: str | Path, text: str) -> Path:
-    """Write ``text`` at ``path`` atomically: a temp file beside it, fsync, rename (a reader never
-    sees half a file, an interrupted write leaves the old one)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
 
 
 def csv_text(rows: list[dict]) -> str:

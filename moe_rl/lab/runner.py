@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -54,7 +53,9 @@ def run_child(cmd: list[str], env: dict | None = None, *, log_file: Path | None 
     CPU seconds of that child and of the descendants it waited for: its own ``wait4`` resource
     usage, which runs going on beside it in other threads do not enter (as they enter
     :func:`cpu_seconds`)."""
-    with open(log_file, "w") if log_file else contextlib.nullcontext() as out:
+    with (
+        open(log_file, "a") if log_file else contextlib.nullcontext() as out
+    ):  # a resumed run's log continues
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
         _LIVE.add(proc)
         try:
@@ -160,11 +161,13 @@ def run_recipe(
     launch: str | None = None,
     *,
     resume: bool = False,
+    fresh: bool = False,
     threads: int | None = None,
     log_file: Path | None = None,
 ) -> dict:
     """``moe-rl train base overrides``: in this process (``launch`` None) or as ``launch base overrides``
-    (``resume``: ``--resume``, from the newest intact checkpoint of the run's directory).
+    (``resume``: ``--resume``, from the newest intact checkpoint of the run's directory; ``fresh``:
+    ``--fresh``, a new run beside the checkpoints the directory holds, which are kept).
 
     ``launch`` is a command prefix, e.g. :func:`child_launch` (a fresh process per arm),
     ``launch/torchrun.sh`` (one node) or ``"sbatch --wait --nodes=3 launch/slurm.sbatch"`` (Slurm;
@@ -175,7 +178,8 @@ def run_recipe(
     machine, so under ``sbatch`` the job's own CPU is not in it); in process, the run's result.
     """
     if launch:
-        cmd = [*shlex.split(launch), str(base), *overrides, *(["--resume"] if resume else [])]
+        flags = ["--resume"] if resume else ["--fresh"] if fresh else []
+        cmd = [*shlex.split(launch), str(base), *overrides, *flags]
         log.info("launching %s", shlex.join(cmd))
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}
         if threads:
@@ -187,7 +191,7 @@ def run_recipe(
     recipe = load_recipe(base, overrides)
     if recipe.parallel.world_size == 1:
         ensure_parallel()
-    return run(recipe, resume=resume)
+    return run(recipe, resume=resume, fresh=fresh)
 
 
 def run_arm(
@@ -205,7 +209,10 @@ def run_arm(
     """One RL arm into ``out_dir`` (from SFT start ``start`` when given): a fresh one, or, with
     ``resume``, the same run resumed when ``out_dir`` holds its checkpoint (:func:`resumable`: e.g.
     a run stopped by SIGTERM, which saves at the next step). It saves every ``checkpoint_every``
-    steps unless ``overrides`` say otherwise (None: as the recipe says).
+    steps unless ``overrides`` say otherwise (None: as the recipe says). A fresh run into a folder
+    that holds anything starts beside it (``moe-rl train --fresh``: earlier checkpoints are kept,
+    ``metrics.jsonl`` continues with the new run's rows, which :func:`read_arm` reads): nothing in
+    the folder is deleted (callers that must not start over, ``moe-rl compare``, refuse first).
 
     Returns ``{"status": "done" | "stopped" | "failed", "reason", "wall_s", "cpu_s", "resumed"}``
     (times of this attempt only); a run the trainer stops on purpose (repeated non-finite steps, a
@@ -216,14 +223,15 @@ def run_arm(
     out_dir = Path(out_dir)
     ov = arm_run_overrides(out_dir, overrides, start, checkpoint_every)
     resume = resume and resumable(out_dir, base, ov)
+    fresh = not resume and holds_checkpoints(base, ov)
     if resume:
         log.info("resuming %s from its checkpoint", out_dir)
-    else:
-        shutil.rmtree(out_dir, ignore_errors=True)  # metrics.jsonl appends: start clean
+    elif fresh:
+        log.info("%s holds an earlier run's checkpoints: a new run beside them (--fresh)", out_dir)
     t0, c0 = time.perf_counter(), cpu_seconds()
     status, reason, child = "done", None, {}
     try:
-        done = run_recipe(base, ov, launch, resume=resume, threads=threads, log_file=log_file)
+        done = run_recipe(base, ov, launch, resume=resume, fresh=fresh, threads=threads, log_file=log_file)
         child = done if launch else {}
     except TrainingStopped as e:
         status, reason = "stopped", str(e)
@@ -239,39 +247,88 @@ def run_arm(
     }
 
 
-def same_run(out_dir: Path, base: str | Path, overrides: list[str], *, any_start: bool = False) -> bool:
-    """True when ``out_dir``'s saved ``recipe.yaml`` resolves to the recipe ``base`` + ``overrides``
-    makes (how often it saves aside: that does not change a run; ``any_start``: nor where its SFT
-    start was found, which a caller skipping a finished run need not know)."""
-    from moe_rl.config import load_recipe, to_dict
+def run_of(recipe, *, any_start: bool = False) -> dict:
+    """What makes ``recipe``'s run the run it is, as plain data: the resolved recipe less how often
+    it saves (that does not change a run); ``any_start``: less where its SFT start was found too
+    (``checkpoint.load``, ``model.hf_path``, ``train.stages``)."""
+    from moe_rl.config import to_dict
 
-    def run_of(recipe) -> dict:
-        d = to_dict(recipe)
-        skip = ("every", "keep", "load") if any_start else ("every", "keep")
-        d["checkpoint"] = {k: v for k, v in d["checkpoint"].items() if k not in skip}
-        if any_start:
-            d["model"] = {k: v for k, v in d["model"].items() if k != "hf_path"}
-            d["train"] = {k: v for k, v in d["train"].items() if k != "stages"}
-        return d
+    d = to_dict(recipe)
+    skip = ("every", "keep", "load") if any_start else ("every", "keep")
+    d["checkpoint"] = {k: v for k, v in d["checkpoint"].items() if k not in skip}
+    if any_start:
+        d["model"] = {k: v for k, v in d["model"].items() if k != "hf_path"}
+        d["train"] = {k: v for k, v in d["train"].items() if k != "stages"}
+    return d
+
+
+def run_differences(saved: dict, asked: dict, prefix: str = "") -> list[str]:
+    """``["train.temperature 1.0 -> 0.9", ...]``: the fields where two :func:`run_of` differ."""
+    out = []
+    for k in sorted(set(saved) | set(asked), key=str):
+        a, b = saved.get(k), asked.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += run_differences(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k} {_shown(a)} -> {_shown(b)}")
+    return out
+
+
+def _shown(v) -> str:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return str(v)
+    return json.dumps(list(v) if isinstance(v, tuple) else v)[:40]
+
+
+def differences(
+    out_dir: Path, base: str | Path, overrides: list[str], *, any_start: bool = False
+) -> list[str] | None:
+    """How the run ``out_dir`` holds differs from the recipe ``base`` + ``overrides`` makes
+    (:func:`run_differences`; ``[]``: the same run), or None when ``out_dir`` holds no run's
+    ``recipe.yaml``. An unreadable saved recipe (an older layout) differs as ``["recipe.yaml: ..."]``."""
+    from moe_rl.config import load_recipe
 
     saved = out_dir / "recipe.yaml"
     if not saved.exists():
-        return False
+        return None
+    asked = run_of(load_recipe(base, overrides), any_start=any_start)
     try:
-        return run_of(load_recipe(saved)) == run_of(load_recipe(base, overrides))
+        return run_differences(run_of(load_recipe(saved), any_start=any_start), asked)
     except Exception as e:  # an unreadable or older recipe: not this run
         log.info("not the same run in %s: %s", out_dir, e)
+        return [f"recipe.yaml unreadable ({str(e)[:80]})"]
+
+
+def same_run(out_dir: Path, base: str | Path, overrides: list[str], *, any_start: bool = False) -> bool:
+    """True when ``out_dir``'s saved ``recipe.yaml`` resolves to the recipe ``base`` + ``overrides``
+    makes (:func:`run_of`; ``any_start``: wherever its SFT start was found, which a caller skipping
+    a finished run need not know)."""
+    try:
+        return differences(out_dir, base, overrides, any_start=any_start) == []
+    except Exception as e:  # the asked recipe does not load: not this run
+        log.info("not the same run in %s: %s", out_dir, e)
         return False
+
+
+def holds_checkpoints(base: str | Path, overrides: list[str]) -> bool:
+    """Whether the checkpoint folder of the run ``base`` + ``overrides`` holds any checkpoint entry
+    (intact or not): a new run there needs ``moe-rl train --fresh``."""
+    from moe_rl.config import load_recipe
+    from moe_rl.trainer.context import checkpoint_root
+    from moe_rl.trainer.state import Checkpointer
+
+    return bool(Checkpointer(checkpoint_root(load_recipe(base, overrides)), None, keep=1).any_written())
 
 
 def resumable(out_dir: Path, base: str | Path, overrides: list[str]) -> bool:
     """True when ``out_dir`` holds an intact checkpoint of the run ``base`` + ``overrides`` would
     make: its saved ``recipe.yaml`` resolves to the same recipe (anything else starts over)."""
     from moe_rl.megatron.checkpoint import latest_checkpoint
+    from moe_rl.trainer.state import resume_conflict
 
     if latest_checkpoint(out_dir / "checkpoints") is None:
         return False
-    return same_run(out_dir, base, overrides)
+    return same_run(out_dir, base, overrides) and resume_conflict(out_dir, out_dir / "checkpoints") is None
 
 
 def arm_run_overrides(
@@ -363,18 +420,12 @@ def in_pool(fn, items: list, jobs: int) -> list:
 
 
 def stop_cleanly(main) -> int:
-    """``main()`` for a sweep's command line: a run stopped by a signal (after its checkpoint)
-    ends the sweep with one line and 128 + the signal's number; rerunning the command resumes."""
-    import sys
+    """``main()`` for a sweep's command line (:func:`moe_rl.argparsing.run_main`): a run stopped by
+    a signal (after its checkpoint) ends the sweep with one line and 128 + the signal's number
+    (rerunning the command resumes); a user error is one line and exit code 2."""
+    from moe_rl.argparsing import run_main
 
-    from moe_rl.trainer.signals import StopRequested
-
-    try:
-        main()
-    except StopRequested as e:
-        print(f"moe-rl: stopped: {e}; run the same command again to continue", file=sys.stderr)
-        return e.exit_code
-    return 0
+    return run_main(main, verbose=False)
 
 
 def run_when_ready(items: list, *, jobs: int, ready, build, run) -> list:

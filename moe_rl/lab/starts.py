@@ -17,7 +17,6 @@ import copy
 import hashlib
 import json
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -201,9 +200,12 @@ def warm_start(
     :func:`moe_rl.lab.runner.run_recipe` runs a recipe (a launched one's output into ``log_file``
     when given). The SFT saves every
     :data:`SFT_CHECKPOINT_EVERY` steps; one stopped or killed before its end (checkpoints but no
-    :data:`INFO_FILE`) is resumed from its newest intact checkpoint."""
+    :data:`INFO_FILE`) is resumed from its newest intact checkpoint. Nothing in ``root`` is deleted:
+    a start over (no intact checkpoint) trains beside what is there (``--fresh``) and reads its
+    own rows of ``metrics.jsonl``."""
     from moe_rl.megatron.checkpoint import latest_checkpoint
-    from moe_rl.trainer.metrics import read_metrics
+    from moe_rl.trainer.metrics import newest_run, read_metrics
+    from moe_rl.trainer.state import Checkpointer
 
     recipe = _sft_recipe(base, overrides)
     root = Path(root) if root is not None else cache / sft_key(recipe)
@@ -214,15 +216,14 @@ def warm_start(
         return hit
     ckpt = root / "checkpoints"
     resume = latest_checkpoint(ckpt) is not None  # without sft.json: stopped or killed before its end
+    fresh = not resume and bool(Checkpointer(ckpt, None, keep=1).any_written())  # none intact: beside them
     if resume:
         log.info("resuming the interrupted SFT start %s", ckpt)
-    else:
-        shutil.rmtree(root, ignore_errors=True)
     t0, c0 = time.perf_counter(), cpu_seconds()
     sft = ["train.stages=[sft]", f"train.out_dir={root}", "checkpoint.dir=null", "checkpoint.load=null"]
     ov = [*overrides, *sft, f"checkpoint.every={SFT_CHECKPOINT_EVERY}"]
-    run_recipe(base, ov, launch, resume=resume, log_file=log_file)
-    rows = read_metrics(root / "metrics.jsonl", "sft")
+    run_recipe(base, ov, launch, resume=resume, fresh=fresh, log_file=log_file)
+    rows = [r for r in newest_run(read_metrics(root / "metrics.jsonl")) if r.get("stage") == "sft"]
     info = {
         "checkpoint": str(ckpt),
         "key": sft_key(recipe),

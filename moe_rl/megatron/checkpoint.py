@@ -239,6 +239,11 @@ def weights_finite(model, group=None) -> bool:
     return dist.all_ranks(finite, group)
 
 
+def non_finite_names(model) -> list[str]:
+    """The names of this rank's parameters of ``model`` holding a NaN or an infinity."""
+    return [name for name, p in model.named_parameters() if not bool(p.detach().isfinite().all())]
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:

@@ -29,7 +29,7 @@ import torch
 from moe_rl import dist
 from moe_rl.config import ModelConfig
 from moe_rl.hf_io import ShardWriter, atomic_dir, scan_headers
-from moe_rl.megatron.checkpoint import NonFiniteWeights, checkpoint_dirs, weights_finite
+from moe_rl.megatron.checkpoint import NonFiniteWeights, weights_finite
 from moe_rl.megatron.hf_mapping import (
     Layout,
     Piece,
@@ -383,47 +383,3 @@ def export_hf(
     if error is not None:
         raise error
     return out
-
-
-# -- where an export may write -------------------------------------------------------------------
-RUN_MARKERS = ("checkpoints", "metrics.jsonl", "recipe.yaml", "latest", "meta.json")
-"Entries that make a directory a run directory, a checkpoint root or a checkpoint."
-
-
-def check_export_target(
-    out: str | Path, *, overwrite: bool, reads: dict[str, str | Path] | str | Path | None = None
-) -> None:
-    """Refuse an export destination it does not own (``PathError`` naming it and the fix).
-
-    Without ``overwrite``: an existing file, a non-empty directory, a run directory or a
-    checkpoint. Even with it: any input the export reads (``reads``: ``{what: path}``, e.g.
-    ``--checkpoint``, ``checkpoint.load``, ``model.hf_path``; one path is ``--checkpoint``), a
-    directory holding one, or a path inside one. An empty directory or a new path is always fine.
-    """
-    from moe_rl.errors import PathError
-
-    out = Path(out)
-    target = out.resolve()
-    if reads is not None and not isinstance(reads, dict):
-        reads = {"--checkpoint": reads}
-    for what, path in (reads or {}).items():
-        src = Path(path).resolve()
-        if target == src or src.is_relative_to(target) or target.is_relative_to(src):
-            raise PathError(
-                f"export destination {out} would overwrite or sit inside the checkpoint it exports "
-                f"({what} {path}): give another output path (--overwrite never replaces what it reads)"
-            )
-    if overwrite or (not out.exists() and not out.is_symlink()):
-        return
-    if not out.is_dir():
-        raise PathError(f"export destination {out} is an existing file: give a new path, or --overwrite")
-    marks = sorted(m for m in RUN_MARKERS if (out / m).exists()) + [p.name for p in checkpoint_dirs(out)][:1]
-    if marks:
-        raise PathError(
-            f"export destination {out} is a run or checkpoint directory (has {', '.join(marks)}): "
-            "give a new path (--overwrite would replace all of it)"
-        )
-    if any(out.iterdir()):
-        raise PathError(
-            f"export destination {out} is a non-empty directory: give a new or empty one, or --overwrite"
-        )

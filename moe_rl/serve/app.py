@@ -256,14 +256,38 @@ class SGLangProtocolApp(StallGuard, WeightEndpoints, OpenAIEndpoints):
                 raise BadRequest(f"body.text{'' if single else f'[{i}]'}: encodes to no tokens")
         return single, batch
 
+    def vocab_size(self) -> int | None:
+        """The served model's vocabulary (token ids are in ``[0, vocab_size)``), if the engine says."""
+        size = getattr(self.engine, "vocab_size", None)
+        if size is None:
+            size = getattr(getattr(getattr(self.engine, "policy", None), "cfg", None), "vocab_size", None)
+        return size if isinstance(size, int) else None
+
+    def check_token_ids(self, batch: list[list[int]], where: str) -> None:
+        """Every token id of ``batch`` is one of the model's (400 naming the first that is not)."""
+        vocab = self.vocab_size()
+        for i, p in enumerate(batch):
+            bad = next((t for t in p if t < 0 or (vocab is not None and t >= vocab)), None)
+            if bad is not None:
+                top = f"{vocab - 1}" if vocab is not None else "..."
+                raise BadRequest(f"{where}[{i}]: token id {bad} is not one of the model's (0..{top})")
+
     def _parse_generate(self, body: Any) -> tuple:
         """(single, prompts, [(params, seed)], [want logprobs], want routes, rids,
-        [(stop strings, trim, skip special tokens)]) of a /generate body."""
+        [(stop strings, trim, skip special tokens)]) of a /generate body; the number of prompts is
+        checked before any is parsed further, every number's range before any work."""
         if not isinstance(body, dict):
             raise BadRequest("body: expected a JSON object")
         if body.get("stream"):
             raise BadRequest("body.stream: streaming is not supported by moe-rl serve")
+        count = body.get("text", body.get("input_ids"))
+        if isinstance(count, list) and count and isinstance(count[0], (list, str)):
+            if len(count) > self.limits.max_running_requests:
+                raise BadRequest(
+                    limit_message("number of prompts", len(count), "max_running_requests", self.limits)
+                )
         single, batch = self._prompts(body)
+        self.check_token_ids(batch, "body.input_ids" if body.get("text") is None else "body.text")
         sps = body.get("sampling_params") or {}
         with_text = self.text is not None
         if isinstance(sps, list):
@@ -273,6 +297,8 @@ class SGLangProtocolApp(StallGuard, WeightEndpoints, OpenAIEndpoints):
         else:
             sps, wheres = [sps] * len(batch), ["body.sampling_params"] * len(batch)
         parsed = [to_sampling(sp, w, with_text) for sp, w in zip(sps, wheres)]
+        for (params, _), w in zip(parsed, wheres):
+            self.check_token_ids([list(params.stop_token_ids)], f"{w}.stop_token_ids")
         opts = [text_options(sp, w) for sp, w in zip(sps, wheres)]
         want_lp = body.get("return_logprob") or False
         want_lp = want_lp if isinstance(want_lp, list) else [bool(want_lp)] * len(batch)

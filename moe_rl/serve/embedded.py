@@ -25,20 +25,20 @@ def build_engine(args):
     from moe_rl.rollout.embedded import EmbeddedEngine
     from moe_rl.tasks import load_tokenizer
 
-    for flag, value in (("--tp-size", args.tp_size), ("--ep-size", args.ep_size)):
-        if value != 1:
-            raise ConfigError(
-                f"{flag} {value}: moe-rl serve runs the embedded engine in one process (TP 1, EP 1); "
-                f"drop {flag}, or serve with SGLang (rollout.sglang.module=sglang.launch_server)"
-            )
+    check_engine_args(args)
     path = Path(args.model_path)
     load = None
     if path.suffix in (".yaml", ".yml"):
         recipe = load_recipe(path)
         model_cfg, load = recipe.model, recipe.checkpoint.load
     elif (path / "config.json").is_file():
+        from moe_rl.hf_arch import read_config_json
         from moe_rl.megatron.hf import model_config_from_path
 
+        try:
+            read_config_json(path)  # a broken config.json: one line naming it
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("model.hf_path=", "--model-path ")) from None
         model_cfg = model_config_from_path(path)
     else:
         raise ConfigError(
@@ -62,14 +62,28 @@ def build_engine(args):
     return engine
 
 
+def check_engine_args(args) -> None:
+    """The embedded engine's flags, before anything is built: ``--tp-size`` / ``--ep-size`` 1 (it
+    runs one process) and a ``--dtype`` SGLang knows; ConfigError naming the flag."""
+    from moe_rl.config import ConfigError
+
+    for flag, value in (("--tp-size", args.tp_size), ("--ep-size", args.ep_size)):
+        if value != 1:
+            raise ConfigError(
+                f"{flag} {value}: moe-rl serve runs the embedded engine in one process (TP 1, EP 1); "
+                f"drop {flag}, or serve with SGLang (rollout.sglang.module=sglang.launch_server)"
+            )
+    serve_dtype(args.dtype)
+
+
 def check_finite(model, source: str) -> None:
     """A ConfigError naming the first parameters of ``model`` with a NaN or an infinity."""
     from moe_rl.config import ConfigError
-    from moe_rl.megatron.checkpoint import weights_finite
+    from moe_rl.megatron.checkpoint import non_finite_names, weights_finite
 
     if weights_finite(model):
         return
-    bad = [name for name, p in model.named_parameters() if not bool(p.detach().isfinite().all())]
+    bad = non_finite_names(model)
     more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
     raise ConfigError(
         f"{source}: weights with NaN or infinite values ({', '.join(bad[:3])}{more}); "
@@ -103,8 +117,10 @@ def serve_dtype(value: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     from moe_rl.serve.http import main as server_main
 
-    return server_main(argv, factory=build_engine)
+    return server_main(argv, factory=build_engine, check=check_engine_args)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # as SGLang's launch_server (rollout.sglang.module): one line for an error
+    from moe_rl.argparsing import run_main
+
+    sys.exit(run_main(main))

@@ -56,6 +56,8 @@ WEIGHTS_BODY_PATHS = frozenset({"/update_weights_from_tensor"})
 "Routes whose body carries serialized tensors (``max_weights_body_bytes``)."
 TIMEOUT_KEEP_ALIVE_S = 5
 "SGLang's SGLANG_TIMEOUT_KEEP_ALIVE default."
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"``--log-level`` values (any case): Python's logging levels, as SGLang's."
 
 
 class BodyRefused(Exception):
@@ -212,15 +214,21 @@ def serve(
     admin_api_key=None,
     **app_kwargs: Any,
 ) -> None:
-    """Serve until SIGTERM/SIGINT (uvicorn handles both), then close the engine."""
+    """Serve until SIGTERM, SIGINT or SIGHUP (a closed terminal), then close the engine and end
+    with :class:`~moe_rl.errors.StopRequested` (one line, exit 128 + the signal). uvicorn shuts
+    down on SIGTERM / SIGINT (answering the requests in flight, ``timeout_graceful_shutdown``) and
+    raises the signal again as it returns; SIGHUP is given the same shutdown here."""
+    import signal
+
     import uvicorn
+
+    from moe_rl.errors import Interrupted, StopRequested
 
     if host not in ("127.0.0.1", "localhost", "::1") and not (api_key or admin_api_key):
         logger.warning("moe-rl serve binds %s without --api-key: the weight-update endpoints are open", host)
     app = SGLangProtocolApp(engine, **app_kwargs)
-    logger.info("moe-rl serve listening on http://%s:%d", host, port)
-    try:
-        uvicorn.run(
+    server = uvicorn.Server(
+        uvicorn.Config(
             create_app(app, api_key=api_key, admin_api_key=admin_api_key),
             host=host,
             port=port,
@@ -228,26 +236,47 @@ def serve(
             timeout_graceful_shutdown=5,
             timeout_keep_alive=TIMEOUT_KEEP_ALIVE_S,
         )
+    )
+    hup: list[int] = []
+
+    def hangup(signum, frame) -> None:
+        hup.append(signum)
+        server.handle_exit(signal.SIGTERM, frame)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_hup = signal.signal(signal.SIGHUP, hangup) if main_thread else None
+    logger.info("moe-rl serve listening on http://%s:%d", host, port)
+    try:
+        server.run()
+    except Interrupted as e:  # uvicorn raised the SIGTERM / SIGINT it shut down on again
+        hup.append(e.signum)
     finally:
+        if main_thread:
+            signal.signal(signal.SIGHUP, old_hup)
         logger.info("moe-rl serve shut down")
         if hasattr(engine, "close"):
             engine.close()
+    if hup:
+        name = signal.Signals(hup[0]).name
+        raise StopRequested(
+            hup[0], f"{name} received: moe-rl serve shut down (requests in flight were answered)"
+        )
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
     """The ``moe-rl serve`` command line: the ``sglang.launch_server`` options the launcher passes, plus ours."""
-    p = argparse.ArgumentParser(
-        "moe-rl serve", description="SGLang-protocol server around a moe-rl rollout engine"
-    )
-    p.add_argument("--model-path", default="moe-rl-embedded")
-    p.add_argument("--host", default="127.0.0.1")
+    from moe_rl.argparsing import ArgParser, int_at_least, number_in, text_value
+
+    p = ArgParser("moe-rl serve", description="SGLang-protocol server around a moe-rl rollout engine")
+    p.add_argument("--model-path", default="moe-rl-embedded", type=text_value)
+    p.add_argument("--host", default="127.0.0.1", type=text_value)
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--tp-size", "--tp", type=int, default=1)
     p.add_argument("--ep-size", "--ep", type=int, default=1)
     p.add_argument("--dtype", default="auto", help="weights and compute: auto (fp32) | bfloat16 | float16")
     p.add_argument("--router-dtype", default="same", choices=("same", "fp32"), help="router logits' dtype")
-    p.add_argument("--mem-fraction-static", type=float, default=None)
-    p.add_argument("--base-gpu-id", type=int, default=0)
+    p.add_argument("--mem-fraction-static", type=number_in(0.0, 1.0), default=None)
+    p.add_argument("--base-gpu-id", type=int_at_least(0), default=0)
     p.add_argument(
         "--skip-tokenizer-init",
         action="store_true",
@@ -256,15 +285,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-return-routed-experts", action="store_true")
     p.add_argument("--enable-deterministic-inference", action="store_true")
     p.add_argument("--enable-memory-saver", action="store_true")
-    p.add_argument("--weight-version", default="default")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--admin-api-key", default=None)
+    p.add_argument("--weight-version", default="default", type=text_value)
+    p.add_argument("--api-key", default=None, type=text_value)
+    p.add_argument("--admin-api-key", default=None, type=text_value)
     p.add_argument(
         "--engine-factory",
         default=None,
+        type=text_value,
         help="module:callable taking the parsed args and returning the engine",
     )
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="as SGLang's")
     add_limit_args(p)
     return p
 
@@ -295,18 +325,18 @@ def check_args(args: argparse.Namespace) -> ServeLimits:
     return limits
 
 
-def main(argv: list[str] | None = None, factory: Any = None) -> int:
+def main(argv: list[str] | None = None, factory: Any = None, check: Any = None) -> int:
     """CLI entry: parse SGLang-style args, build the engine with ``factory(args)``, serve.
 
     The engine's ``tokenizer`` attribute, when it has one, is the server's tokenizer (text and
     the OpenAI endpoints) unless ``--skip-tokenizer-init``."""
     args, unknown = build_arg_parser().parse_known_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if unknown:
         logger.warning("ignoring SGLang options moe-rl serve does not use: %s", " ".join(unknown))
     limits = check_args(args)
+    if check is not None:  # the factory's own flags (e.g. the embedded engine's TP and dtype), before it runs
+        check(args)
     if factory is None:
         if not args.engine_factory or ":" not in args.engine_factory:
             logger.error("moe-rl serve: --engine-factory module:callable is required")

@@ -27,6 +27,7 @@ import argparse
 import json
 import logging
 import math
+import sys
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -57,7 +58,8 @@ class ServeLimits:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            ok = isinstance(value, (int, float)) and math.isfinite(value) and value >= sys.float_info.min
+            if not (ok and value <= 2**63 - 1):  # > 0, not subnormal, a 64-bit size
                 raise ValueError(f"{FLAGS[f.name]} {value}: expected a finite number > 0")
 
 
@@ -78,7 +80,7 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
     d = ServeLimits()
     g = p.add_argument_group("limits (a request over one is refused, naming the flag)")
     for name, flag in FLAGS.items():
-        kind = int if isinstance(getattr(d, name), int) else float
+        kind = int if isinstance(getattr(d, name), int) else float  # ranges: ServeLimits, one line
         metavar = "BYTES" if name.endswith("_bytes") else ("SECONDS" if name.endswith("_s") else "N")
         help_ = _HELP[name] + " (%(default)s)"
         g.add_argument(flag, dest=name, type=kind, default=getattr(d, name), metavar=metavar, help=help_)

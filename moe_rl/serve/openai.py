@@ -32,7 +32,8 @@ import time
 import uuid
 from typing import Any
 
-from moe_rl.serve.protocol import BadRequest, ModelNotFound, check_kind, get_field
+from moe_rl.serve.limits import limit_message
+from moe_rl.serve.protocol import MAX_SEED, BadRequest, ModelNotFound, check_kind, get_field, get_number
 
 # field -> the values accepted (a client sends these; anything else is not implemented).
 _COMMON_NEUTRAL: dict[str, tuple] = {
@@ -76,16 +77,9 @@ def _refuse_unsupported(body: dict, neutral: dict[str, tuple]) -> None:
             raise BadRequest(f"body.{key}={json.dumps(value)[:80]} is not supported by moe-rl serve")
 
 
-def _check_number(body: dict, name: str, default: float, lo: float, hi: float | None = None) -> float:
-    value = float(get_field(body, name, "num", default))
-    if value < lo or (hi is not None and value > hi):
-        bound = f"in [{lo:g}, {hi:g}]" if hi is not None else f">= {lo:g}"
-        raise BadRequest(f"body.{name}={value:g}: expected a number {bound}")
-    return value
-
-
 class OpenAIEndpoints:
-    """Needs from the app: ``text`` (ServeTokenizer or None), ``model_path``, ``engine``, ``generate()``."""
+    """Needs from the app: ``text`` (ServeTokenizer or None), ``model_path``, ``engine``, ``limits``,
+    ``generate()``, ``check_token_ids()``."""
 
     def v1_models(self, body: dict) -> tuple[int, Any]:
         context = int(getattr(self.engine, "max_context_length", 0) or 0)
@@ -126,9 +120,7 @@ class OpenAIEndpoints:
                 "body.stream: streaming is not implemented by moe-rl serve; send stream=false (or omit it)"
             )
         self._check_model(get_field(body, "model", "str", ""))
-        n = get_field(body, "n", "int", 1)
-        if n < 1:
-            raise BadRequest(f"body.n={n}: expected an integer >= 1")
+        n = get_number(body, "n", "int", 1, lo=1)
         if max_tokens < 1:
             raise BadRequest(f"body.{max_field}={max_tokens}: expected an integer >= 1")
         stop = body.get("stop")
@@ -139,8 +131,8 @@ class OpenAIEndpoints:
             )
         sp = {
             "max_new_tokens": max_tokens,
-            "temperature": _check_number(body, "temperature", 1.0, 0.0),
-            "top_p": _check_number(body, "top_p", 1.0, 0.0, 1.0),
+            "temperature": get_number(body, "temperature", "num", 1.0, lo=0),
+            "top_p": get_number(body, "top_p", "num", 1.0, lo=0, hi=1, above=True),
             "top_k": get_field(body, "top_k", "int", -1),
             "stop": stop or None,
             "stop_token_ids": get_field(body, "stop_token_ids", "list[int]", []),
@@ -148,7 +140,20 @@ class OpenAIEndpoints:
             "skip_special_tokens": get_field(body, "skip_special_tokens", "bool", True),
             "no_stop_trim": get_field(body, "no_stop_trim", "bool", False),
         }
-        return sp, n, get_field(body, "seed", "int", None)
+        return sp, n, get_number(body, "seed", "int", None, lo=0, hi=MAX_SEED - (n - 1))
+
+    def _check_budget(self, prompts: list[list[int]], n: int, max_tokens: int, max_field: str) -> None:
+        """Refuse, before a row is built, a request that ``n`` multiplies past the server's limits:
+        ``len(prompts) * n`` rows, ``n * sum(prompt + max_tokens)`` tokens (400 naming the fields)."""
+        lim = self.limits
+        rows, tokens = len(prompts) * n, n * sum(len(p) + max_tokens for p in prompts)
+        if rows > lim.max_running_requests:
+            what = f"body.n={n} x {len(prompts)} prompt(s): rows"
+            raise BadRequest(limit_message(what, rows, "max_running_requests", lim))
+        if tokens > lim.max_total_tokens:
+            what = f"body.n={n} x (prompt + body.{max_field}={max_tokens}) tokens"
+            raise BadRequest(limit_message(what, tokens, "max_total_tokens", lim))
+        self.check_token_ids(prompts, "body.prompt")
 
     def _run_openai(
         self, prompts: list[list[int]], sp: dict | list[dict], n: int, seed: int | None, prefix: str
@@ -187,15 +192,17 @@ class OpenAIEndpoints:
         prompt = body.get("prompt")
         if prompt is None:
             raise BadRequest("body.prompt: field required")
+        max_tokens = get_field(body, "max_tokens", "int", 16)
+        sp, n, seed = self._openai_sampling(body, max_tokens)
         if isinstance(prompt, str) or check_kind(prompt, "list[str]") and prompt:
             texts = [prompt] if isinstance(prompt, str) else prompt
+            self._check_budget([[]] * len(texts), n, max_tokens, "max_tokens")  # rows, before encoding
             prompts = [self.text.encode(t) for t in texts]
-        elif check_kind(prompt, "list[int]") and prompt:
-            prompts = [prompt]
-            texts = [self.text.decode(prompt)]
-        elif check_kind(prompt, "list[list[int]]") and prompt:
-            prompts = prompt
-            texts = [self.text.decode(p) for p in prompt]
+        elif check_kind(prompt, "list[int]") and prompt or check_kind(prompt, "list[list[int]]") and prompt:
+            prompts = [prompt] if check_kind(prompt, "list[int]") else prompt
+            self._check_budget([[]] * len(prompts), n, max_tokens, "max_tokens")
+            self.check_token_ids(prompts, "body.prompt")  # before they are decoded
+            texts = [self.text.decode(p) for p in prompts]
         else:
             raise BadRequest(
                 "body.prompt: expected a string, a list of strings, a list of token ids or a list of them"
@@ -203,8 +210,7 @@ class OpenAIEndpoints:
         for i, p in enumerate(prompts):
             if not p:
                 raise BadRequest(f"body.prompt[{i}]: empty (no tokens)")
-        max_tokens = get_field(body, "max_tokens", "int", 16)
-        sp, n, seed = self._openai_sampling(body, max_tokens)
+        self._check_budget(prompts, n, max_tokens, "max_tokens")
         echo = get_field(body, "echo", "bool", False)
         rid, items = self._run_openai(prompts, sp, n, seed, "cmpl")
         choices = []
@@ -271,6 +277,7 @@ class OpenAIEndpoints:
             context = int(getattr(self.engine, "max_context_length", 0) or 0)
             max_tokens = max(1, context - len(prompt)) if context else 128
         sp, n, seed = self._openai_sampling(body, max_tokens, max_field)
+        self._check_budget([prompt], n, max_tokens, max_field)
         rid, items = self._run_openai([prompt], sp, n, seed, "chatcmpl")
         choices = []
         for k, it in enumerate(items):

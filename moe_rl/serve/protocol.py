@@ -114,6 +114,39 @@ def get_field(body: dict, name: str, kind: str, default: Any = _MISSING, where: 
     return value
 
 
+MAX_SEED = 2**63 - 1
+"The largest sampling seed (a CPU generator's seed is a 64-bit integer; row j samples with seed + j)."
+GREEDY_BELOW = 1e-6
+"A temperature below this samples greedily, as SGLang's sampling_params.py (_SAMPLING_EPS)."
+
+
+def get_number(
+    body: dict,
+    name: str,
+    kind: str,
+    default: Any = _MISSING,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    above: bool = False,
+    where: str = "body",
+) -> Any:
+    """``body[name]`` as :func:`get_field` reads it, then within ``[lo, hi]`` (``above``: ``> lo``);
+    a :class:`BadRequest` naming the field and its range otherwise (before any work is done)."""
+    value = get_field(body, name, kind, default, where)
+    if value is None:
+        return value
+    low_ok = lo is None or (value > lo if above else value >= lo)
+    if not (low_ok and (hi is None or value <= hi)):
+        low = "" if lo is None else f"{'>' if above else '>='} {lo:g}"
+        high = "" if hi is None else f"<= {hi:g}" if isinstance(hi, float) else f"<= {hi}"
+        shown = f"{value:g}" if isinstance(value, float) else str(value)
+        raise BadRequest(
+            f"{where}.{name}={shown}: expected a number {' and '.join(x for x in (low, high) if x)}"
+        )
+    return value
+
+
 def error_response(message: str) -> dict:
     """SGLang's ErrorResponse for request validation errors (http_server.py, status 400)."""
     return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
@@ -141,18 +174,21 @@ def to_sampling(sp: dict, where: str, with_text: bool = False) -> tuple[Sampling
             why = " without a tokenizer (--skip-tokenizer-init)" if key == "stop" else ""
             raise BadRequest(f"{where}.{key}={value!r} is not supported by moe-rl serve{why}")
     top_k = get_field(sp, "top_k", "int", -1, where)
-    try:
-        params = SamplingParams(
-            temperature=float(get_field(sp, "temperature", "num", 1.0, where)),
-            top_p=float(get_field(sp, "top_p", "num", 1.0, where)),
-            top_k=-1 if top_k >= _TOP_K_ALL else top_k,
-            max_new_tokens=get_field(sp, "max_new_tokens", "int", 128, where),
-            stop_token_ids=tuple(get_field(sp, "stop_token_ids", "list[int]", [], where)),
-            ignore_eos=bool(get_field(sp, "ignore_eos", "bool", False, where)),
-        )
-    except ValueError as e:
-        raise BadRequest(f"{where}: {e}") from e
-    return params, get_field(sp, "sampling_seed", "int", None, where)
+    if top_k == 0 or top_k < -1:
+        raise BadRequest(f"{where}.top_k={top_k}: expected -1 (the whole vocabulary) or an integer >= 1")
+    stops = get_field(sp, "stop_token_ids", "list[int]", [], where)
+    if any(t < 0 for t in stops):
+        raise BadRequest(f"{where}.stop_token_ids: token ids are >= 0, got {min(stops)}")
+    temperature = float(get_number(sp, "temperature", "num", 1.0, lo=0, where=where))
+    params = SamplingParams(
+        temperature=0.0 if temperature < GREEDY_BELOW else temperature,  # SGLang: greedy
+        top_p=float(get_number(sp, "top_p", "num", 1.0, lo=0, hi=1, above=True, where=where)),
+        top_k=-1 if top_k >= _TOP_K_ALL else top_k,
+        max_new_tokens=get_number(sp, "max_new_tokens", "int", 128, lo=1, where=where),
+        stop_token_ids=tuple(stops),
+        ignore_eos=bool(get_field(sp, "ignore_eos", "bool", False, where)),
+    )
+    return params, get_number(sp, "sampling_seed", "int", None, lo=0, hi=MAX_SEED, where=where)
 
 
 def text_options(sp: Any, where: str) -> tuple[tuple[str, ...], bool, bool]:

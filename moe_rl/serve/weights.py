@@ -34,7 +34,7 @@ from moe_rl.rollout.weight_sync.distributed import (
     parse_dtype,
 )
 from moe_rl.rollout.weight_sync.tensor import deserialize_bytes, unflatten_bucket
-from moe_rl.serve.protocol import BadRequest, get_field, update_result, validate_hf_tensors
+from moe_rl.serve.protocol import BadRequest, get_field, get_number, update_result, validate_hf_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -153,9 +153,9 @@ class WeightEndpoints:
     # ----------------------------------------------------------------- distributed
     def init_weights_update_group(self, body: dict) -> tuple[int, Any]:
         addr = get_field(body, "master_address", "str")
-        port = get_field(body, "master_port", "int")
-        rank_offset = get_field(body, "rank_offset", "int")
-        world_size = get_field(body, "world_size", "int")
+        port = get_number(body, "master_port", "int", lo=1, hi=65535)
+        world_size = get_number(body, "world_size", "int", lo=2)
+        rank_offset = get_number(body, "rank_offset", "int", lo=1, hi=world_size - 1)
         name = get_field(body, "group_name", "str", "weight_update_group")
         backend = get_field(body, "backend", "str", "nccl")
         if backend == "nccl" and not torch.cuda.is_available():
@@ -204,6 +204,12 @@ class WeightEndpoints:
             torch_dtypes = [parse_dtype(d) for d in dtypes]
         except ValueError as e:
             raise BadRequest(f"body.dtypes: {e}") from e
+        meta = self.engine.hf_param_meta()
+        for i, (n, shape) in enumerate(zip(names, shapes)):  # before a byte is allocated
+            if n not in meta:
+                raise BadRequest(f"body.names[{i}]={n!r} is not a weight of the served model")
+            if list(shape) != list(meta[n][0]):
+                raise BadRequest(f"body.shapes[{i}]={list(shape)}: {n!r} is {list(meta[n][0])} here")
         refused = self._require_session("update_weights_from_distributed")
         if refused:
             return refused
@@ -264,7 +270,7 @@ class WeightEndpoints:
         nested float lists (what SGLang's models that implement it return), or 400 "Get parameter
         by name failed" for a name it does not hold."""
         name = get_field(body, "name", "str")
-        rows = get_field(body, "truncate_size", "int", 100)
+        rows = get_number(body, "truncate_size", "int", 100, lo=0)
         with self.engine_lock:
             t = self.engine.served_tensor(name) if hasattr(self.engine, "served_tensor") else None
         if t is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from moe_rl.configlib import check_choices, require, require_registered
+from moe_rl.configlib import check_choices, check_text, require, require_registered, require_seed
 from moe_rl.names import TASK_NAMES
 
 
@@ -30,6 +30,7 @@ class ArithmeticConfig:
     "Demonstrations write every intermediate step before the answer (false: only 'A:<n>')."
 
     def __post_init__(self) -> None:
+        check_choices(self, "task.arithmetic")
         require(self.min_operands >= 2, f"task.arithmetic.min_operands must be >= 2, got {self.min_operands}")
         require(
             self.max_operands >= self.min_operands,
@@ -44,6 +45,7 @@ class ArithmeticConfig:
             bool(self.operators) and set(self.operators) <= set("+-*"),
             f"task.arithmetic.operators={self.operators!r}: use a non-empty subset of '+-*'",
         )
+        check_text(self, "task.arithmetic")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +66,7 @@ class CountdownConfig:
     "Demonstrations show 0 .. this many failed tries before the solution (trace length)."
 
     def __post_init__(self) -> None:
+        check_choices(self, "task.countdown")
         require(
             2 <= self.num_numbers <= 8, f"task.countdown.num_numbers must be in 2..8, got {self.num_numbers}"
         )
@@ -81,6 +84,7 @@ class CountdownConfig:
             0 <= self.max_failed_attempts <= 16,
             f"task.countdown.max_failed_attempts must be in 0..16, got {self.max_failed_attempts}",
         )
+        check_text(self, "task.countdown")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +134,7 @@ class JsonlConfig:
         )
         for name in ("prompt_field", "answer_field"):
             require(bool(getattr(self, name)), f"task.jsonl.{name} must be a non-empty key")
+        check_text(self, "task.jsonl")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,7 +157,9 @@ class TaskConfig:
     "Knobs of the jsonl task."
 
     def __post_init__(self) -> None:
+        check_choices(self, "task")
         require_registered(self.name, TASK_NAMES, "task.name")
+        require_seed(self, "task", "seed")
         require(
             0.0 < self.heldout_fraction < 1.0,
             f"task.heldout_fraction={self.heldout_fraction} must be in (0, 1), e.g. 0.05",
@@ -165,3 +172,4 @@ class TaskConfig:
             self.name != "jsonl" or self.jsonl.path is not None,
             "task.name=jsonl needs task.jsonl.path: set it to a JSONL or parquet file of prompts and answers",
         )
+        check_text(self, "task")

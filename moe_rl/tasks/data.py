@@ -23,11 +23,14 @@ rendered by :func:`render_chat`: with the tokenizer's chat template when it has 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from moe_rl.configlib import ConfigError
+
+log = logging.getLogger(__name__)
 
 LAYOUTS = ("plain", "verl")
 "Row layouts a data file may have (task.jsonl.format, besides auto)."
@@ -41,6 +44,11 @@ class JsonlDataError(ConfigError):
     """A data file or record that cannot be used; the message names the file and line (or row)."""
 
     kind = "data error"
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+        "The record field at fault (its rows are counted together), if one is."
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,67 @@ def read_rows(
     needed += tuple(n for n in extra if n not in needed)
     if parquet:  # one schema: a missing column is the file's, not a row's
         _check_columns(p, layout, needed, records[0][1], fmt)
-    return [_row(p, parquet, n, rec, layout, needed, prompt_field, answer_field, fmt) for n, rec in records]
+    rows, errors = [], {}
+    for n, rec in records:
+        try:
+            rows.append(_row(p, parquet, n, rec, layout, needed, prompt_field, answer_field, fmt))
+        except JsonlDataError as e:
+            errors.setdefault(e.field, []).append(e)
+    if errors:  # the field at fault in the earliest row, with how many rows it spoils
+        first = next(iter(errors.values()))
+        raise JsonlDataError(f"{first[0]} in {len(first)} of {len(records)} rows{_examples(first[1:])}")
+    answer = "reward_model.ground_truth" if layout == "verl" else answer_field
+    return _usable(
+        rows, str(p), prompt_field, answer, [n for n in extra if n not in (prompt_field, answer_field)]
+    )
+
+
+def _where(p: Path, parquet: bool, n: int) -> str:
+    return f"{p} row {n}" if parquet else f"{p}:{n}"
+
+
+def _examples(errors: list) -> str:
+    wheres = [str(e).split(": ", 1)[0] for e in errors[:3]]
+    return f" (also {', '.join(wheres)}{', ...' if len(errors) > 3 else ''})" if wheres else ""
+
+
+def _blank(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and not value.strip())
+
+
+def _usable(rows: list[Row], path: str, prompt: str, answer: str, extra: list[str]) -> list[Row]:
+    """The rows whose prompt, answer (and ``extra`` fields, e.g. the SFT response) hold a value. A field
+    null or empty in every row is a refusal naming it; in some rows, a warning counting and naming
+    them, and those rows are left out (a None answer would score every response 0)."""
+    blank: dict[str, list[Row]] = {}
+    for r in rows:
+        if isinstance(r.prompt, str) and _blank(r.prompt):
+            blank.setdefault(prompt, []).append(r)
+        if _blank(r.ground_truth):
+            blank.setdefault(answer, []).append(r)
+        for name in extra:
+            if _blank(r.record.get(name)):
+                blank.setdefault(name, []).append(r)
+    for name, bad in blank.items():
+        shown = ", ".join(r.where.removeprefix(f"{path} ") for r in bad[:3])  # parquet: "row i"
+        shown += ", ..." if len(bad) > 3 else ""
+        if len(bad) == len(rows):
+            raise JsonlDataError(
+                f"{path}: field {name!r} is null or empty in all {len(rows)} rows ({shown}): no row has "
+                f"an answer to score; fill it in, or point task.jsonl.*_field (or task.jsonl.format) at "
+                "the field that holds it",
+                name,
+            )
+        log.warning(
+            "%s: %d of %d rows have no %r (null or empty; %s): left out of training and evaluation",
+            path,
+            len(bad),
+            len(rows),
+            name,
+            shown,
+        )
+    spoiled = {id(r) for bad in blank.values() for r in bad}
+    return [r for r in rows if id(r) not in spoiled]
 
 
 def _fix(layout: str, fmt: str) -> str:
@@ -134,28 +202,36 @@ def _row(
     answer_field: str,
     fmt: str,
 ) -> Row:
-    where = f"{p} row {n}" if parquet else f"{p}:{n}"
+    where = _where(p, parquet, n)
     if not isinstance(rec, dict):
         raise JsonlDataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
     for name in needed:
         if name not in rec:
             keys = ", ".join(sorted(rec)) or "none"
-            raise JsonlDataError(f"{where}: missing field {name!r} (keys: {keys}); {_fix(layout, fmt)}")
+            raise JsonlDataError(f"{where}: missing field {name!r} (keys: {keys}); {_fix(layout, fmt)}", name)
     extra_info = rec.get("extra_info")
     if layout == "verl":
         rm = rec["reward_model"]
         if not isinstance(rm, dict) or "ground_truth" not in rm:
             raise JsonlDataError(
                 f"{where}: field 'reward_model' must be an object holding 'ground_truth', got {rm!r:.80}; "
-                f"{_fix(layout, fmt)}"
+                f"{_fix(layout, fmt)}",
+                "reward_model",
             )
         ground_truth = rm["ground_truth"]
     else:
         ground_truth = rec[answer_field]
     if extra_info is not None and not isinstance(extra_info, dict):
         raise JsonlDataError(
-            f"{where}: field 'extra_info' must be an object (a dict) or absent, got {extra_info!r:.80}"
+            f"{where}: field 'extra_info' must be an object (a dict) or absent, got {extra_info!r:.80}",
+            "extra_info",
         )
+    source = rec.get("data_source")
+    if source is not None and not isinstance(source, str):
+        raise JsonlDataError(
+            f"{where}: field 'data_source' must be a string, got {source!r:.80}", "data_source"
+        )
+    _check_prompt(rec[prompt_field], where, prompt_field)
     return Row(
         record=rec,
         path=str(p),
@@ -164,7 +240,7 @@ def _row(
         layout=layout,
         prompt=rec[prompt_field],
         ground_truth=ground_truth,
-        data_source=rec.get("data_source", ""),
+        data_source=rec.get("data_source") or "",
         extra_info=extra_info or {},
     )
 
@@ -241,8 +317,22 @@ def render_chat(messages: list[dict], tokenizer: Any = None) -> str:
 
 def prompt_text(value: Any, where: str, field: str, tokenizer: Any = None) -> str:
     """The text of a prompt field's ``value``: a string as it is, chat messages rendered."""
+    _check_prompt(value, where, field)
     if isinstance(value, str):
         return value
+    try:
+        return render_chat(value, tokenizer)
+    except Exception as e:
+        raise JsonlDataError(
+            f"{where}: the tokenizer's chat template failed on field {field!r} ({type(e).__name__}: {e})",
+            field,
+        ) from e
+
+
+def _check_prompt(value: Any, where: str, field: str) -> None:
+    """A prompt field holds a string or a non-empty list of chat messages (JsonlDataError naming it)."""
+    if isinstance(value, str):
+        return
     bad = next(
         (
             i
@@ -257,11 +347,6 @@ def prompt_text(value: Any, where: str, field: str, tokenizer: Any = None) -> st
         detail = "" if bad is None else f"; message {bad} is not an object with string role and content"
         raise JsonlDataError(
             f"{where}: field {field!r} must be a string, got {value!r:.80} (or a non-empty list of chat "
-            f"messages [{{'role': 'user', 'content': '...'}}]{detail})"
+            f"messages [{{'role': 'user', 'content': '...'}}]{detail})",
+            field,
         )
-    try:
-        return render_chat(value, tokenizer)
-    except Exception as e:
-        raise JsonlDataError(
-            f"{where}: the tokenizer's chat template failed on field {field!r} ({type(e).__name__}: {e})"
-        ) from e

@@ -133,10 +133,16 @@ class Run:
             self.write_recipe()
 
     def write_recipe(self) -> None:
-        """``<out_dir>/recipe.yaml``: the resolved recipe (rank 0)."""
+        """``<out_dir>/recipe.yaml`` (the resolved recipe) and ``run.json`` (the run's id and
+        checkpoint folder: what ``--resume`` continues), each written atomically (rank 0)."""
+        from moe_rl.files import write_text
+        from moe_rl.trainer.state import read_run_file, write_run_file
+
         if self.info.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "recipe.yaml").write_text(yaml.safe_dump(to_dict(self.recipe), sort_keys=False))
+            write_text(self.out / "recipe.yaml", yaml.safe_dump(to_dict(self.recipe), sort_keys=False))
+            if read_run_file(self.out).get("run_id") != self.state.run_id:  # a resume leaves it be
+                write_run_file(self.out, self.state.run_id, self.checkpointer.root)
 
     def make_optimizer(self, stage: str) -> None:
         """A fresh optimizer for ``stage``: RL does not inherit the SFT stage's Adam moments. In
@@ -306,8 +312,13 @@ class Run:
     def resume(self) -> bool:
         """Load the newest intact checkpoint of this run's directory (with its stage's optimizer),
         and cut ``metrics.jsonl`` back to what was written when it was saved; True."""
+        from moe_rl.errors import PathError
         from moe_rl.megatron.checkpoint import NoCheckpoint
+        from moe_rl.trainer.state import resume_conflict
 
+        conflict = resume_conflict(self.out, self.checkpointer.root)
+        if conflict is not None:
+            raise PathError(conflict)
         saved = self.checkpointer.saved_state()
         try:
             if saved is None:

@@ -6,9 +6,11 @@ Every rank of a torchrun / Slurm job calls :func:`run` with the same recipe.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 
@@ -35,9 +37,19 @@ def check_out_dir(recipe: Recipe, *, resume: bool, fresh: bool) -> None:
     """Refuse to train into a directory holding another run's checkpoints without ``--resume``
     (or ``--fresh``), and ``--resume`` with nothing to resume; before any process group starts."""
     from moe_rl.errors import PathError
+    from moe_rl.outputs import enclosing_checkpoint_folder, run_markers
 
     if resume and fresh:
         raise PathError("--resume continues the run in train.out_dir and --fresh starts over: give one")
+    out = Path(recipe.train.out_dir).resolve()
+    own = checkpoint_root(recipe).resolve() == out  # checkpoint.dir = train.out_dir: its own checkpoints
+    is_one = not own and any(m in ("meta.json", "latest") or "/" in m for m in run_markers(out))
+    inside = out if is_one else enclosing_checkpoint_folder(out)
+    if inside is not None:
+        raise PathError(
+            f"train.out_dir {recipe.train.out_dir} is or sits inside a run's checkpoint folder ({inside}): "
+            "a run writes beside its checkpoints, never among another run's; give another train.out_dir"
+        )
     root = checkpoint_root(recipe)
     probe = Checkpointer(root, None, keep=recipe.checkpoint.keep)
     found = probe.any_written()
@@ -73,7 +85,7 @@ def run(
     of every stage, after the flip probe (:meth:`Run.add_hook`, :mod:`moe_rl.trainer.hooks`).
     """
     check_main_guard("training")  # a checkpoint save starts a child process: the script needs its guard
-    with hold_run_dir(recipe.train.out_dir):  # one run per folder (run_lock.py), before any write
+    with hold_run_dirs(recipe):  # one run per folder (run_lock.py), before any write
         check_out_dir(recipe, resume=resume, fresh=fresh)
         rank0 = os.environ.get("RANK", "0") == "0"  # no process group yet: torchrun's RANK
         progress = Progress(recipe.train.out_dir, enabled=rank0)
@@ -97,10 +109,24 @@ def _run(recipe: Recipe, resume: bool, hooks) -> dict[str, dict[str, float]]:
             the_run.checkpointer.load_weights(recipe.checkpoint.load)
         if not resumed and recipe.train.start_jitter:
             jitter_weights(the_run.policy, recipe.train.start_jitter, recipe.train.seed)
+        check_start_finite(the_run, resumed)
         with the_run.signals:
             return _run_stages(the_run, resumed)
     finally:
         the_run.close()
+
+
+@contextlib.contextmanager
+def hold_run_dirs(recipe: Recipe):
+    """Hold every folder the run writes for its life: ``train.out_dir`` and its checkpoint folder
+    (``checkpoint.dir``, else ``<out_dir>/checkpoints``), so a second run sharing either with a
+    live one is refused naming the holder (rank 0 takes them; :func:`hold_run_dir`)."""
+    out, root = Path(recipe.train.out_dir), checkpoint_root(recipe)
+    with contextlib.ExitStack() as held:
+        held.enter_context(hold_run_dir(out))
+        if root.resolve() != out.resolve():
+            held.enter_context(hold_run_dir(root, what="checkpoint.dir"))
+        yield
 
 
 def _run_stages(run: Run, resumed: bool) -> dict[str, dict[str, float]]:
@@ -133,6 +159,35 @@ def _run_stages(run: Run, resumed: bool) -> dict[str, dict[str, float]]:
             "%s: the run already finished (%s); nothing to do: raise train.*_steps to continue", run.out, done
         )
     return results
+
+
+def check_start_finite(run: Run, resumed: bool) -> None:
+    """The weights a run starts (or resumes) from are finite: else a :class:`TrainingStopped`
+    naming them and where they came from, before a step (they would make every step's loss NaN,
+    which the stop message would blame on the learning rate)."""
+    from moe_rl.megatron.checkpoint import non_finite_names, weights_finite
+    from moe_rl.trainer.state import TrainingStopped
+
+    if weights_finite(run.policy.model):
+        return
+    r = run.recipe
+    source = (
+        f"the checkpoint resumed ({run.checkpointer.last_good})"
+        if resumed
+        else f"checkpoint.load={r.checkpoint.load}"
+        if r.checkpoint.load
+        else f"model.hf_path={r.model.hf_path}"
+        if r.model.hf_path
+        else "the initialisation"
+    )
+    if not resumed and r.train.start_jitter:
+        source += f" with train.start_jitter={r.train.start_jitter}"
+    bad = non_finite_names(run.policy.model)
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    raise TrainingStopped(
+        f"the start weights hold NaN or infinite values ({', '.join(bad[:3]) or 'on another rank'}{more}), "
+        f"from {source}: nothing trained; start from finite weights"
+    )
 
 
 @torch.no_grad()

@@ -1,4 +1,6 @@
-"""One owner per run folder: ``moe-rl train`` holds ``<train.out_dir>/.moe-rl.lock`` while it runs.
+"""One owner per run folder: ``moe-rl train`` holds ``<train.out_dir>/.moe-rl.lock`` while it runs,
+and the same lock in its checkpoint folder (``checkpoint.dir``); ``moe-rl compare`` / ``demo`` hold
+their ``--out`` for the whole command.
 
 A second ``train`` into the folder of a running one used to be accepted when the first had no
 checkpoint yet: ``metrics.jsonl`` interleaved two runs and ``recipe.yaml`` was the second's while
@@ -46,9 +48,12 @@ def _describe(h: dict) -> str:
 
 
 @contextlib.contextmanager
-def hold_run_dir(out_dir: str | Path, *, rank: int | None = None) -> Iterator[Path | None]:
+def hold_run_dir(
+    out_dir: str | Path, *, rank: int | None = None, what: str = "train.out_dir"
+) -> Iterator[Path | None]:
     """Hold ``out_dir`` for this run (rank 0 only; other ranks yield None): a :class:`PathError`
-    naming the holder when another live process holds it."""
+    naming the holder when another live process holds it (``what``: the folder's name in it, e.g.
+    ``checkpoint.dir`` or ``compare --out``)."""
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
     if rank != 0:
@@ -59,7 +64,7 @@ def hold_run_dir(out_dir: str | Path, *, rank: int | None = None) -> Iterator[Pa
     out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK
     try:
-        fd = _lock(path, out)
+        fd = _lock(path, out, what)
     except BaseException:
         if created:
             with contextlib.suppress(OSError):
@@ -89,7 +94,7 @@ def hold_run_dir(out_dir: str | Path, *, rank: int | None = None) -> Iterator[Pa
                 out.rmdir()
 
 
-def _lock(path: Path, out: Path) -> int:
+def _lock(path: Path, out: Path, what: str) -> int:
     """An fd of ``path`` holding its exclusive flock; the file is the one at ``path`` still (a
     holder that released and unlinked it between our open and our flock leaves us a dead inode:
     open again)."""
@@ -101,8 +106,8 @@ def _lock(path: Path, out: Path) -> int:
             holder = _holder(path)
             os.close(fd)
             raise PathError(
-                f"train.out_dir {out} is in use by another run: {_describe(holder)}; wait for it, "
-                "stop it (SIGTERM saves a checkpoint), or give another train.out_dir"
+                f"{what} {out} is in use by another run: {_describe(holder)}; wait for it, "
+                f"stop it (SIGTERM saves a checkpoint), or give another {what}"
             ) from None
         try:
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
@@ -110,7 +115,7 @@ def _lock(path: Path, out: Path) -> int:
         except FileNotFoundError:
             pass
         os.close(fd)
-    raise PathError(f"train.out_dir {out}: could not take {LOCK}: another process keeps replacing it")
+    raise PathError(f"{what} {out}: could not take {LOCK}: another process keeps replacing it")
 
 
 def held_by(out_dir: str | Path) -> dict | None:

@@ -24,18 +24,11 @@ import signal
 import threading
 from types import FrameType
 
+from moe_rl.errors import StopRequested as StopRequested  # re-exported: where callers found it
+
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-class StopRequested(Exception):
-    """The run stopped on a signal after a clean save; ``exit_code`` is 128 + the signal number."""
-
-    def __init__(self, signum: int, message: str):
-        super().__init__(message)
-        self.signum = signum
-        self.exit_code = 128 + signum
 
 
 class StopSignals:
@@ -63,10 +56,16 @@ class StopSignals:
                 self._old[s] = signal.signal(s, self._handle)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type, *exc: object) -> None:
         for s, old in self._old.items():
             signal.signal(s, old)
-        self._old.clear()
+        installed, self._old = bool(self._old), {}
+        if installed and exc_type is None and self.signum is not None:
+            # the run ended (its last step and save) before any step loop acted on the signal:
+            # hand it on to the handler outside (a comparison stops starting runs; a command
+            # ends with 128 + it), never drop it
+            log.warning("%s: the run had finished its last step; stopping", signal.Signals(self.signum).name)
+            signal.raise_signal(self.signum)
 
     def requested(self, group=None) -> int:
         """The signal any rank of ``group`` got (the highest number), 0 for none; a collective,

@@ -120,6 +120,51 @@ class RunState:
         return self.step if self.stage == stage else 0
 
 
+RUN_FILE = "run.json"
+"""Written into ``train.out_dir`` when a run starts (or resumes): its run id and checkpoint folder.
+``--resume`` continues only a checkpoint of that run (:func:`resume_conflict`)."""
+
+
+def read_run_file(out_dir: str | Path) -> dict:
+    """``out_dir``'s :data:`RUN_FILE` (``{}`` when there is none or it cannot be read: an older run)."""
+    try:
+        doc = json.loads((Path(out_dir) / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def write_run_file(out_dir: str | Path, run_id: str | None, root: Path) -> None:
+    """Record the run ``out_dir`` holds (atomically)."""
+    from moe_rl.files import write_text
+
+    doc = {"run_id": run_id, "checkpoint_dir": str(root)}
+    write_text(Path(out_dir) / RUN_FILE, json.dumps(doc) + "\n")
+
+
+def resume_conflict(out_dir: str | Path, root: str | Path) -> str | None:
+    """Why ``--resume`` of the run in ``out_dir`` must not load the newest intact checkpoint of
+    ``root`` (it belongs to another run, e.g. one that wrote into a shared ``checkpoint.dir``), or
+    None. Folders of runs older than :data:`RUN_FILE`, and checkpoints without a run id, pass."""
+    from moe_rl.megatron.checkpoint import META, latest_checkpoint
+
+    own = read_run_file(out_dir).get("run_id")
+    ckpt = latest_checkpoint(root)  # a collective: every rank asks
+    if ckpt is None or not own:
+        return None
+    try:
+        theirs = json.loads((Path(ckpt) / META).read_text())["extra"].get("run_id")
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
+    if theirs is None or theirs == own:
+        return None
+    return (
+        f"--resume: the newest checkpoint in {root} ({Path(ckpt).name}) is run {theirs}'s, but "
+        f"{out_dir} holds run {own} ({RUN_FILE}): another run wrote into this checkpoint folder; "
+        f"give each run its own checkpoint.dir, or drop --resume (--fresh starts over beside them)"
+    )
+
+
 class Checkpointer:
     """Save, resume and roll back one run's checkpoints (policy, optimizer, RNG and RunState), and
     warm-start the policy from another run's.
@@ -156,7 +201,8 @@ class Checkpointer:
     def save(self, optimizer: Optimizer | None, state: RunState) -> Path:
         """Write the next checkpoint with ``state`` in its meta; :class:`NonFiniteWeights` (nothing
         written, ``state`` unchanged) when the policy has a non-finite weight."""
-        from moe_rl.megatron.checkpoint import checkpoint_dirs, save_checkpoint, step_number
+        from moe_rl.errors import disk_full_at, is_disk_full
+        from moe_rl.megatron.checkpoint import checkpoint_dirs, checkpoint_name, save_checkpoint, step_number
 
         highest = max((step_number(p) for p in checkpoint_dirs(self.root)), default=0)
         seq = max(state.checkpoint_seq, highest) + 1
@@ -172,10 +218,25 @@ class Checkpointer:
                 owner=state.run_id,
                 label=state.checkpoint_label(),
             )
-        except BaseException:
+        except BaseException as e:
             state.checkpoint_seq = previous
+            self._drop_staging(seq, state)
+            if is_disk_full(e):  # however megatron-core wrapped it (a CheckpointException of workers')
+                raise disk_full_at(self.root / checkpoint_name(seq, state.checkpoint_label())) from e
             raise
         return self.last_good
+
+    def _drop_staging(self, seq: int, state: RunState) -> None:
+        """Remove the half-written staging folder of checkpoint ``seq`` (rank 0), if it is there."""
+        import shutil
+
+        from moe_rl import dist
+        from moe_rl.megatron.checkpoint import checkpoint_name
+
+        if dist.rank() == 0:
+            shutil.rmtree(
+                self.root / f".tmp-{checkpoint_name(seq, state.checkpoint_label())}", ignore_errors=True
+            )
 
     def saved_state(self) -> RunState | None:
         """The RunState of the newest intact checkpoint, read from its meta only (no tensors loaded)."""

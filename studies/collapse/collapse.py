@@ -32,7 +32,6 @@ Writes studies/collapse/results/collapse-<machine>-<preset>-<commit>.json and .p
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import sys
@@ -42,6 +41,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from moe_rl.argparsing import positive_int
+from moe_rl.files import read_json
 from moe_rl.lab.arms import ARMS, DEMO, ROOT, arm_overrides, flatten
 from moe_rl.lab.collapse import CRITERION, collapse_verdict, criterion_doc, held_out_drop, smoothed
 from moe_rl.lab.report import CLIPPED_OWN, PANELS, series
@@ -363,7 +363,7 @@ def setting(args) -> tuple[str, dict]:
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     if args.replot:
-        doc = json.loads(Path(args.replot).read_text())
+        doc = read_json(args.replot)
         plot(doc["runs"], Path(args.replot).with_suffix(".png"))
         return doc
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")

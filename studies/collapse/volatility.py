@@ -30,7 +30,6 @@ Writes studies/collapse/results/volatility-<machine>-<preset>-<commit>.json and 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import time
@@ -39,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from moe_rl.files import read_json
 from moe_rl.lab.arms import ARMS, DEMO, flatten
 from moe_rl.lab.results import commit, machine, result_path, write_json
 from moe_rl.lab.runner import cpu_seconds
@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.replot:
         path = Path(args.replot)
-        doc = json.loads(path.read_text())
+        doc = read_json(path)
         p = {**PRESETS[doc["preset"]], **doc["settings"], "ref": tuple(doc["settings"]["ref"])}
         doc["where_10pct"] = analyse(doc["configs"], p)
         plot(doc["configs"], doc["where_10pct"], p, path.with_suffix(".png"))
@@ -589,5 +589,7 @@ def main(argv: list[str] | None = None) -> dict:
     return doc
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line for a user error, a file error or a stop signal
+    from moe_rl.argparsing import run_main
+
+    raise SystemExit(run_main(main))

@@ -76,5 +76,7 @@ def _calibrate(args, sigmas: list[float]) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # one line for a user error, a file error or a stop signal
+    from moe_rl.argparsing import run_main
+
+    raise SystemExit(run_main(main))

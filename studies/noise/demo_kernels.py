@@ -28,7 +28,6 @@ whether they hold under every set; the kernels' own spread.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import subprocess
@@ -36,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+from moe_rl.files import read_json
 from moe_rl.lab.arms import DEMO_ARMS, DEMO_SEEDS, arm_dir
 from moe_rl.lab.demo import DEFAULT_RECIPE
 from moe_rl.lab.report import load_arm
@@ -294,7 +294,7 @@ def run_caps(caps: list[str], walls_file: Path, run_one) -> dict:
     torch runs it on this machine; the wall time of a whole, uninterrupted run is recorded once per
     set into ``walls_file``. A run that fails ends the command (rerunning it continues). Returns
     the recorded walls (with no ``caps``: those recorded so far)."""
-    walls = json.loads(walls_file.read_text()) if walls_file.exists() else {}
+    walls = read_json(walls_file) if walls_file.exists() else {}
     for cap in caps:
         got = capability(cap)
         if got.lower() != cap.lower():
@@ -320,5 +320,7 @@ def main(argv=None) -> None:
     print(f"wrote {report(args.caps, walls)}")
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line for a user error, a file error or a stop signal
+    from moe_rl.argparsing import run_main
+
+    raise SystemExit(run_main(main))

@@ -62,3 +62,30 @@ def test_an_sglang_server_that_is_down_is_one_line(cli, tmp_path):
     cli("train", ROOT / "recipes/tiny.yaml", *overrides).one_line(
         r"unavailable: .*127\.0\.0\.1.*start it or check its log"
     )
+
+
+@pytest.fixture
+def full_disk(tmp_path) -> Path:
+    """A real, nearly full file system: a 64 KiB tmpfs (a lock file fits, a checkpoint or an export
+    does not); skipped where mounting is not allowed (not root)."""
+    unmount = mount_tmpfs(tmp_path / "full", "size=64k")
+    yield tmp_path / "full"
+    unmount()
+
+
+def test_a_checkpoint_save_onto_a_full_disk_is_one_line_naming_it(cli, tmp_path, full_disk):
+    """megatron-core's writer reported it as a CheckpointException of its workers' RuntimeError
+    (a traceback); the suite only monkeypatched a full disk before. Nothing half-written stays."""
+    path = recipe(tmp_path)
+    res = cli("train", path, f"checkpoint.dir={full_disk}/ck")
+    res.one_line(
+        rf"disk full: no space left on the device writing {full_disk}/ck/0001-sft-step-000002: free space"
+    )
+    assert not list(full_disk.rglob("*"))  # no staging folder, no checkpoint, no lock left
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count('"stage": "sft"') >= 2
+
+
+def test_an_export_onto_a_full_disk_is_one_line_naming_it(cli, tmp_path, full_disk):
+    res = cli("export", recipe(tmp_path), full_disk / "hf", "--random-init")
+    res.one_line(rf"disk full: no space left on the device writing {full_disk}/hf: free space")
+    assert not list(full_disk.iterdir())  # the staging folder is gone

@@ -77,9 +77,15 @@ def _newest(folder: Path) -> tuple[Path, dict]:
 
 
 def _stop_line(log: Path, name: str) -> str:
-    lines = [ln for ln in log.read_text().splitlines() if f"{name}: stopped after" in ln]
-    assert len(lines) == 1, log.read_text()[-3000:]
-    assert "Traceback" not in log.read_text()
+    """The trainer's logged stop line; the command's own one ``moe-rl: stopped:`` line repeats it."""
+    text = log.read_text()
+    lines = [
+        ln for ln in text.splitlines() if f"{name}: stopped after" in ln and not ln.startswith("moe-rl:")
+    ]
+    assert len(lines) == 1, text[-3000:]
+    said = [ln for ln in text.splitlines() if ln.startswith("moe-rl:")]
+    assert len(said) == 1 and said[0].startswith(f"moe-rl: stopped: {name}: stopped after"), said
+    assert "Traceback" not in text
     return lines[0]
 
 
@@ -282,7 +288,7 @@ def test_stop_signals_outside_the_main_thread_install_nothing():
 def test_a_second_train_into_a_running_runs_folder_is_refused_naming_the_holder(tmp_path):
     """It used to be accepted while the first had no checkpoint yet: metrics.jsonl interleaved two
     runs and recipe.yaml was the second's. A real concurrent ``moe-rl train``."""
-    path = recipe(tmp_path, sft_steps=400, checkpoint={"every": 0})
+    path = recipe(tmp_path, sft_steps=4000, checkpoint={"every": 0})  # it must still run when stopped
     log = tmp_path / "log"
     first = _start(path, log)
     try:
