@@ -22,6 +22,7 @@ import torch
 import yaml
 
 from moe_rl.config import Recipe, to_dict
+from moe_rl.files import write_text
 from moe_rl.routing.noise import RouteNoise
 from moe_rl.trainer.hooks import FunctionHook, OptimizerStep, StepHook
 from moe_rl.trainer.signals import StopRequested, StopSignals
@@ -128,7 +129,7 @@ class Run:
         """``<out_dir>/recipe.yaml``: the resolved recipe (rank 0)."""
         if self.info.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "recipe.yaml").write_text(yaml.safe_dump(to_dict(self.recipe), sort_keys=False))
+            write_text(self.out / "recipe.yaml", yaml.safe_dump(to_dict(self.recipe), sort_keys=False))
 
     def make_optimizer(self, stage: str) -> None:
         """A fresh optimizer for ``stage``: RL does not inherit the SFT stage's Adam moments. In

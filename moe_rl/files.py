@@ -1,0 +1,31 @@
+"""Files written whole or not at all: :func:`write_text` (results, a run's ``recipe.yaml``, a checkpoint's
+``meta.json`` and ``latest``).
+
+Written in place, a full disk or a crash mid-write leaves a truncated file where the last good one
+was (a result JSON, or the ``recipe.yaml`` by which ``moe-rl compare`` recognises an arm's run: an
+unreadable one made it start the arm over, removing its checkpoints). :func:`write_text` writes a
+temp file beside the target, flushes it to disk and renames it over the target, so a reader (or the
+next command) sees the old file or the complete new one. Imports nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` at ``path`` atomically: a temp file beside it, fsync, rename (a reader never
+    sees half a file, an interrupted write leaves the old one)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
