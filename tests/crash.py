@@ -41,7 +41,7 @@ from pathlib import Path
 
 KINDS = ("raise", "enospc", "kill")
 ENV = "MOE_RL_TEST_FAULT"
-"``<n>:<kind>`` in a child's environment: :func:`install_from_env` plants the fault there."
+"``<n>:<kind>`` (or ``count:<path>``) in a child's environment: :func:`install_from_env`."
 _WRITING_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
@@ -272,12 +272,20 @@ def snapshot(root: Path) -> dict[str, bytes]:
 
 
 def install_from_env() -> None:
-    """In a child process: plant the fault named by :data:`ENV` (``<n>:<kind>``) for the rest of it."""
+    """In a child process: plant the fault named by :data:`ENV` (``<n>:<kind>``) for the rest of it,
+    or with ``count:<path>`` count its writes and write them to ``path`` (JSON) when it exits."""
     spec = os.environ.get(ENV)
     if not spec:
         return
-    n, kind = spec.split(":")
-    _installed(Faults(int(n), kind)).__enter__()
+    n, arg = spec.split(":", 1)
+    if n != "count":
+        _installed(Faults(int(n), arg)).__enter__()
+        return
+    import atexit
+    import json
+
+    faults = _installed(Faults()).__enter__()
+    atexit.register(lambda: Path(arg).write_text(json.dumps(faults.writes)))
 
 
 def child_command(*args: str, module: str = "moe_rl.cli") -> list[str]:

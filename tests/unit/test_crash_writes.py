@@ -20,6 +20,8 @@ import torch
 
 from tests.crash import InjectedFault, count_writes, fault_at, snapshot
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 FAULTS = ("raise", "enospc")
 FAILED = (InjectedFault, OSError)
 
@@ -233,9 +235,11 @@ def test_a_runs_recipe_survives_a_fault_while_a_resume_rewrites_it(tmp_path, tin
 def test_a_row_torn_by_a_full_disk_is_cut_on_resume_and_every_attempt_stays_readable(tmp_path):
     """``metrics.jsonl`` appends a row per step; a resume cuts it back to the checkpoint's offset and
     moves the rows after it to ``metrics.abandoned.jsonl``. A full disk mid-row leaves half a row
-    at the end: the resume cuts it; every attempt's rows (``read_every_attempt``) and the report's
-    reader still read; the rows before the checkpoint stay byte for byte. Planted bug killed: the
-    cut leaves the torn row in place."""
+    at the end: the readers skip it (``moe-rl report`` of the killed run), the resume removes it
+    before its first row; every attempt's rows (``read_every_attempt``) read after the resume and a
+    rollback; the rows before the checkpoint stay byte for byte. Planted bugs killed (and the bug
+    they were, seen failing before the fix: the readers raised on the torn row, and a second cut
+    glued its first row to it): the readers choke on the torn row; it is left in place."""
     from moe_rl.lab.report import read_run_metrics
     from moe_rl.trainer.metrics import MetricsSink, read_every_attempt, read_metrics
 
@@ -261,12 +265,16 @@ def test_a_row_torn_by_a_full_disk_is_cut_on_resume_and_every_attempt_stays_read
     # what a reader of the killed run sees: the rows, the torn one skipped
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
     assert [r["step"] for r in read_run_metrics(tmp_path)] == [0, 1, 2, 3]
-    # the resume
+    # the resume: the rows after the checkpoint move aside, the torn one goes
     sink = MetricsSink(tmp_path, loggers=())
     assert sink.truncate(offset) == 2
-    sink.log(2, "rl", {"reward/mean": 0.25})
+    for step in (2, 3):
+        sink.log(step, "rl", {"reward/mean": 0.1 * step + 0.05})
+    # and a sentinel rollback to the same checkpoint: those rows move aside after the first ones
+    assert sink.truncate(offset) == 2
+    sink.log(2, "rl", {"reward/mean": 0.2})
     sink.close()
     assert (tmp_path / "metrics.jsonl").read_bytes().startswith(kept)
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
     every = [(r["step"], round(r["reward/mean"], 3)) for r in read_every_attempt(tmp_path)]
-    assert every == [(2, 0.2), (3, 0.3), (0, 0.0), (1, 0.1), (2, 0.25)], every
+    assert every == [(2, 0.2), (3, 0.3), (2, 0.25), (3, 0.35), (0, 0.0), (1, 0.1), (2, 0.2)], every

@@ -29,6 +29,8 @@ from moe_rl.trainer.rl import rl_step
 from moe_rl.trainer.timer import StepTimer
 from tests.tiny import TINY_RL
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 RAGGED: dict = {
     **TINY_RL,
     "task": {"name": "arithmetic", "arithmetic": {"min_operands": 2, "max_operands": 3, "digits": 2}},

@@ -31,6 +31,8 @@ from moe_rl.trainer.run import run
 from moe_rl.trainer.signals import StopRequested
 from tests.tiny import TINY_RL, tiny_rl_recipe
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CLOCK = ("time", "tokens_per_s", "step_s")
 "Row keys that read the clock."
 
@@ -47,15 +49,6 @@ BASE: dict = {
     "checkpoint": {"every": 2},
 }
 """TINY_RL for 5 RL steps of 2 prompts x 3 samples, a checkpoint every 2 steps."""
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a loaded 2-core machine two threads per tiny op wait on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
