@@ -271,6 +271,10 @@ def snapshot(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+_CHILD: list = []
+"The child's planted context (kept referenced: a collected one would unpatch)."
+
+
 def install_from_env() -> None:
     """In a child process: plant the fault named by :data:`ENV` (``<n>:<kind>``) for the rest of it,
     or with ``count:<path>`` count its writes and write them to ``path`` (JSON) when it exits."""
@@ -278,14 +282,14 @@ def install_from_env() -> None:
     if not spec:
         return
     n, arg = spec.split(":", 1)
-    if n != "count":
-        _installed(Faults(int(n), arg)).__enter__()
-        return
-    import atexit
-    import json
+    planted = _installed(Faults(None if n == "count" else int(n), "raise" if n == "count" else arg))
+    _CHILD.append(planted)
+    faults = planted.__enter__()
+    if n == "count":
+        import atexit
+        import json
 
-    faults = _installed(Faults()).__enter__()
-    atexit.register(lambda: Path(arg).write_text(json.dumps(faults.writes)))
+        atexit.register(lambda: Path(arg).write_text(json.dumps(faults.writes)))
 
 
 def child_command(*args: str, module: str = "moe_rl.cli") -> list[str]:
