@@ -344,6 +344,14 @@ MUTANTS = (
         'with (out.mkdir(parents=True, exist_ok=True) or __import__("contextlib").nullcontext(out)) as tmp:',
         ("tests/unit/test_crash_writes.py", "tests/integration/test_crash_kill.py"),
     ),
+    Mutant(
+        "an export killed between its two renames leaves its target set aside for good (the next export "
+        "does not put it back)",
+        "moe_rl/hf_io.py",
+        "if aside and not out.exists() and not out.is_symlink() and not _owner_alive(aside[-1]):",
+        "if False:",
+        ("tests/integration/test_crash_kill.py",),
+    ),
     # -- issue 48: resume equals uninterrupted (tests/unit/test_resume_knobs.py) ----------------
     Mutant(
         "SFT routes with the trainer's routing noise from one generator: a resumed SFT trains differently",
