@@ -9,8 +9,9 @@ switches. For every mutant the tree of a commit (``--rev``, default HEAD; ``git 
 copied to a temp folder, the change applied there, and the mutant's test files run against that
 copy, the fast tier first and then, if it survived, the integration tier (``--tier``): it is
 *killed* when they fail, a *survivor* when they pass. A mutant whose line the commit does not have
-is *not applicable* (an older commit). The unmutated copy runs every tier first: a baseline that
-fails stops the run.
+is *not applicable* (an older commit). The unmutated copy runs every tier first: the tests that
+fail there are left out of every mutant's run and listed in the result (``baseline_failures``: a
+broken test must not pass for a kill); a tier pytest cannot run stops the sweep.
 
     make mutate                                     # HEAD, both tiers
     python -m tools.mutate --only 30 31 --tier fast # two mutants against the fast tier
@@ -494,20 +495,29 @@ TIERS = {"fast": "not integration", "integration": "integration"}
 
 
 def run_tests(
-    copy: Path, tests: tuple[str, ...], timeout_s: float, tier: str | None = None
-) -> tuple[int, float, str | None]:
+    copy: Path,
+    tests: tuple[str, ...],
+    timeout_s: float,
+    tier: str | None = None,
+    *,
+    skip: tuple[str, ...] = (),
+    first: bool = True,
+) -> tuple[int, float, list[str]]:
     """pytest on ``tests`` of ``copy`` (its own ``moe_rl`` first on the path), only the tests of
-    ``tier`` (:data:`TIERS`) when given: (exit code, seconds, the first failed test's id). Exit 5: no
-    test of the tier in those files; -1: timed out."""
+    ``tier`` (:data:`TIERS`) when given, without the test ids ``skip``, stopping at the ``first``
+    failure: (exit code, seconds, the failed tests' ids). Exit 5: no test of the tier in those
+    files; -1: timed out."""
     present = [t for t in tests if (copy / t).exists()]
     if not present:
-        return 5, 0.0, None  # no tests: nothing could kill it
+        return 5, 0.0, []  # no tests: nothing could kill it
     t0 = time.perf_counter()
     env = {"PYTHONPATH": str(copy), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": "/root"}
-    marker = ["-m", TIERS[tier]] if tier else []
+    args = ["-m", TIERS[tier]] if tier else []
+    args += [a for test_id in skip for a in ("--deselect", test_id)]
+    args += ["-x"] if first else []
     try:
         res = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *marker, *present],
+            [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *args, *present],
             cwd=copy,
             env=env,
             capture_output=True,
@@ -515,16 +525,32 @@ def run_tests(
             timeout=timeout_s,
         )
         code = res.returncode
-        failed = next(
-            (ln.split()[1] for ln in res.stdout.splitlines() if ln.startswith(("FAILED ", "ERROR "))), None
-        )
+        failed = [
+            ln.split(" ", 1)[1].split(" - ")[0]
+            for ln in res.stdout.splitlines()
+            if ln.startswith(("FAILED ", "ERROR "))
+        ]
     except subprocess.TimeoutExpired:
-        code, failed = -1, None
+        code, failed = -1, []
     return code, time.perf_counter() - t0, failed
 
 
-def try_mutant(copy: Path, m: Mutant, tiers: list[str], timeout_s: float) -> dict:
-    """``m`` planted in ``copy``, its tests run tier by tier until one fails: the result row."""
+def baseline(copy: Path, tests: tuple[str, ...], tier: str, timeout_s: float) -> list[str]:
+    """The tests of ``tier`` in ``tests`` that fail unmutated (every mutant's run leaves them out and
+    the result lists them); stops when pytest itself fails (not a test)."""
+    code, secs, failed = run_tests(copy, tests, timeout_s, tier, first=False)
+    if code not in (0, 1, 5):
+        raise SystemExit(
+            f"baseline: pytest of the {tier} tier ended with exit {code} ({failed}): fix it first"
+        )
+    word = f"fails {len(failed)} tests, left out of every mutant's run: {failed}" if failed else "passes"
+    print(f"baseline: the {tier} tier {word} ({secs:.0f} s)", flush=True)
+    return failed
+
+
+def try_mutant(copy: Path, m: Mutant, tiers: list[str], timeout_s: float, broken: dict) -> dict:
+    """``m`` planted in ``copy``, its tests run tier by tier (less ``broken[tier]``, the baseline's
+    failures) until one fails: the result row."""
     src = copy / m.path
     text = src.read_text() if src.exists() else ""
     if m.old not in text:
@@ -532,10 +558,12 @@ def try_mutant(copy: Path, m: Mutant, tiers: list[str], timeout_s: float) -> dic
     src.write_text(text.replace(m.old, m.new, 1))
     row, runs = {**asdict(m), "status": "survived"}, []
     for tier in tiers:
-        code, secs, failed = run_tests(copy, m.tests, timeout_s, tier)
+        code, secs, failed = run_tests(copy, m.tests, timeout_s, tier, skip=tuple(broken[tier]))
         runs.append({"tier": tier, "exit_code": code, "seconds": round(secs, 1)})
         if code not in (0, 5):
-            row.update(status="killed", killed_in=tier, failed=failed, timed_out=code == -1)
+            row.update(
+                status="killed", killed_in=tier, failed=failed[0] if failed else None, timed_out=code == -1
+            )
             break
     row.update(runs=runs, seconds=sum(r["seconds"] for r in runs))
     return row
@@ -565,24 +593,20 @@ def main(argv=None) -> dict:
         base.mkdir()
         tree(args.rev, base)
         every = tuple(dict.fromkeys(t for _, m in chosen for t in m.tests))
-        for tier in tiers:
-            code, secs, failed = run_tests(base, every, args.timeout * 4, tier)
-            if code not in (0, 5):
-                raise SystemExit(
-                    f"baseline: the unmutated {tier} tests fail at {rev} (exit {code}, {failed}): fix them first"
-                )
-            print(f"baseline at {rev}: the {tier} tier passes ({secs:.0f} s)", flush=True)
+        broken = {tier: baseline(base, every, tier, args.timeout * 4) for tier in tiers}
         shutil.rmtree(base)
         for i, m in chosen:
             copy = Path(tmp) / f"m{i}"
             copy.mkdir()
             tree(args.rev, copy)
-            row = {"number": i, **try_mutant(copy, m, tiers, args.timeout)}
+            row = {"number": i, **try_mutant(copy, m, tiers, args.timeout, broken)}
             shutil.rmtree(copy)
             rows.append(row)
             where = f" in the {row['killed_in']} tier by {row['failed']}" if row["status"] == "killed" else ""
             print(f"{i:>3} {row['status']:>14}{where}  {m.name}  ({row['seconds']:.0f} s)", flush=True)
     doc = {"bench": "mutate", "machine": machine(), "rev": rev, "tiers": tiers, "headline": headline(rows)}
+    doc["headline"]["baseline_failures"] = sum(len(v) for v in broken.values())
+    doc["baseline_failures"] = broken
     doc["mutants"] = rows
     path = Path(args.out) if args.out else RESULTS / f"mutate-{machine()}-planted-{rev}.json"
     write_json(path, doc)

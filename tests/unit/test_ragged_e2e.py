@@ -143,21 +143,24 @@ def _step(ragged_run, algo: dict, packing: bool, *, poison: bool):
     return res, engine.rollouts, [p.detach().clone() for p in run.policy.model.parameters()]
 
 
-ROUTINGS = [("none", False), ("r2", False), ("r3", False), ("r3", True)]
+MODES = [
+    *((name, routing, False) for name in ("grpo", "gspo", "gspo_token") for routing in ("none", "r2", "r3")),
+    ("grpo", "r3", True),  # R3 with the engine's gate weights replayed
+]
+"Every algorithm x routing mode, and R3 with replayed gates: (algo.name, algo.routing, gates)."
 
 
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
-@pytest.mark.parametrize("routing,gates", ROUTINGS, ids=["none", "r2", "r3", "r3-gates"])
-@pytest.mark.parametrize("name", ["grpo", "gspo", "gspo_token"])
+@pytest.mark.parametrize(
+    "name,routing,gates", MODES, ids=[f"{n}-{r}{'-gates' if g else ''}" for n, r, g in MODES]
+)
 def test_a_ragged_batch_trains_on_its_valid_positions_only(
     ragged_run, monkeypatch, name, routing, gates, packing
 ):
     """The invariants of the module docstring on one RL step of a ragged batch. Planted bugs
-    killed (tools/mutate.py): valid positions counted to the padded length; the loss mask taken
-    from the padded length; flip/rollout_vs_trainer over every position; the entropy and the
-    mismatch metrics summed over padding."""
-    if gates and name != "grpo":
-        pytest.skip("replayed gates: one algorithm is enough")
+    killed (tools/mutate.py; the first three pass test_rl_e2e.py and test_wiring.py): valid
+    positions counted to the padded length; flip/rollout_vs_trainer over every position; the loss
+    mask taken to the padded width; the entropy and the mismatch metrics summed over padding."""
     from moe_rl.tasks.arithmetic import ArithmeticTask
 
     # rewards that differ within a group (the response's length): a step that trains
