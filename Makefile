@@ -49,10 +49,12 @@ test-dist: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q tests/gpu
 
-# planted bugs against the tests (tools/mutate.py): on demand, not in CI; MUTATE_REV=<commit> for an older one
+# planted bugs against the tests (tools/mutate.py): on demand, not in CI; each mutant's test files, the
+# fast tier then the integration tier (MUTATE_TIER=fast|integration|all); MUTATE_REV=<commit> for an older one
 MUTATE_REV ?= HEAD
+MUTATE_TIER ?= all
 mutate: $(STAMP)
-	$(BIN)/python -m tools.mutate --rev $(MUTATE_REV)
+	$(BIN)/python -m tools.mutate --rev $(MUTATE_REV) --tier $(MUTATE_TIER)
 
 # each performance benchmark rerun against its committed baseline (benchmarks/baselines.yaml); on
 # demand, on an idle machine (minutes); BENCH="engine_throughput step_time" for some

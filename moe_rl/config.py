@@ -521,7 +521,7 @@ class TrainConfig:
     start_jitter: float = 0.0
     "Std of Gaussian noise added once to every weight when a run starts (not on resume), seeded by train.seed: the chaos null's no-op perturbation (e.g. 1e-7), whose effect measures how far numerics alone move a run (0: off)."
     route_noise: float = 0.0
-    "Selection noise of the trainer's routers (pi_old, training and probe forwards): sigma of Gaussian noise on the router logits the top-k is taken from, gates from the clean logits; replayed routes stay exact (0: off; docs/algorithms.md#routing-noise)."
+    "Selection noise of the trainer's routers in RL (pi_old, training and probe forwards; SFT routes without it): sigma of Gaussian noise on the router logits the top-k is taken from, gates from the clean logits; replayed routes stay exact (0: off; docs/algorithms.md#routing-noise)."
     freeze_router: bool = False
     "RL stage only: no update changes any MoE router weight (SFT still trains them), as verl's actor_rollout_ref.model.override_config.moe_config.freeze_moe_router and NeMo-RL's policy.megatron_cfg.freeze_moe_router; gradients still flow through the gates to the layers below (docs/algorithms.md#router-frozen)."
     router_lr_mult: float = 1.0

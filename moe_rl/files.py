@@ -1,8 +1,11 @@
-"""Files written whole or not at all (standard library only: every layer may import it).
+"""Files written whole or not at all: :func:`write_text` (results, a run's ``recipe.yaml``, a checkpoint's
+``meta.json`` and ``latest``).
 
-A file written in place and interrupted (a full disk, a stop signal, a crash) leaves half of
-itself where the previous version was. :func:`write_text` writes a temp file beside the target,
-flushes it to disk and renames it over the target, so a reader sees the old file or the new one.
+Written in place, a full disk or a crash mid-write leaves a truncated file where the last good one
+was (a result JSON, or the ``recipe.yaml`` by which ``moe-rl compare`` recognises an arm's run: an
+unreadable one made it start the arm over, removing its checkpoints). :func:`write_text` writes a
+temp file beside the target, flushes it to disk and renames it over the target, so a reader (or the
+next command) sees the old file or the complete new one. Imports nothing but the standard library.
 """
 
 from __future__ import annotations

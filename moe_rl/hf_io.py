@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import re
 import shutil
 import uuid
 from collections.abc import Iterable, Iterator
@@ -25,6 +27,8 @@ from pathlib import Path
 import torch
 
 from moe_rl.errors import DataError
+
+log = logging.getLogger(__name__)
 
 INDEX = "model.safetensors.index.json"
 
@@ -176,23 +180,38 @@ def read_tensors(root: str | Path) -> dict[str, torch.Tensor]:
 
 
 OWNER = ".moe-rl-owner"
-"The staging directory's owner (``pid host``), removed before the staging directory is renamed."
+"""The owner file (``pid host``) of staging directories older versions made; new ones carry their
+owner in their name (:func:`_staging_name`)."""
+
+
+def _staging_name(out: Path, kind: str) -> Path:
+    """``.<out>.<kind>-<pid>@<host>-<8 hex>`` beside ``out`` (kind ``tmp``: the staging directory;
+    ``old``: the previous version set aside): its owner in its name, from the first instant to the
+    last, with no owner file to write or remove."""
+    import os
+    import socket
+
+    return out.parent / f".{out.name}.{kind}-{os.getpid()}@{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
 
 
 def _owner_alive(staging: Path) -> bool:
-    """Whether the process that made ``staging`` may still be writing it: its owner file names a
-    live process of this host, or another host (not ours to judge), or there is no owner file yet
-    (made an instant ago: the owner is written right after ``mkdir``) and it is under an hour old."""
+    """Whether the process that made ``staging`` may still be writing it: its name (or, from an
+    older version, its owner file) names a live process of this host, or another host (not ours to
+    judge); an older staging directory without an owner file yet is alive for an hour."""
     import os
     import socket
     import time
 
-    try:
-        pid, host = (staging / OWNER).read_text().split()
-    except FileNotFoundError:
-        return time.time() - staging.stat().st_mtime < 3600
-    except (OSError, ValueError):
-        return False
+    named = re.search(r"\.(?:tmp|old)-(\d+)@(.+)-[0-9a-f]{8}$", staging.name)
+    if named:
+        pid, host = named.groups()
+    else:
+        try:
+            pid, host = (staging / OWNER).read_text().split()
+        except FileNotFoundError:
+            return time.time() - staging.stat().st_mtime < 3600
+        except (OSError, ValueError):
+            return False
     if host != socket.gethostname():
         return True
     try:
@@ -205,19 +224,24 @@ def _owner_alive(staging: Path) -> bool:
 
 
 def clean_stale_staging(out: Path) -> list[Path]:
-    """Remove what an interrupted :func:`atomic_dir` into ``out`` left beside it (for a 30B export,
-    tens of GB): staging directories whose owner has ended, and the set-aside previous version
-    once ``out`` itself exists. The removed paths."""
+    """Tidy what an interrupted :func:`atomic_dir` into ``out`` left beside it (for a 30B export,
+    tens of GB): remove staging directories whose owner has ended; when ``out`` is missing (killed
+    between its two renames) put back the previous version it set aside; then remove set-aside
+    versions. The removed paths."""
     removed = []
     for p in out.parent.glob(f".{out.name}.tmp-*"):
         if p.is_dir() and not _owner_alive(p):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
-    if out.exists():
-        for p in out.parent.glob(f".{out.name}.old-*"):
-            if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-                removed.append(p)
+    aside = sorted(
+        (p for p in out.parent.glob(f".{out.name}.old-*") if p.is_dir()), key=lambda p: p.stat().st_mtime
+    )
+    if aside and not out.exists() and not out.is_symlink() and not _owner_alive(aside[-1]):
+        log.warning("%s was set aside by an export that did not finish: put back", aside[-1])
+        aside.pop().rename(out)
+    for p in aside if out.exists() else ():
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
     return removed
 
 
@@ -226,22 +250,18 @@ def atomic_dir(out: str | Path) -> Iterator[Path]:
     """Yield a fresh temp directory beside ``out``; on success it replaces ``out`` by rename.
 
     On an exception the temp directory is removed and ``out`` is left as it was. Readers see
-    either the old directory or the complete new one (a moment without either in between).
-    What a killed earlier call left beside ``out`` is removed first (:func:`clean_stale_staging`).
+    either the old directory or the complete new one (a moment without either in between: a kill
+    there leaves the old one set aside, which the next call puts back). What a killed earlier call
+    left beside ``out`` is tidied first (:func:`clean_stale_staging`).
     """
-    import os
-    import socket
-
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_staging(out)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = _staging_name(out, "tmp")
     tmp.mkdir()
     try:
-        (tmp / OWNER).write_text(f"{os.getpid()} {socket.gethostname()}")
         yield tmp
-        (tmp / OWNER).unlink(missing_ok=True)
-        trash = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}" if out.exists() else None
+        trash = _staging_name(out, "old") if out.exists() else None
         if trash is not None:
             out.rename(trash)
         try:

@@ -52,15 +52,17 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def read_run_metrics(run_dir: str | Path) -> list[dict]:
     """The rows of ``run_dir/metrics.jsonl``; a missing folder or file, or a bad line, is a user error
-    naming the path (and line)."""
+    naming the path (and line). A last row a crash left half-written is skipped (a killed run reads)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise PathError(f"run folder {run_dir} does not exist: give a run's train.out_dir")
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise PathError(f"{run_dir} has no metrics.jsonl: give a run's train.out_dir (one that has trained)")
+    from moe_rl.trainer.metrics import complete_lines
+
     rows = []
-    for lineno, raw in enumerate(path.read_bytes().splitlines(), start=1):
+    for lineno, raw in enumerate(complete_lines(path.read_bytes()), start=1):
         if not raw.strip():
             continue
         try:

@@ -5,9 +5,9 @@ number that is not one.
 wrote it (``benchmarks/results/``, ``studies/<study>/results/``; ``tools.index`` lists each).
 
 A benchmark or a demo writes its result over the previous one; written in place, a full disk
-left an 8 KB truncated JSON where the last good result was. :func:`write_json` writes a temp file
-beside the target, flushes it to disk and renames it over the target, so a reader (or the next
-run) sees the old file or the complete new one. Non-finite floats (NaN, infinities: a rate of no
+left an 8 KB truncated JSON where the last good result was. :func:`write_json` writes it with
+:func:`moe_rl.files.write_text` (a temp file beside the target, fsync, rename), so a reader (or the
+next run) sees the old file or the complete new one. Non-finite floats (NaN, infinities: a rate of no
 steps, a fit of too few points) become ``null`` (bare ``NaN`` is not JSON; strict parsers refuse
 the whole file).
 """
@@ -82,7 +82,7 @@ def json_safe(obj: Any) -> Any:
 
 
 def write_json(path: str | Path, doc: Any, *, indent: int | None = 1, newline: bool = False) -> Path:
-    """Write ``doc`` as JSON at ``path`` atomically (:func:`write_text`); non-finite floats as
+    """Write ``doc`` as JSON at ``path`` atomically (:func:`moe_rl.files.write_text`); non-finite floats as
     ``null``, other non-JSON values as their ``str``. ``newline``: end the file with one."""
     text = json.dumps(json_safe(doc), indent=indent, default=str, allow_nan=False) + ("\n" if newline else "")
     return write_text(path, text)

@@ -28,6 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from moe_rl.lab.results import write_json
 from moe_rl.trainer.signals import SIGNALS
 
 log = logging.getLogger(__name__)
@@ -370,8 +371,8 @@ def resumable_run(
     """:func:`run_arm` into ``out`` (``run_kw``: its other arguments) unless an earlier invocation
     finished this same run there.
 
-    A run that ends (done or stopped) writes :data:`STATUS_FILE` into ``out`` (atomically: written
-    beside it, then renamed); with that file present, and ``out``'s recipe the one asked for, the
+    A run that ends (done or stopped) writes :data:`STATUS_FILE` into ``out`` (atomically:
+    :func:`moe_rl.lab.results.write_json`); with that file present, and ``out``'s recipe the one asked for, the
     run is skipped and its status read back. A crash (``failed``) writes nothing, so the next
     invocation retries it; so does an unreadable status file or one of another run (a changed
     recipe or override), whose folder starts over.
@@ -390,9 +391,7 @@ def resumable_run(
     st = run_arm(base, overrides, out, start=start, launch=launch, **run_kw)
     log.info("%s: %s in %.0fs", label, st["status"], st["wall_s"])
     if st["status"] != "failed":  # a crash is retried by the next invocation
-        tmp = done.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**st, "ended_at": time.time()}))
-        tmp.replace(done)
+        write_json(done, {**st, "ended_at": time.time()}, indent=None)
     return st
 
 

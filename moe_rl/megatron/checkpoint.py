@@ -44,16 +44,11 @@ import torch
 
 from moe_rl import dist
 from moe_rl.errors import UserError
+from moe_rl.files import write_text
 from moe_rl.megatron import spec_keys
 
 log = logging.getLogger(__name__)
 META = "meta.json"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _sharded_state(model, optimizer, *, is_loading: bool, with_optimizer: bool = True) -> dict:
@@ -401,11 +396,11 @@ def save_checkpoint(
             "finite": True,
             "sha256": _checksums(tmp),
         }
-        _write_atomic(tmp / META, json.dumps(meta, indent=1))
+        write_text(tmp / META, json.dumps(meta, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _write_atomic(root / "latest", name)
+        write_text(root / "latest", name)
         _prune(root, final, keep, owner)
     dist.barrier()
     log.info("saved checkpoint %s", final)

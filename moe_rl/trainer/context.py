@@ -22,6 +22,7 @@ import torch
 import yaml
 
 from moe_rl.config import Recipe, to_dict
+from moe_rl.files import write_text
 from moe_rl.routing.noise import RouteNoise
 from moe_rl.trainer.hooks import FunctionHook, OptimizerStep, StepHook
 from moe_rl.trainer.signals import StopRequested, StopSignals
@@ -135,7 +136,6 @@ class Run:
     def write_recipe(self) -> None:
         """``<out_dir>/recipe.yaml`` (the resolved recipe) and ``run.json`` (the run's id and
         checkpoint folder: what ``--resume`` continues), each written atomically (rank 0)."""
-        from moe_rl.files import write_text
         from moe_rl.trainer.state import read_run_file, write_run_file
 
         if self.info.rank == 0:

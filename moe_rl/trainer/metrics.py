@@ -23,6 +23,45 @@ ABANDONED = "metrics.abandoned.jsonl"
 "Rows a resume or a rollback cut from ``metrics.jsonl`` (the steps it ran again), kept here."
 
 
+def complete_lines(data: bytes) -> list[bytes]:
+    """The lines of a JSONL file's ``data`` but a row a crash left half-written at its end (a last
+    line without its newline that is not JSON: a full disk mid-row). Rows are one ``write`` each,
+    newline included, so only the last one can be torn."""
+    lines = data.splitlines()
+    if lines and not data.endswith(b"\n") and not _is_json(lines[-1]):
+        lines.pop()
+    return lines
+
+
+def _is_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
+
+
+def end_torn_row(path: Path) -> None:
+    """Before appending to ``path``: a last row without its newline gets one, or, when it is half a
+    row (a crash mid-write), is removed with a warning; the next row would be glued to it."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return
+    if not data or data.endswith(b"\n"):
+        return
+    start = data.rfind(b"\n") + 1
+    with path.open("r+b") as f:
+        if _is_json(data[start:]):
+            f.seek(len(data))
+            f.write(b"\n")
+            return
+        f.truncate(start)
+    log.warning(
+        "%s ended in half a row (%d bytes, a crash while it was written): removed", path, len(data) - start
+    )
+
+
 def _jsonable(v: object) -> object:
     """Numbers as floats (non-finite ones as null, which JSON can hold); anything else as is."""
     if isinstance(v, (int, float)):
@@ -64,6 +103,7 @@ class MetricsSink:
         if not enabled:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        end_torn_row(self.out_dir / "metrics.jsonl")
         self._f = (self.out_dir / "metrics.jsonl").open("a")
 
     def _start_trackers(self) -> list[Tracker]:
@@ -185,8 +225,9 @@ class MetricsSink:
 
 
 def read_metrics(path: str | Path, stage: str | None = None) -> list[dict]:
-    """The rows of a ``metrics.jsonl`` (optionally one stage's)."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The rows of a ``metrics.jsonl`` (optionally one stage's); a last row a crash left half-written
+    is not one (:func:`complete_lines`)."""
+    rows = [json.loads(line) for line in complete_lines(Path(path).read_bytes()) if line.strip()]
     return [row for row in rows if stage is None or row.get("stage") == stage]
 
 

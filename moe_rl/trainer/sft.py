@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moe_rl.dist import all_reduce
+from moe_rl.routing.noise import RouteNoise
 from moe_rl.tasks.base import make_rng
 from moe_rl.trainer.hooks import OptimizerStep
 from moe_rl.trainer.stage import Stage, run_stage
@@ -84,7 +85,13 @@ def run_sft(run: Run) -> dict[str, float]:
     skips and counts steps with a non-finite loss or gradient (the optimizer applies nothing),
     stops after ``train.max_bad_steps`` of them in a row, writes no periodic checkpoint inside such
     a streak, and stops after the step on a signal. A gradient norm of exactly 0 means a dead policy
-    (uniform output): the run stops, nothing saved. The run's hooks see every optimizer step."""
+    (uniform output): the run stops, nothing saved. The run's hooks see every optimizer step.
+
+    SFT routes without ``train.route_noise`` (RL's pi_old, training and probe forwards, seeded per
+    RL step): an SFT start is shared by runs of any noise (its signature leaves the knob out), and a
+    resumed SFT trains as the uninterrupted one did (one generator for the whole stage restarted at a
+    resume)."""
+    run.policy.route_noise = RouteNoise()
     run.state.step, run.state.stage = run.state.step_of("sft"), "sft"
     return run_stage(run, SFTStage(run, run.recipe.train.sft_steps))
 
