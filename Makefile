@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/moe-rl demo --out runs/demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q --durations=25 tests studies
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
