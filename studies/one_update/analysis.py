@@ -100,6 +100,8 @@ def arm_value(rec: dict, arm: str, m: int, v: str = "V1", key: str = "dJ") -> fl
     a = rec["arms"].get(f"{arm}@M{m}")
     if a is None:
         return None
+    if key == "dJ_per_kl":  # the step's gain per unit of its size
+        return a[v]["dJ"] / a[v]["kl"] if a[v]["kl"] > 0 else None
     return a[v][key] if v in a and key in a[v] else a.get(key)
 
 
@@ -207,6 +209,7 @@ def analyse(records: list[dict], decisions: dict, ms: list[int]) -> dict:
             "dJ_clip": contrasts_table(moe, ms, key="dJ_clip"),
             "dJ_V2": contrasts_table(moe, ms, v="V2"),
             "kl": contrasts_table(moe, ms, key="kl"),
+            "dJ_per_kl": contrasts_table(moe, ms, key="dJ_per_kl"),
         },
         "dense": {"dJ": contrasts_table(dense, ms), "kl": contrasts_table(dense, ms, key="kl")},
         "arms": arm_means(records, ms),

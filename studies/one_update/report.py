@@ -26,6 +26,9 @@ def headline(res: dict) -> dict:
         "primary_minibatches": res["primary_minibatches"],
         "Delta_R2": {m: _short(s) for m, s in dj.get("Delta_R2", {}).items()},
         "Delta_GSPO": {m: _short(s) for m, s in dj.get("Delta_GSPO", {}).items()},
+        "Delta_GSPO_dJ_per_kl": {
+            m: _short(s) for m, s in res["moe"]["dJ_per_kl"].get("Delta_GSPO", {}).items()
+        },
         "Delta_R3": {m: _short(s) for m, s in dj.get("Delta_R3", {}).items()},
         "Delta_null": {
             k: {m: _short(s) for m, s in dj.get(f"Delta_null_{k}", {}).items()} for k in ("order", "jitter")
