@@ -57,11 +57,15 @@ def sign_flip_bounds(diffs: list[float], steps: int | None = None) -> tuple[floa
     a = [round(abs(x) / top * steps) for x in d]
     t = abs(sum(ai if x >= 0 else -ai for ai, x in zip(a, d)))
     total = sum(a)
-    pmf = np.zeros(2 * total + 1)
+    pmf, reach = np.zeros(2 * total + 1), 0  # pmf[total + k] = P(partial sum = k); |k| <= reach
     pmf[total] = 1.0
-    for ai in a:
-        if ai:
-            pmf = 0.5 * (np.roll(pmf, ai) + np.roll(pmf, -ai))  # no wrap: |partial sums| <= total
+    for ai in (x for x in a if x):
+        lo, hi = total - reach, total + reach + 1
+        window = pmf[lo:hi].copy()
+        pmf[lo:hi] = 0.0
+        pmf[lo + ai : hi + ai] += 0.5 * window
+        pmf[lo - ai : hi - ai] += 0.5 * window
+        reach += ai
     s = np.abs(np.arange(-total, total + 1))
     return float(pmf[s >= t + n].sum()), float(pmf[s >= max(t - n, 0)].sum())
 

@@ -24,7 +24,8 @@ def test_the_sign_flip_bounds_hold_the_enumerated_p_and_are_tight_for_many_state
     d = [rng.gauss(0.4, 1) for _ in range(60)]
     lo, hi = a.sign_flip_bounds(d)
     assert 0 < lo <= hi and hi - lo < 1e-3
-    assert a.paired_exact(d)["p"] == hi and a.paired_exact(d)["p_bounds"] == [lo, hi]
+    got = a.paired_exact(d)
+    assert got["p"] == hi and got["p_bounds"] == [lo, hi]
     assert a.sign_flip_bounds([1.0] * 30)[1] == pytest.approx(2 / 2**30)  # all positive: 2 patterns of 2^30
     assert a.sign_flip_bounds([0.0, 0.0]) == (1.0, 1.0)
 
