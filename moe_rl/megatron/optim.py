@@ -429,6 +429,34 @@ class Optimizer:
             _set_adam_step(opt.optimizer, step_count)
         self.step_count = step_count
 
+    # -- in-memory copies: one state, several continuations ---------------------------------------
+    def snapshot(self) -> dict:
+        """A copy of this optimizer's whole state in memory, for :meth:`restore`: Adam's moments and
+        step counts, the fp32 main weights of bf16 parameters, ``step_count`` and ``lr_scale``.
+        Later steps leave it as it was. The model's weights are not in it (fp32 parameters are their
+        own main weights): copy them with the policy's ``state_dict``.
+
+        The non-distributed optimizer only: the distributed one keeps its state in shards across
+        data-parallel ranks (save a checkpoint instead)."""
+        if self.distributed:
+            raise NotImplementedError(
+                "Optimizer.snapshot: the distributed optimizer (optim.distributed) keeps its state in "
+                "shards across data-parallel ranks; save a checkpoint instead (moe_rl.megatron.checkpoint)"
+            )
+        with cuda_as_cpu():
+            state = copy.deepcopy(self.opt.state_dict())
+        return {"optimizer": state, "step_count": self.step_count, "lr_scale": self.lr_scale}
+
+    def restore(self, snapshot: dict) -> None:
+        """Back to the state :meth:`snapshot` copied, gradients cleared; the snapshot stays as it
+        was (restore it again for the next continuation). Load the model's weights first: with bf16
+        parameters the restored fp32 main weights are what the next step updates."""
+        with cuda_as_cpu():
+            self.opt.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
+        self.step_count = int(snapshot["step_count"])
+        self.lr_scale = float(snapshot["lr_scale"])
+        self.zero_grad()
+
     # -- colocated engines: the trainer's memory given up while they work -------------------------
     def release_memory(self, *, weights: bool) -> int:
         """Free this rank's gradients (DDP's grad buffers, clear between steps: no copy), Adam

@@ -348,19 +348,9 @@ class Run:
         """Build the rollout engine the recipe names (once)."""
         if self.engine is not None:
             return
-        from moe_rl.rollout import get_engine_class
-
         rollout_cfg = self.recipe.rollout
         if rollout_cfg.engine == "embedded":
-            self.engine = get_engine_class("embedded")(
-                self.policy,
-                pad_id=self.tok.pad_id,
-                eos_id=self.tok.eos_id,
-                decoder=rollout_cfg.embedded_decoder,
-                dtype=self.recipe.rollout_dtype,
-                router_dtype=rollout_cfg.router_dtype,
-                route_noise=rollout_cfg.route_noise,
-            )
+            self.engine = self.embedded_engine()
             self.engine_gives_routes = True  # free: captured during generation
         else:
             from moe_rl.rollout.factory import build_sglang_engine, engine_start
@@ -370,6 +360,24 @@ class Run:
             with self.memory_for_engine("launch"):  # colocated: engines start beside no trainer state
                 self.engine = build_sglang_engine(self.recipe, rank=self.info.rank, model_path=start, **kw)
             self.engine_gives_routes = self.recipe.algo.routing == "r3"
+
+    def embedded_engine(self, route_noise: float | None = None) -> RolloutEngine:
+        """An embedded engine over this run's policy, as the ``rollout`` section configures one: the
+        run's own (:meth:`ensure_engine`), or another beside it whose routers add selection noise
+        ``route_noise`` instead of ``rollout.route_noise`` (a measurement's second engine: pass it
+        to :meth:`derive`; the caller closes it)."""
+        from moe_rl.rollout import get_engine_class
+
+        cfg = self.recipe.rollout
+        return get_engine_class("embedded")(
+            self.policy,
+            pad_id=self.tok.pad_id,
+            eos_id=self.tok.eos_id,
+            decoder=cfg.embedded_decoder,
+            dtype=self.recipe.rollout_dtype,
+            router_dtype=cfg.router_dtype,
+            route_noise=cfg.route_noise if route_noise is None else route_noise,
+        )
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
         """The engine's ``n`` rollouts of each prompt, on the policy's device: the trainer's one

@@ -18,6 +18,8 @@ a. ``moe_rl.config``, ``configlib``, ``losses``, ``routing`` and ``tasks`` never
 b. megatron-core (``megatron.*``) is imported only under ``moe_rl/megatron/``;
 c. ``moe_rl.trainer`` never imports ``moe_rl.lab`` or ``benchmarks``;
 d. ``moe_rl.rollout`` never imports ``moe_rl.trainer``;
+f. nothing in ``moe_rl`` imports a study, a benchmark or a tool (``studies``, ``benchmarks``,
+   ``tools``: they import the library, never the other way);
 e. no import cycle among ``moe_rl`` modules at run time (imports under ``if TYPE_CHECKING:`` do not
    close a cycle; they count for rules a-d).
 
@@ -105,6 +107,11 @@ RULES = [
     ),
     Rule("c: the trainer never imports lab or benchmarks", ("moe_rl.trainer",), ("moe_rl.lab", "benchmarks")),
     Rule("d: rollout never imports the trainer", ("moe_rl.rollout",), ("moe_rl.trainer",)),
+    Rule(
+        "f: the library never imports a study, benchmark or tool",
+        ("moe_rl",),
+        ("studies", "benchmarks", "tools"),
+    ),
 ]
 
 
@@ -279,6 +286,8 @@ PLANTED = [
     ("c", "moe_rl/trainer/rl.py", "from benchmarks import arms\n", 1),
     ("c", "moe_rl/trainer/loop.py", "from ..lab import runner\n", 1),
     ("d", "moe_rl/rollout/factory.py", "from moe_rl.trainer import run\n", 1),
+    ("f", "moe_rl/lab/runner.py", "x = 1\n\n\ndef g():\n    from studies.one_update import harness\n", 5),
+    ("f", "moe_rl/lab/runner.py", "import benchmarks.noise\n", 1),
     (
         "d",
         "moe_rl/rollout/factory.py",

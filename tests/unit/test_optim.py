@@ -155,6 +155,66 @@ def test_checkpoint_round_trip_is_exact(policy, parallel_info, tiny_model_cfg, t
         torch.testing.assert_close(other.logprobs(tok).logp_BT, want, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_snapshot_restored_continues_bit_for_bit_as_the_state_it_copied(
+    parallel_info, tiny_model_cfg, dtype
+):
+    """One state, several continuations (studies/one_update): weights by the policy's state_dict,
+    the optimizer by snapshot / restore. Each continuation from the restored state steps exactly as
+    the first did, however far the one before it went; the snapshot is not changed by those steps.
+    Restoring the weights alone (Adam's moments and step, bf16's fp32 main weights, the step count
+    left where the last continuation ended) fails this."""
+    from moe_rl.megatron.optim import Optimizer
+    from moe_rl.megatron.policy import build_policy
+
+    cfg = ModelConfig(**{**tiny_model_cfg.__dict__, "dtype": dtype, "num_layers": 1})
+    policy = build_policy(cfg, ParallelConfig(), parallel_info)
+    opt = Optimizer(policy.model, OptimConfig(lr=1e-3, warmup_steps=4), parallel_info)
+
+    def step(seed):
+        (-policy.logprobs(tokens(seed=seed)).logp_BT.float().mean()).backward()
+        return opt.step()
+
+    for s in range(2):
+        step(s)
+    weights = {k: v.clone() for k, v in policy.model.state_dict().items() if torch.is_tensor(v)}
+    snap = opt.snapshot()
+    frozen = [t.clone() for t in _tensors(snap)]
+
+    def continuation(steps):
+        lrs = [step(10 + i)["lr"] for i in range(steps)]
+        with torch.no_grad():
+            return lrs, policy.logprobs(tokens(seed=99)).logp_BT.float()
+
+    want = continuation(2)
+    continuation(3)  # another continuation runs further
+    for _ in range(2):
+        policy.model.load_state_dict(weights, strict=False)
+        opt.restore(snap)
+        assert opt.step_count == 2
+        lrs, logp = continuation(2)
+        assert lrs == want[0]
+        torch.testing.assert_close(logp, want[1], atol=0, rtol=0)
+    assert len(frozen) > 4 and all(torch.equal(a, b) for a, b in zip(frozen, _tensors(snap), strict=True))
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    """Every tensor in a nest of dicts, lists and tuples, in order."""
+    if torch.is_tensor(tree):
+        return [tree]
+    items = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, list | tuple) else []
+    return [t for x in items for t in _tensors(x)]
+
+
+def test_the_distributed_optimizer_refuses_an_in_memory_snapshot(parallel_info, tiny_model_cfg):
+    from moe_rl.megatron.optim import Optimizer
+    from moe_rl.megatron.policy import build_policy
+
+    policy = build_policy(tiny_model_cfg, ParallelConfig(), parallel_info)
+    with pytest.raises(NotImplementedError, match="save a checkpoint instead"):
+        Optimizer(policy.model, OptimConfig(lr=1e-3, distributed=True), parallel_info).snapshot()
+
+
 def test_bf16_parameters_get_fp32_master_weights(parallel_info, tiny_model_cfg):
     """Updates below bf16's resolution accumulate in the fp32 main weights instead of rounding away
     (megatron's mixed-precision optimizer; on CPU through the cuda_as_cpu shim)."""

@@ -151,3 +151,28 @@ def test_the_flip_probe_takes_the_routing_shares_forward_after_the_last_update(
         )  # update 0 probed by its own forward, update 1 shared
     finally:
         the_run.close()
+
+
+def test_a_second_embedded_engine_beside_the_runs_own_adds_its_own_route_noise(tmp_path, parallel_info):
+    """``Run.embedded_engine``: the run's own engine is the recipe's (no selection noise here: its
+    routes are the trainer's), a second one over the same policy with ``route_noise`` chooses other
+    experts for some tokens of the same sample; served through ``derive(engine=...)``."""
+    from moe_rl.trainer.rl import collect
+
+    recipe = tiny(tmp_path, train={"stages": ["rl"]})
+    base = Run(recipe)
+    try:
+        base.ensure_engine()
+        base.make_optimizer("rl")
+        own = collect(base, 0)[1]
+        assert own["flip/rollout_vs_trainer/router_rate"] == 0.0
+        noisy = base.embedded_engine(route_noise=1.0)
+        try:
+            assert noisy is not base.engine and noisy.policy is base.engine.policy
+            got = collect(base.derive(engine=noisy, engine_gives_routes=True), 0)[1]
+        finally:
+            noisy.close()
+        assert got["flip/rollout_vs_trainer/router_rate"] > 0.05
+        assert base.embedded_engine().route_noise.sigma == recipe.rollout.route_noise == 0.0
+    finally:
+        base.close()
