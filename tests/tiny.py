@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from moe_rl.lab.arms import flatten
+from moe_rl.lab.starts import SMOKE_BASE
+
 TINY_MODEL: dict[str, Any] = dict(
     vocab_size=64,
     hidden_size=64,
@@ -104,3 +107,19 @@ def ready_run(out_dir, *, base: dict[str, Any] = TINY_E2E, stage: str = "rl", **
     run.ensure_engine()
     run.make_optimizer(stage)
     return run
+
+
+COMPARE_TINY = [
+    *flatten(SMOKE_BASE),
+    "model.max_seq_len=32",
+    "train.sft_steps=1",
+    "train.sft_batch_size=2",
+    "train.rl_steps=1",
+    "train.prompts_per_step=2",
+    "train.group_size=2",
+    "train.minibatches=1",
+    "train.max_new_tokens=4",
+    "train.eval_prompts=1",
+    "train.flip_probe_sequences=1",
+]
+"The tiny policy on recipes/demo/base.yaml (SFT stage): one SFT step, then one RL step a run."

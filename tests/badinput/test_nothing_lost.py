@@ -25,7 +25,7 @@ import pytest
 from moe_rl.cli import main
 from moe_rl.lab.arms import DEMO
 from tests.badinput.conftest import assert_kept, snapshot
-from tests.unit.test_compare import TINY
+from tests.tiny import COMPARE_TINY as TINY
 
 output_case = pytest.mark.bad_input("output")
 ARMS_2 = "GRPO,GSPO"

@@ -15,24 +15,10 @@ import pytest
 
 from moe_rl.cli import main
 from moe_rl.lab import compare, compare_plot, runner
-from moe_rl.lab.arms import ARMS, COMPARE_ARMS, DEMO, FIRST_SEED, flatten
-from moe_rl.lab.starts import SMOKE_BASE
+from moe_rl.lab.arms import ARMS, COMPARE_ARMS, DEMO, FIRST_SEED
 from moe_rl.lab.stats import paired
+from tests.tiny import COMPARE_TINY as TINY
 
-TINY = [
-    *flatten(SMOKE_BASE),
-    "model.max_seq_len=32",
-    "train.sft_steps=1",
-    "train.sft_batch_size=2",
-    "train.rl_steps=1",
-    "train.prompts_per_step=2",
-    "train.group_size=2",
-    "train.minibatches=1",
-    "train.max_new_tokens=4",
-    "train.eval_prompts=1",
-    "train.flip_probe_sequences=1",
-]
-"The tiny policy on recipes/demo/base.yaml (SFT stage): one SFT step, then one RL step a run."
 ARMS_2 = ["GRPO", "GSPO"]
 
 

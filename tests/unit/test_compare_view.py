@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from moe_rl.lab import compare, compare_plot
-from moe_rl.lab.arms import FIRST_SEED
+from moe_rl.lab.arms import DEMO, FIRST_SEED
 from moe_rl.lab.stats import paired
 from moe_rl.lab.status import StatusLines, run_status
-from tests.unit.test_compare import DEMO, TINY
+from tests.tiny import COMPARE_TINY as TINY
 
 
 def rows_of(values: dict) -> list[dict]:
