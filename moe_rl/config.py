@@ -128,8 +128,11 @@ class ModelConfig:
     "Local Hugging Face Qwen3-MoE checkpoint to start from (None: random init)."
 
     def __post_init__(self) -> None:
-        if self.tokenizer is None:  # the model's own, as verl and TRL take it
-            object.__setattr__(self, "tokenizer", model_tokenizer(self.hf_path))
+        if (
+            self.tokenizer is None
+        ):  # the model's own, as verl and TRL take it (a blank hf_path: its own error)
+            hf = self.hf_path if self.hf_path and self.hf_path.strip() else None
+            object.__setattr__(self, "tokenizer", model_tokenizer(hf))
         check_choices(self, "model")
         require_positive(self, "model", "vocab_size", "hidden_size", "num_layers", "num_attention_heads")
         require_positive(self, "model", "num_query_groups", "head_dim", "moe_ffn_hidden_size", "num_experts")

@@ -395,7 +395,8 @@ def resolve_path(value: str, folder: str | Path) -> str:
 
 def resolve_paths(data: dict, folder: str | Path, paths: tuple[str, ...]) -> dict:
     """``data`` (one recipe file's mapping) with each string at a dotted key of ``paths`` resolved
-    against ``folder`` (:func:`resolve_path`); other values are left to the type checks."""
+    against ``folder`` (:func:`resolve_path`); other values, and blank strings (refused by the
+    field's own check, naming it), are left to the type checks."""
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
     for dotted in paths:
         *sections, last = dotted.split(".")
@@ -406,7 +407,7 @@ def resolve_paths(data: dict, folder: str | Path, paths: tuple[str, ...]) -> dic
                 break
             node[k] = dict(node[k])
             node = node[k]
-        if node is not None and isinstance(node.get(last), str):
+        if node is not None and isinstance(node.get(last), str) and node[last].strip():
             node[last] = resolve_path(node[last], folder)
     return out
 

@@ -262,21 +262,21 @@ MUTANTS = (
         "moe_rl/trainer/rl.py",
         "valid_BS = (positions_S[None, :] < (rollouts.total_lens_B[:, None] - 1)).float()",
         "valid_BS = torch.ones(tokens_BT.shape[0], s, device=tokens_BT.device)",
-        ("tests/unit/test_ragged_e2e.py", "tests/unit/test_rl_e2e.py", "tests/unit/test_wiring.py"),
+        ("tests/unit/test_ragged_e2e.py", "tests/integration/test_rl_e2e.py", "tests/unit/test_wiring.py"),
     ),
     Mutant(
         "flip/rollout_vs_trainer counts the engine's padding rows (zeros) against the trainer's routes",
         "moe_rl/trainer/rl.py",
         "flips = [route_flips(rollout_routes_BSLK, old_routes_BSLK, valid_BS)]",
         "flips = [route_flips(rollout_routes_BSLK, old_routes_BSLK, torch.ones_like(valid_BS))]",
-        ("tests/unit/test_ragged_e2e.py", "tests/unit/test_rl_e2e.py", "tests/unit/test_wiring.py"),
+        ("tests/unit/test_ragged_e2e.py", "tests/integration/test_rl_e2e.py", "tests/unit/test_wiring.py"),
     ),
     Mutant(
         "entropy/mean averaged over prompt and padding positions too",
         "moe_rl/trainer/rl.py",
         "entropy.append(torch.stack([(out.entropy_BT.detach() * mask_BT).sum(), mask_BT.sum()]))",
         "entropy.append(torch.stack([out.entropy_BT.detach().sum(), mask_BT.sum()]))",
-        ("tests/unit/test_ragged_e2e.py", "tests/unit/test_rl_e2e.py"),
+        ("tests/unit/test_ragged_e2e.py", "tests/integration/test_rl_e2e.py"),
     ),
     Mutant(
         "mismatch/* read the engine's log-probs off the response (its padding)",
@@ -284,7 +284,7 @@ MUTANTS = (
         "local = mismatch_metrics(old_logp_BT, rollout_logp_BT, mask_BT, num_tokens=max(num_tokens, 1.0))",
         "local = mismatch_metrics(old_logp_BT, rollout_logp_BT, torch.ones_like(mask_BT), "
         "num_tokens=max(num_tokens, 1.0))",
-        ("tests/unit/test_ragged_e2e.py", "tests/unit/test_rl_e2e.py", "tests/unit/test_wiring.py"),
+        ("tests/unit/test_ragged_e2e.py", "tests/integration/test_rl_e2e.py", "tests/unit/test_wiring.py"),
     ),
     Mutant(
         "the loss mask runs from the prompt's end to the padded width (rows that stopped early train on padding)",
@@ -292,7 +292,7 @@ MUTANTS = (
         "tokens_BT, mask_BT = rollouts.tokens_BT, rollouts.response_mask_BT",
         "tokens_BT, mask_BT = rollouts.tokens_BT, (torch.arange(rollouts.tokens_BT.shape[1], "
         "device=rollouts.tokens_BT.device)[None, :] >= rollouts.prompt_lens_B[:, None]).float()",
-        ("tests/unit/test_ragged_e2e.py", "tests/unit/test_rl_e2e.py", "tests/unit/test_wiring.py"),
+        ("tests/unit/test_ragged_e2e.py", "tests/integration/test_rl_e2e.py", "tests/unit/test_wiring.py"),
     ),
     # -- issue 48: a fault at a write (tests/unit/test_crash_writes.py, tests/integration/test_crash_kill.py)
     Mutant(
@@ -326,7 +326,7 @@ MUTANTS = (
         "moe_rl/lab/runner.py",
         'write_json(done, {**st, "ended_at": time.time()}, indent=None)',
         'done.write_text(json.dumps({**st, "ended_at": time.time()}))',
-        ("tests/unit/test_crash_writes.py", "tests/unit/test_lab_runner.py"),
+        ("tests/unit/test_crash_writes.py", "tests/integration/test_lab_runner.py"),
     ),
     Mutant(
         "the readers choke on a metrics row a full disk tore: moe-rl report fails on a killed run",
@@ -384,7 +384,7 @@ MUTANTS = (
         "moe_rl/trainer/loop.py",
         "run.optimizer.lr_scale = run.state.lr_scale",
         "run.optimizer.lr_scale = 1.0",
-        ("tests/unit/test_resume_knobs.py", "tests/unit/test_rl_e2e.py"),
+        ("tests/unit/test_resume_knobs.py", "tests/integration/test_rl_e2e.py"),
     ),
     Mutant(
         "a resume jitters the loaded weights again (train.start_jitter)",
@@ -406,21 +406,21 @@ MUTANTS = (
         "moe_rl/lab/stats.py",
         "half = t975(n - 1) * sd / math.sqrt(n)",
         "half = t975(n) * sd / math.sqrt(n)",
-        ("tests/unit/test_compare.py", "studies/noise/test_design.py"),
+        ("tests/integration/test_compare.py", "studies/noise/test_design.py"),
     ),
     Mutant(
         "compare's sign-flip p one-sided (half the two-sided p)",
         "moe_rl/lab/stats.py",
         "hits += abs(s) >= observed",
         "hits += s >= observed",
-        ("tests/unit/test_compare.py", "studies/noise/test_design.py"),
+        ("tests/integration/test_compare.py", "studies/noise/test_design.py"),
     ),
     Mutant(
         "compare pairs an arm's runs with the first arm's by position, not by seed",
         "moe_rl/lab/compare.py",
         'row["diff"] = {m: paired([per[s][m] - ref[s][m] for s in common]) for m in METRICS}',
         'row["diff"] = {m: paired([a[m] - b[m] for a, b in zip(per.values(), ref.values())]) for m in METRICS}',
-        ("tests/unit/test_compare.py",),
+        ("tests/integration/test_compare.py",),
     ),
     Mutant(
         "ratio/routing_share with the natural and replayed variances swapped",

@@ -1,4 +1,4 @@
-"""Calibrate routing noise at identical weights (studies.noise.calibration): per-router, per-slot and
+"""Calibrate routing noise at identical weights (moe_rl.lab.calibration): per-router, per-slot and
 any-layer two-pass disagreement and k3 for each sigma, against the R3 paper's figures.
 
     python -m studies.noise.calibrate recipes/demo/closest.yaml [--sigmas 0,0.01,0.03,0.05,0.1]
@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from moe_rl.argparsing import ArgParser, one_line_errors
+from moe_rl.lab.calibration import DEFAULT_SIGMAS, calibrate, format_rows, plot
 from moe_rl.lab.results import machine, result_path, write_json
 from studies.noise import RESULTS
-from studies.noise.calibration import DEFAULT_SIGMAS, calibrate, format_rows, plot
 
 
 def main(argv: list[str] | None = None) -> int:

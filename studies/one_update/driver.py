@@ -266,7 +266,7 @@ def device_overrides(device: str, dtype: str) -> list[str]:
 
 
 def result_file(kind: str, preset: str) -> Path:
-    from benchmarks.common import commit, machine
+    from moe_rl.lab.results import commit, machine
 
     return RESULTS / f"{kind}-{machine()}-{preset}-{commit()}.json"
 
@@ -278,7 +278,7 @@ def calibrate(root: Path) -> Path:
     """The engine noise's calibration on the countdown start (two noisy forwards per sigma, 16
     prompts x 8: :func:`moe_rl.lab.calibrate.calibrate`), written under results/."""
     from moe_rl.config import load_recipe
-    from moe_rl.lab import calibrate as cal
+    from moe_rl.lab import calibration as cal
     from moe_rl.lab.arms import ROOT as CHECKOUT
 
     recipe = load_recipe(
@@ -287,7 +287,7 @@ def calibrate(root: Path) -> Path:
     )
     table = cal.calibrate(recipe, CALIBRATION_SIGMAS, 16)
     print(cal.format_rows(table["rows"]))
-    out = result_file("calibrate", "dial-start")
+    out = result_file("one_update", "calibrate-dial-start")
     doc = {
         "headline": {"reaches_r3": table["reaches_r3"], "rows": table["rows"]},
         "recipe": "recipes/demo/dial_demo.yaml",

@@ -9,7 +9,7 @@ the 12-layer, 64-expert top-8 policy SFT'd on CPU), a GRPO state run on the GPU 
 ``every`` steps; each is scored (GRPO' and GRPO + R3 at ``minibatches``, V drawn from pi_s) until
 the budget is spent; the result is a JSON + PNG under ``out`` whose ``headline`` holds Delta_R3 with
 its 95% interval and exact p, and the cost per state. On CPU it runs at a smoke size
-(studies/one_update/tests/test_driver.py).
+(studies/one_update/test_driver.py).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def gpu_check(
         scorer.close()
     meta = {"study": "one_update", "arm": "gpu", "device": device, "dtype": dtype, "start": str(start),
             "wall_s": time.perf_counter() - t0}  # fmt: skip
-    from benchmarks.common import commit, machine
+    from moe_rl.lab.results import commit, machine
 
     path = out / f"one_update_gpu-{machine()}-{commit()}.json"
     return report.write(records, {"gpu": cfg}, path, meta)["headline"]

@@ -37,7 +37,7 @@ def recipe(folder: Path, name: str = "r.yaml", *, checkpoint=None, **train) -> P
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory) -> Path:
+def finished(tmp_path_factory, parallel_info) -> Path:
     """A finished 4-step SFT run: checkpoints 0001-sft-step-000002 and 0002-sft-step-000004 (the end),
     trained by ``moe-rl train`` in this process (the fast tier starts no child process)."""
     folder = tmp_path_factory.mktemp("finished")

@@ -170,7 +170,7 @@ def varied_rewards(monkeypatch):
 def kl_recipe(tmp_path, name="run", minibatches=2, **algo):
     from dataclasses import replace
 
-    from tests.unit.test_rl_e2e import tiny
+    from tests.tiny import tiny_e2e as tiny
 
     train = {"rl_steps": 3, "minibatches": minibatches}
     recipe = tiny(tmp_path, optim={"lr": 2e-2}, train=train, algo={"kl_coef": 0.1, **algo})

@@ -90,7 +90,7 @@ def test_every_phase_of_a_run_is_named(tmp_path, caplog, parallel_info):
     """A run from the start to the end names each phase as it begins: the start (process groups,
     policy), SFT, the checkpoint, the RL step-0 evaluation, RL, the final evaluation, done."""
     from moe_rl.trainer.run import run
-    from tests.unit.test_rl_e2e import tiny
+    from tests.tiny import tiny_e2e as tiny
 
     with caplog.at_level(logging.INFO, logger=progress.__name__):
         run(tiny(tmp_path, train={"sft_steps": 2, "rl_steps": 1}))

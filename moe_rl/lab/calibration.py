@@ -17,7 +17,8 @@ trainer: one pass of each) at the same weights:
 The start's mean entropy per response token is printed beside them: routing moves log-probs less
 the more peaked the policy (docs/algorithms.md#routing-noise).
 
-The command is ``python -m studies.noise.calibrate`` (it writes the result files).
+Shared by two studies (what they share lives in ``moe_rl.lab``): ``python -m studies.noise.calibrate``
+and ``python -m studies.one_update --calibrate`` write the result files.
 """
 
 from __future__ import annotations
