@@ -10,6 +10,10 @@ Results are named ``<bench>-<machine>-<preset>-<commit>[-dirty][-<part>].<ext>``
 Files of one ``<bench>-<machine>-<preset>`` are one series; its current result is the one of the
 newest commit in this branch's history (``git rev-list HEAD``), the others superseded, and a file
 whose commit is not in the history (made in a worktree, on a branch that was rebased) is marked so.
+A partial report (``<stage>-partial``, a driver's report of an unfinished sweep) belongs to its
+stage's series (:func:`stage_of`), where any full report outranks it: once the full one exists
+every partial is superseded. A superseded file stays while a doc names it (studies/README.md:
+one rule for every results folder), else ``--prune`` deletes it.
 Each row says which docs cite the file. Pre-registrations (no commit in the name) are listed apart.
 
     python -m tools.index            # rewrite every INDEX.md
@@ -37,6 +41,8 @@ INDEX_NAME = "INDEX.md"
 NAME = re.compile(
     r"^(?P<series>.+)-(?P<commit>[0-9a-f]{7,40})(?P<dirty>-dirty)?(?P<part>-[a-z]+)?\.(?P<ext>\w+)$"
 )
+PARTIAL = "-partial"
+"A driver's report of an unfinished sweep ends its preset so (``studies/noise/noise.py``)."
 CITERS = ("README.md", "docs", "tests", "benchmarks", "studies", "tools", "moe_rl", "recipes", "kernels")
 "Where a result may be named (the results folders themselves excluded)."
 
@@ -103,10 +109,22 @@ def cited() -> dict[str, list[str]]:
     return hits
 
 
+def stage_of(partial: str, series: set[str]) -> str:
+    """The series a partial report's series (``<stage>-partial``) belongs to: ``<stage>`` when it
+    exists, else the one series ``<stage>-<suffix>`` that is no partial (``screen-partial`` ->
+    ``screen-deciding``), else its own (a sweep that never finished)."""
+    stage = partial.removesuffix(PARTIAL)
+    if stage in series:
+        return stage
+    full = [s for s in series if s.startswith(f"{stage}-") and not s.endswith(PARTIAL)]
+    return full[0] if len(full) == 1 else partial
+
+
 def classify(folder: Path = RESULTS) -> tuple[dict[str, list[dict]], list[str]]:
-    """(series -> files newest first, each ``{"name", "commit", "age", "status"}``), unnamed files."""
+    """(series -> files newest first, each ``{"name", "commit", "age", "status"}``), unnamed files.
+    Current: the newest commit's full report, a partial only where no full one is in the history."""
     ages = history()
-    series: dict[str, list[dict]] = defaultdict(list)
+    by_name: dict[str, list[dict]] = defaultdict(list)
     loose = []
     for name in result_files(folder):
         m = NAME.match(name)
@@ -114,13 +132,18 @@ def classify(folder: Path = RESULTS) -> tuple[dict[str, list[dict]], list[str]]:
             loose.append(name)
             continue
         commit = m["commit"][:7]
-        series[m["series"]].append({"name": name, "commit": commit, "age": ages.get(commit)})
+        by_name[m["series"]].append({"name": name, "commit": commit, "age": ages.get(commit)})
+    series: dict[str, list[dict]] = defaultdict(list)
+    for name, files in by_name.items():
+        own = stage_of(name, set(by_name)) if name.endswith(PARTIAL) else name
+        series[own] += [f | {"partial": name.endswith(PARTIAL)} for f in files]
     for files in series.values():
-        known = [f["age"] for f in files if f["age"] is not None]
-        newest = min(known) if known else None
+        ranks = [(f["partial"], f["age"]) for f in files if f["age"] is not None]
+        best = min(ranks) if ranks else None  # a full report before any partial, then the newest
         for f in files:
+            rank = (f.pop("partial"), f["age"])
             f["status"] = (
-                "not in history" if f["age"] is None else "current" if f["age"] == newest else "superseded"
+                "not in history" if f["age"] is None else "current" if rank == best else "superseded"
             )
         files.sort(key=lambda f: (f["age"] is None, f["age"] if f["age"] is not None else 0, f["name"]))
     return dict(sorted(series.items())), loose
@@ -155,7 +178,8 @@ def render(folder: Path = RESULTS, cites: dict[str, list[str]] | None = None) ->
         "",
         "Written by `python -m tools.index` (a test holds this file to it). Per series "
         "(`<bench>-<machine>-<preset>`), the result of the newest commit in the history is current; "
-        "older ones are superseded and kept while a doc cites them (`--prune` deletes the rest). "
+        "older ones and partial reports of a stage whose full report exists are superseded, and kept "
+        "while a doc cites them (`--prune` deletes the rest). "
         "A result's own JSON has a `headline` with the figures its issue names.",
         "",
         "| series | current | commit | headline | cited by | older |",
@@ -168,7 +192,11 @@ def render(folder: Path = RESULTS, cites: dict[str, list[str]] | None = None) ->
         head = headline_of(folder / main[0]) if main else ""
         who = sorted({c for f in cur for c in cites.get(f["name"], [])})
         older = sorted(
-            {f"{f['commit']} ({f['status']})" for f in files if f["status"] != "current"},
+            {
+                f"{f['commit']} ({'partial, ' if f'{PARTIAL}-' in f['name'] else ''}{f['status']})"
+                for f in files
+                if f["status"] != "current"
+            },
             key=lambda s: s,
         )
         shown = ", ".join(f"`{n}`" for n in [f["name"] for f in cur]) or "-"

@@ -51,3 +51,38 @@ def test_the_current_result_of_a_series_is_its_newest_commits(monkeypatch, tmp_p
         "other-m-p-aaaaaaa-pytest.log": "current",
     }
     assert loose == ["plan-preregistration.json"]
+
+
+def test_a_partial_report_is_superseded_by_its_stages_full_report(monkeypatch, tmp_path):
+    """One rule for partials (studies/README.md): a ``<stage>-partial`` report belongs to its stage's
+    series (``<stage>``, else the one ``<stage>-<suffix>``), where the full report is current even
+    beside a newer partial; a partial whose sweep never finished stays current."""
+    for name in ("n-m-a-partial-aaaaaaa.json", "n-m-a-partial-ccccccc.json", "n-m-a-bbbbbbb.json",
+                 "n-m-a-partial-ddddddd.json", "p-m-screen-partial-aaaaaaa.json", "p-m-screen-deciding-bbbbbbb.json",
+                 "p-m-confirm-partial-ccccccc.json", "p-m-confirm-partial-ddddddd.json"):  # fmt: skip
+        (tmp_path / name).write_text("{}")
+    monkeypatch.setattr(index, "history", lambda: {"ddddddd": 0, "ccccccc": 1, "bbbbbbb": 2, "aaaaaaa": 3})
+    series, _ = index.classify(tmp_path)
+    status = {s: {f["name"]: f["status"] for f in files} for s, files in series.items()}
+    assert status == {
+        "n-m-a": {
+            "n-m-a-bbbbbbb.json": "current",
+            "n-m-a-partial-ddddddd.json": "superseded",
+            "n-m-a-partial-ccccccc.json": "superseded",
+            "n-m-a-partial-aaaaaaa.json": "superseded",
+        },
+        "p-m-screen-deciding": {
+            "p-m-screen-deciding-bbbbbbb.json": "current",
+            "p-m-screen-partial-aaaaaaa.json": "superseded",
+        },
+        "p-m-confirm-partial": {
+            "p-m-confirm-partial-ddddddd.json": "current",
+            "p-m-confirm-partial-ccccccc.json": "superseded",
+        },
+    }
+    monkeypatch.setattr(index, "folders", lambda: [tmp_path])
+    monkeypatch.setattr(index, "cited", lambda: {"n-m-a-partial-ccccccc.json": ["docs/x.md"]})
+    assert sorted(p.name for p in index.prunable()) == [
+        "n-m-a-partial-aaaaaaa.json", "n-m-a-partial-ddddddd.json", "p-m-confirm-partial-ccccccc.json",
+        "p-m-screen-partial-aaaaaaa.json",
+    ]  # fmt: skip
