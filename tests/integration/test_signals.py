@@ -259,14 +259,29 @@ def test_a_second_signal_does_not_corrupt_the_checkpoint(tmp_path):
 
 @pytest.mark.bad_input("signal")
 def test_stop_signals_record_restore_and_ignore_a_repeat():
-    old = signal.getsignal(signal.SIGTERM)
-    with StopSignals() as signals:
-        assert signals.requested() == 0
-        os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGINT)  # noted, not raised: the save is not interrupted
-        time.sleep(0.01)
-        assert signals.requested() == signal.SIGTERM
-    assert signal.getsignal(signal.SIGTERM) is old
+    """Inside, a signal is recorded and a second one ignored (the save is not interrupted); on a
+    clean exit the handlers from before are back and the recorded signal, which no step loop acted
+    on, is handed on to them once (the repeat is not)."""
+    outside = []
+
+    def record(signum, frame):
+        outside.append(signum)
+
+    old = signal.signal(signal.SIGTERM, record)
+    old_int = signal.signal(signal.SIGINT, record)
+    try:
+        with StopSignals() as signals:
+            assert signals.requested() == 0
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)  # noted, not raised: the save is not interrupted
+            time.sleep(0.01)
+            assert signals.requested() == signal.SIGTERM
+            assert outside == []
+        assert signal.getsignal(signal.SIGTERM) is record and signal.getsignal(signal.SIGINT) is record
+        assert outside == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, old_int)
 
 
 @pytest.mark.bad_input("signal")
