@@ -271,7 +271,7 @@ def plan(
         "host_mem_gib": host_mem_gib,
         "routing_replay_bytes_per_step": rollout_tokens
         * route_bytes_per_token(m.num_layers, m.moe_router_topk, m.num_experts),
-        "routing_replay_on": recipe.algo.routing != "none",
+        "routing_replay_on": recipe.algo.routing.replays_in_training,
         "weight_sync_bytes_per_update": 2 * total["total"],
         "weight_sync_on": recipe.rollout.engine != "embedded",
         "colocated": phases,

@@ -132,7 +132,7 @@ def check_routes_served(recipe: Recipe) -> None:
     Launched engines get ``--enable-return-routed-experts`` from the launcher; a server that does
     not answer is left to engine setup (it may still be starting)."""
     cfg = recipe.rollout.sglang
-    if recipe.rollout.engine != "sglang" or recipe.algo.routing != "r3":
+    if recipe.rollout.engine != "sglang" or not recipe.algo.routing.wants_engine_routes:
         return
     urls = [u for field, u in attached_urls(recipe) if field != "rollout.sglang.router_url"]
     from moe_rl.rollout.sglang_client import SGLangClient, SGLangError

@@ -53,9 +53,9 @@ class Mutant:
 MUTANTS = (
     Mutant(
         "R3 replays pi_old's recorded routes (R2's)",
-        "moe_rl/trainer/rl.py",
-        'replay_BSLK = recorded_BSLK if algo.routing == "r2" else rollout_routes_BSLK',
-        'replay_BSLK = recorded_BSLK if algo.routing in ("r2", "r3") else rollout_routes_BSLK',
+        "moe_rl/routing/__init__.py",
+        "return recorded if self.pi_old_action is RouterAction.RECORD else engine",
+        "return recorded if self.replays_in_training else engine",
         (
             "tests/unit/test_wiring.py",
             "tests/integration/test_rl_e2e.py",

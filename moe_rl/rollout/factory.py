@@ -299,7 +299,7 @@ def launch_fleet(
                 host=bind,
                 advertise_host=dial,
                 port=(cfg.port or None) if i == 0 else None,
-                enable_return_routed_experts=recipe.algo.routing == "r3",
+                enable_return_routed_experts=recipe.algo.routing.wants_engine_routes,
                 mem_fraction_static=cfg.mem_fraction,
                 dtype=dtype,
                 module=cfg.module,

@@ -359,7 +359,7 @@ class Run:
             start = engine_start(self.recipe, **kw)  # the export reads the weights: before they leave
             with self.memory_for_engine("launch"):  # colocated: engines start beside no trainer state
                 self.engine = build_sglang_engine(self.recipe, rank=self.info.rank, model_path=start, **kw)
-            self.engine_gives_routes = self.recipe.algo.routing == "r3"
+            self.engine_gives_routes = self.recipe.algo.routing.wants_engine_routes
 
     def embedded_engine(self, route_noise: float | None = None) -> RolloutEngine:
         """An embedded engine over this run's policy, as the ``rollout`` section configures one: the

@@ -159,7 +159,7 @@ def generate(run: Run, step: int) -> tuple[list[Prompt], Rollouts]:
     policy's device)."""
     cfg = run.recipe.train
     prompts = local_prompts(run, run.task.sample(step, cfg.prompts_per_step, run.recipe.task.seed))
-    want_routes = run.recipe.algo.routing == "r3" or run.engine_gives_routes
+    want_routes = run.recipe.algo.routing.wants_engine_routes or run.engine_gives_routes
     sampling = sampling_for(run, step, routes=want_routes, gates=run.recipe.algo.replay_gate_weights)
     return prompts, run.generate(encode_prompts(run, prompts), cfg.group_size, sampling)
 
@@ -245,13 +245,12 @@ def old_policy(run: Run, rollouts: Rollouts, adv_B: torch.Tensor) -> tuple[RLBat
     rollout_logp_BT = rollouts.logprobs_BT
     old_logp_BT, is_weights, metrics = rollout_logp_BT, None, {}
     lens_B = valid_BS.sum(1).to(torch.int64)
-    probe_before_BSLK = None
-    if algo.old_logprobs == "recompute" or algo.routing == "r2":
+    probe_before_BSLK = recorded_BSLK = None
+    if algo.old_logprobs == "recompute" or algo.routing.needs_pi_old_pass:
         recomputed_BT, old_routes_BSLK, recorded_BSLK = old_policy_pass(
             run, tokens_BT, rollout_routes_BSLK, lens_B, gates_BSLK
         )
         probe_before_BSLK = reused_probe_before(run, old_routes_BSLK, rollout_routes_BSLK, valid_BS)
-        replay_BSLK = recorded_BSLK if algo.routing == "r2" else rollout_routes_BSLK
         if algo.old_logprobs == "recompute":
             old_logp_BT = recomputed_BT
             is_weights = correction_weights_for(algo, recomputed_BT, rollout_logp_BT, mask_BT)
@@ -260,7 +259,8 @@ def old_policy(run: Run, rollouts: Rollouts, adv_B: torch.Tensor) -> tuple[RLBat
             flips = [route_flips(rollout_routes_BSLK, old_routes_BSLK, valid_BS)]
             metrics.update(flip_rates(run, {"flip/rollout_vs_trainer": flips}))
     else:  # bypass mode: pi_old is the rollout policy, its routes are the engine's
-        replay_BSLK = old_routes_BSLK = rollout_routes_BSLK
+        old_routes_BSLK = rollout_routes_BSLK
+    replay_BSLK = algo.routing.replayed(recorded_BSLK, rollout_routes_BSLK)
     batch = RLBatch(
         tokens_BT, mask_BT, valid_BS, adv_B, old_logp_BT, replay_BSLK, old_routes_BSLK, is_weights
     )
@@ -348,7 +348,7 @@ def old_policy_pass(
     R3 when the replayed routes were the natural ones (:func:`reused_probe_before`), their
     natural routes here are the probe's "before" routes, computed by the same operations."""
     algo, (b, s) = run.recipe.algo, (tokens_BT.shape[0], tokens_BT.shape[1] - 1)
-    action = {"r2": RouterAction.RECORD, "r3": RouterAction.REPLAY}.get(algo.routing, RouterAction.NATURAL)
+    action = algo.routing.pi_old_action
     n_probe = probe_rows(run, b)
     logps, naturals, recorded = [], [], []
     for rows in micro_batches(run, lens_B, 0, n_probe) + micro_batches(run, lens_B, n_probe, b):
@@ -388,7 +388,7 @@ def reused_probe_before(
     n = probe_rows(run, natural_BSLK.shape[0])
     natural_BSLK = natural_BSLK[:n]
     algo = run.recipe.algo
-    if algo.routing != "r3":
+    if algo.routing.pi_old_action is not RouterAction.REPLAY:
         return natural_BSLK
     if (
         replayed_BSLK is None
@@ -503,6 +503,25 @@ def train_on(run: Run, batch: RLBatch, timer: StepTimer | None = None, *, step: 
     return metrics
 
 
+def training_replay(
+    run: Run, batch: RLBatch, rows: slice
+) -> tuple[RouterAction, torch.Tensor | None, torch.Tensor | None]:
+    """How a training-side forward (an update's, the reference's) of ``batch``'s ``rows`` routes:
+    ``(action, routes_BSLK, gates_BSLK)``, replaying the batch's routes (with the engine's gate
+    weights where the batch holds them) when the run's routing mode replays in training, else
+    naturally. Decided by the run that trains, not the one that collected: a study's arms train
+    on one batch."""
+    if not run.recipe.algo.routing.replays_in_training:
+        return RouterAction.NATURAL, None, None
+    if batch.replay_BSLK is None:
+        raise ValueError(
+            f"algo.routing={run.recipe.algo.routing} replays routes in training, but the batch holds none "
+            "(collected without replay): collect it under the routing mode that trains on it"
+        )
+    gates = batch.replay_gates_BSLK
+    return RouterAction.REPLAY, batch.replay_BSLK[rows], None if gates is None else gates[rows]
+
+
 def _micro_step(
     run: Run,
     batch: RLBatch,
@@ -520,10 +539,7 @@ def _micro_step(
     ``entropy`` and ``flips`` (``flips["experts"]``).
     """
     cfg, algo = run.recipe.train, run.recipe.algo
-    replay_BSLK = batch.replay_BSLK[rows] if algo.routing != "none" else None
-    action = RouterAction.REPLAY if replay_BSLK is not None else RouterAction.NATURAL
-    gates = batch.replay_gates_BSLK
-    gates_BSLK = gates[rows] if replay_BSLK is not None and gates is not None else None
+    action, replay_BSLK, gates_BSLK = training_replay(run, batch, rows)
     mask_BT = batch.mask_BT[rows]
     pack = packed(run, batch.tokens_BT[rows], batch.lens_B[rows])
     session = RoutingSession(

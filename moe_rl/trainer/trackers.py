@@ -29,7 +29,6 @@ import json
 import os
 import re
 import time
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -125,10 +124,10 @@ class TensorBoardTracker(Tracker):
         would start another folder and write its metric values as scalars)."""
         from torch.utils.tensorboard.summary import hparams
 
-        from moe_rl.config import AlgoConfig
         from moe_rl.names import LOSS_NAMES
+        from moe_rl.routing import RoutingMode
 
-        routings = list(typing.get_args(typing.get_type_hints(AlgoConfig)["routing"]))
+        routings = [m.value for m in RoutingMode]
         values = {k: scalar_param(v) for k, v in params.items()}
         domains = {"algo.name": list(LOSS_NAMES), "algo.routing": routings}
         domains = {k: d for k, d in domains.items() if values.get(k) in d}
