@@ -46,9 +46,9 @@ def two_pass(run, tokens_BT, mask_BT, lens_B, sigma: float, seed: int) -> dict[s
     b, s = tokens_BT.shape[0], tokens_BT.shape[1] - 1
     passes = []
     for i in range(2):
-        run.policy.route_noise = RouteNoise(sigma, seed=seed * 2 + i)
+        noise = RouteNoise(sigma, seed=seed * 2 + i)
         pack = packed(run, tokens_BT, lens_B)
-        with torch.no_grad(), RoutingSession(run.policy, RouterAction.NATURAL, pack=pack) as rs:
+        with torch.no_grad(), RoutingSession(run.policy, RouterAction.NATURAL, pack=pack, noise=noise) as rs:
             out = run.policy.logprobs(
                 tokens_BT, temperature=run.recipe.train.temperature, with_entropy=True, pack=pack
             )

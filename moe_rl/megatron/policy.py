@@ -21,7 +21,6 @@ from moe_rl.megatron.model import build_gpt, moe_routers
 from moe_rl.megatron.packing import PackedRows, pack_rows
 from moe_rl.megatron.parallel import ParallelInfo
 from moe_rl.megatron.routing import install_route_choice
-from moe_rl.routing.noise import RouteNoise
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +62,6 @@ class Policy:
         self.info = info
         self.model = build_gpt(model_cfg, parallel_cfg)
         self.routers = moe_routers(self.model)
-        self.route_noise = RouteNoise()
-        "Selection noise of this policy's routers (moe_rl.routing.noise; off by default)."
         install_route_choice(self)
         self.vocab_start = info.tp_rank * (model_cfg.vocab_size // info.tp_size)
 

@@ -443,6 +443,8 @@ class EmbeddedEngine:
         Returns right-padded ``[B, T]`` tokens with B = len(prompts) * n (see
         moe_rl.rollout.types for the alignment of log-probs and routes).
         """
+        from moe_rl.megatron.routing import routed_with
+
         self._check(prompts, n, sampling)
         t_start = time.perf_counter()
         rows = [list(p) for p in prompts for _ in range(n)]
@@ -457,9 +459,8 @@ class EmbeddedEngine:
         self.decoder.begin()  # collective under EP with the lean decoder: every rank calls generate
         self._calls += 1
         self.route_noise.reseed(noise_seed(sampling.seed, self._calls))
-        trainer_noise, self.policy.route_noise = self.policy.route_noise, self.route_noise
-        try:
-            with torch.no_grad():
+        try:  # the engine's forwards route with its own noise; the trainer's keep theirs
+            with torch.no_grad(), routed_with(self.policy, self.route_noise):
                 for c in range(n_chunks):
                     i, j = spans[c] if c < len(spans) else (0, 0)
                     chunk = _Chunk(self, rows[i:j], gens[i:j], sampling) if j > i else None
@@ -470,7 +471,6 @@ class EmbeddedEngine:
                         gates.append(chunk_gates)
         finally:
             model.train(was_training)
-            self.policy.route_noise = trainer_noise  # the trainer's forwards keep their own noise
         return self._assemble(chunks, routes, gates, prompts, n, sampling, time.perf_counter() - t_start)
 
     def _run_chunk(
@@ -484,7 +484,9 @@ class EmbeddedEngine:
         decoder, want_routes = self.decoder, sampling.return_routes
         by_session = want_routes and chunk is not None and decoder.routes_from_session
         session = (
-            RoutingSession(self.policy, RouterAction.NATURAL, capture_gates=sampling.return_gates)
+            RoutingSession(
+                self.policy, RouterAction.NATURAL, capture_gates=sampling.return_gates, noise=self.route_noise
+            )
             if by_session
             else None
         )

@@ -65,6 +65,8 @@ class Run:
     "The optimizer of the current stage (None until :meth:`make_optimizer`)."
     engine: RolloutEngine | None
     "The rollout engine (None until :meth:`ensure_engine`)."
+    route_noise: RouteNoise
+    "The selection noise the trainer's routing sessions route with (``train.route_noise``): drawn anew for each RL step by :func:`moe_rl.trainer.rl.collect`; forwards outside a session route without."
     engine_gives_routes: bool
     "Ask the engine for every token's routed experts (free on the embedded engine; SGLang: R3 only)."
     sink: MetricsSink
@@ -112,7 +114,7 @@ class Run:
                 *(i.dp_rank, i.dp_size),
             )
         self.policy = build_policy(recipe.model, recipe.parallel, self.info)
-        self.policy.route_noise = RouteNoise(recipe.train.route_noise, seed=recipe.train.seed)
+        self.route_noise = RouteNoise(recipe.train.route_noise, seed=recipe.train.seed)
         self.optimizer = None
         self.engine = None
         self.engine_gives_routes = False
@@ -400,14 +402,9 @@ class Run:
             return
         from moe_rl.rollout.weight_sync.verify import check_scores, score_tolerance
 
-        noise, self.policy.route_noise = self.policy.route_noise, RouteNoise()
-        try:
-            mine = [
-                self.policy.logprobs(torch.tensor([p.tokens])).logp_BT[0, p.prompt_len :].tolist()
-                for p in probes
-            ]
-        finally:
-            self.policy.route_noise = noise
+        mine = [  # outside a routing session: no route noise
+            self.policy.logprobs(torch.tensor([p.tokens])).logp_BT[0, p.prompt_len :].tolist() for p in probes
+        ]
         r = self.recipe
         tolerance = score_tolerance(r.model.dtype, r.rollout_dtype, r.rollout.verify_tolerance)
         check_scores(probes, mine, tolerance, self.engine.weight_version)

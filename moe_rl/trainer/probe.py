@@ -98,7 +98,7 @@ class RoutingShareProbe(StepHook):
         share_routes = len(micro_batches(run, lens_B, 0, n)) == 1
         for routes in (None, batch.old_routes_BSLK[:n]):
             action = RouterAction.NATURAL if routes is None else RouterAction.REPLAY
-            session = RoutingSession(run.policy, action, routes_BSLK=routes, pack=pack)
+            session = RoutingSession(run.policy, action, routes_BSLK=routes, pack=pack, noise=run.route_noise)
             with torch.no_grad(), session:
                 logp_BT = run.policy.logprobs(tokens_BT, temperature=temperature, pack=pack).logp_BT
             if routes is None and share_routes:

@@ -98,7 +98,12 @@ class Reference:
                 pack = packed(run, batch.tokens_BT[rows], batch.lens_B[rows])
                 action, routes_BSLK, gates_BSLK = training_replay(run, batch, rows)
                 session = RoutingSession(
-                    run.policy, action, routes_BSLK=routes_BSLK, gates_BSLK=gates_BSLK, pack=pack
+                    run.policy,
+                    action,
+                    routes_BSLK=routes_BSLK,
+                    gates_BSLK=gates_BSLK,
+                    pack=pack,
+                    noise=run.route_noise,
                 )
                 with session:
                     tokens_BT, t = batch.tokens_BT[rows], run.recipe.train.temperature

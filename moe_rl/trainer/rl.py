@@ -125,7 +125,7 @@ def collect(run: Run, step: int, timer: StepTimer | None = None) -> tuple[RLBatc
     timer = timer or StepTimer()
     cfg = run.recipe.train  # the trainer's route noise, drawn per step (a resumed run draws the same)
     seed = make_rng("route_noise", cfg.seed, step).randrange(2**63)
-    run.policy.route_noise = RouteNoise(cfg.route_noise, seed=seed)
+    run.route_noise = RouteNoise(cfg.route_noise, seed=seed)
     with timer.record("rollout"):
         prompts, rollouts = generate(run, step)
     with timer.record("old_logprob"):  # scoring is cheap: it is timed with the pi_old forward
@@ -355,7 +355,9 @@ def old_policy_pass(
         routes = rollout_routes_BSLK[rows] if action is RouterAction.REPLAY else None
         gates = rollout_gates_BSLK[rows] if routes is not None and rollout_gates_BSLK is not None else None
         pack = packed(run, tokens_BT[rows], lens_B[rows])
-        session = RoutingSession(run.policy, action, routes_BSLK=routes, gates_BSLK=gates, pack=pack)
+        session = RoutingSession(
+            run.policy, action, routes_BSLK=routes, gates_BSLK=gates, pack=pack, noise=run.route_noise
+        )
         with torch.no_grad(), session:
             out = run.policy.logprobs(tokens_BT[rows], temperature=run.recipe.train.temperature, pack=pack)
         logps.append(out.logp_BT)
@@ -409,7 +411,9 @@ def natural_routes(run: Run, tokens_BT: torch.Tensor, lens_B: torch.Tensor | Non
     out = []
     for rows in micro_batches(run, lens_B, 0, b):
         pack = packed(run, tokens_BT[rows], lens_B[rows])
-        session = RoutingSession(run.policy, RouterAction.NATURAL, pack=pack, stop_after_routes=True)
+        session = RoutingSession(
+            run.policy, RouterAction.NATURAL, pack=pack, stop_after_routes=True, noise=run.route_noise
+        )
         with torch.no_grad(), session:
             run.policy.logits(tokens_BT[rows, :-1], pack=pack)
         out.append(session.natural_BSLK(rows.stop - rows.start, s))
@@ -543,7 +547,13 @@ def _micro_step(
     mask_BT = batch.mask_BT[rows]
     pack = packed(run, batch.tokens_BT[rows], batch.lens_B[rows])
     session = RoutingSession(
-        run.policy, action, routes_BSLK=replay_BSLK, gates_BSLK=gates_BSLK, pack=pack, entropy=True
+        run.policy,
+        action,
+        routes_BSLK=replay_BSLK,
+        gates_BSLK=gates_BSLK,
+        pack=pack,
+        entropy=True,
+        noise=run.route_noise,
     )
     with session:
         out = run.policy.logprobs(
