@@ -45,7 +45,15 @@ from pathlib import Path
 from moe_rl.config import load_recipe
 from moe_rl.errors import PathError, UserError
 from moe_rl.lab.arms import COMPARE_ARMS, DEMO_ARMS, arm_dir
-from moe_rl.lab.compare_checks import MARKER, check_arms, check_out, check_reruns, claim_out, job_overrides
+from moe_rl.lab.compare_checks import (
+    MARKER,
+    Job,
+    check_arms,
+    check_out,
+    check_reruns,
+    claim_out,
+    job_overrides,
+)
 from moe_rl.lab.compare_plot import plot
 from moe_rl.lab.report import summarize
 from moe_rl.lab.results import csv_text, json_safe, write_json, write_text
@@ -142,24 +150,6 @@ def parse_count(text: str | int, flag: str, what: str) -> int:
 
 
 # -- the runs -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Job:
-    """One run of the comparison: ``arm``'s replicate ``seed`` into ``out``."""
-
-    arm: str
-    seed: int
-    out: Path
-
-    @property
-    def label(self) -> str:
-        return f"{self.arm} seed {self.seed}"
-
-    @property
-    def log_file(self) -> Path:
-        """Beside the run's folder (which a fresh run empties)."""
-        return self.out.parent / f"{self.out.name}.log"
-
-
 def plan_jobs(arms: list[str], seeds: int | list[int], out: Path) -> list[Job]:
     """Every arm's every seed (a count N: seeds 0 .. N-1), seed by seed (the first seed of every arm
     first: a comparison cut short still has whole seeds to pair)."""

@@ -6,19 +6,34 @@ train`` makes (:func:`check_arms`)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from moe_rl.config import ConfigError, load_recipe
 from moe_rl.errors import PathError
 from moe_rl.lab.arms import arm_overrides
 from moe_rl.lab.results import write_json
 
-if TYPE_CHECKING:
-    from moe_rl.lab.compare import Job
-
 MARKER = ".moe-rl-compare"
 "Written into a comparison's ``out``: the folder is the command's own (a rerun may write into it)."
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run of the comparison: ``arm``'s replicate ``seed`` into ``out``."""
+
+    arm: str
+    seed: int
+    out: Path
+
+    @property
+    def label(self) -> str:
+        return f"{self.arm} seed {self.seed}"
+
+    @property
+    def log_file(self) -> Path:
+        """Beside the run's folder (which a fresh run empties)."""
+        return self.out.parent / f"{self.out.name}.log"
 
 
 def job_overrides(overrides: list[str], job: Job) -> list[str]:

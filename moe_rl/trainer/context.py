@@ -14,9 +14,9 @@ import logging
 import math
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import yaml
@@ -24,7 +24,6 @@ import yaml
 from moe_rl.config import Recipe, to_dict
 from moe_rl.files import write_text
 from moe_rl.routing.noise import RouteNoise
-from moe_rl.trainer.hooks import FunctionHook, OptimizerStep, StepHook
 from moe_rl.trainer.signals import StopRequested, StopSignals
 from moe_rl.trainer.state import Checkpointer, RunState, TrainingStopped
 
@@ -36,9 +35,9 @@ if TYPE_CHECKING:
     from moe_rl.rollout.types import HFStateSource, RolloutEngine, Rollouts, SamplingParams
     from moe_rl.tasks.base import Task
     from moe_rl.tasks.tokenizer import Tokenizer
+    from moe_rl.trainer.batch import RLBatch
     from moe_rl.trainer.metrics import MetricsSink
     from moe_rl.trainer.progress import Progress
-    from moe_rl.trainer.reference import Reference
 
 log = logging.getLogger(__name__)
 RANK_LOGGER = "moe_rl.rank"
@@ -46,6 +45,59 @@ RANK_LOGGER = "moe_rl.rank"
 
 SHARED_SECTIONS = ("model", "parallel", "rollout", "task")
 "Recipe sections a derived run keeps: the policy, process groups, engine and task were built from them."
+
+
+# -- seam 1: hooks after each optimizer step (moe_rl.trainer.hooks) ------------------------------
+@dataclass(frozen=True)
+class OptimizerStep:
+    """What a hook sees after one optimizer step."""
+
+    run: Run
+    "The run that stepped (``run.optimizer.step_count`` counts this step already)."
+    stage: str
+    "The stage: ``sft`` or ``rl``."
+    step: int
+    "The stage's step the update belongs to (an RL step holds ``minibatches`` updates)."
+    minibatch: int
+    "The update's index j within the step, 0 .. ``minibatches`` - 1 (0 in SFT)."
+    minibatches: int
+    "Updates in the step: ``train.minibatches`` in RL, 1 in SFT."
+    stats: dict[str, float]
+    "What ``optimizer.step()`` returned (``grad_norm``, ``lr``, ``skipped``; SFT adds ``loss``)."
+    batch: RLBatch | None = None
+    "The RL step's rollout batch (this rank's rows); None in SFT."
+
+
+class StepHook:
+    """A measurement after each optimizer step; subclass and override what it needs."""
+
+    def begin(self, run: Run, step: int, batch: RLBatch) -> None:
+        """Before the first update of RL step ``step`` on ``batch``."""
+
+    def __call__(self, event: OptimizerStep) -> None:
+        """After each optimizer step."""
+
+    def metrics(self, run: Run) -> dict[str, float]:
+        """After the updates of an RL step: metrics to add to the step's (reduced over ranks)."""
+        return {}
+
+
+class FunctionHook(StepHook):
+    """A plain function ``fn(event)`` as a hook (:meth:`Run.add_hook` wraps functions in it)."""
+
+    def __init__(self, fn: Callable[[OptimizerStep], object]):
+        self.fn = fn
+
+    def __call__(self, event: OptimizerStep) -> None:
+        self.fn(event)
+
+
+class KLReference(Protocol):
+    """What the RL step asks of the KL term's reference (:class:`moe_rl.trainer.reference.Reference`)."""
+
+    def use(self, run: Run, batch: RLBatch, rewards_B: torch.Tensor) -> dict[str, float]:
+        """Set ``batch.ref_logp_BT`` (and, with an in-reward KL, the advantages); the penalty's metrics."""
+        ...
 
 
 class Run:
@@ -80,8 +132,10 @@ class Run:
     signals: StopSignals
     "SIGTERM / SIGINT seen while :func:`moe_rl.trainer.run.run` runs the stages (installed there)."
     hooks: list[StepHook]
-    "Called after each optimizer step (:mod:`moe_rl.trainer.hooks`); the flip probe is the first."
-    reference: Reference | None
+    "Called after each optimizer step (:mod:`moe_rl.trainer.hooks`), after :attr:`probes`."
+    probes: list[StepHook]
+    "The trainer's own probes (:mod:`moe_rl.trainer.probe`), made by the first RL step (:func:`moe_rl.trainer.rl.step_hooks`); one list for this run and those derived from it."
+    reference: KLReference | None
     "The KL term's reference, the RL stage's starting weights (:mod:`moe_rl.trainer.reference`); None without one."
     phases: Progress
     "Rank 0's progress: phase lines, a bar or plain step lines, progress.json (:mod:`moe_rl.trainer.progress`)."
@@ -92,7 +146,6 @@ class Run:
         from moe_rl.preflight import check_vocab
         from moe_rl.tasks import build_task, load_tokenizer
         from moe_rl.trainer.metrics import MetricsSink
-        from moe_rl.trainer.probe import FlipProbe, RoutingShareProbe
         from moe_rl.trainer.progress import Progress
 
         self.recipe = recipe
@@ -128,7 +181,8 @@ class Run:
             checkpoint_root(recipe), self.policy.model, keep=recipe.checkpoint.keep
         )
         self.signals = StopSignals()
-        self.hooks = [RoutingShareProbe(), FlipProbe()]  # the share's forward serves the flip probe
+        self.hooks = []
+        self.probes = []
         self.reference = None
         self.phases = Progress(self.out, enabled=self.info.rank == 0, log_every=recipe.train.log_every)
         self._derived_from: Run | None = None

@@ -14,12 +14,12 @@ import torch
 from moe_rl import dist
 from moe_rl.megatron.routing import RoutingSession
 from moe_rl.routing import RouterAction
+from moe_rl.trainer.forwards import flip_rates, micro_batches, natural_routes, packed, probe_rows, route_flips
 from moe_rl.trainer.hooks import OptimizerStep, StepHook
-from moe_rl.trainer.rl import flip_rates, micro_batches, natural_routes, packed, probe_rows, route_flips
 
 if TYPE_CHECKING:
+    from moe_rl.trainer.batch import RLBatch
     from moe_rl.trainer.context import Run
-    from moe_rl.trainer.rl import RLBatch
 
 
 class FlipProbe(StepHook):

@@ -35,8 +35,8 @@ from moe_rl.losses import sequence_kl
 if TYPE_CHECKING:
     from moe_rl.config import Recipe
     from moe_rl.megatron.policy import Policy
+    from moe_rl.trainer.batch import RLBatch
     from moe_rl.trainer.context import Run
-    from moe_rl.trainer.rl import RLBatch
 
 log = logging.getLogger(__name__)
 

@@ -41,17 +41,20 @@ from moe_rl.losses.corrections import (
     mismatch_metrics,
 )
 from moe_rl.megatron.checkpoint import weights_finite
-from moe_rl.megatron.packing import PackedRows, token_budget_chunks
 from moe_rl.megatron.routing import RoutingSession
 from moe_rl.rollout.types import Rollouts, SamplingParams
 from moe_rl.routing import RouterAction
 from moe_rl.routing.codec import decode_routes
-from moe_rl.routing.flip import flip_counts, flip_metrics
 from moe_rl.routing.load import expert_load_counts, expert_load_metrics
 from moe_rl.routing.noise import RouteNoise
 from moe_rl.routing.validate import validate_routes
 from moe_rl.tasks.base import Prompt, batch_rewards, make_rng
-from moe_rl.trainer.hooks import OptimizerStep
+from moe_rl.trainer.batch import RLBatch as RLBatch  # re-exported, as the forwards: where callers found them
+from moe_rl.trainer.forwards import chunks as chunks
+from moe_rl.trainer.forwards import flip_rates, micro_batches, packed, probe_rows, route_flips
+from moe_rl.trainer.forwards import natural_routes as natural_routes
+from moe_rl.trainer.hooks import OptimizerStep, StepHook
+from moe_rl.trainer.probe import FlipProbe, RoutingShareProbe
 from moe_rl.trainer.samples import samples_due, write_samples
 from moe_rl.trainer.sft import encode_pair
 from moe_rl.trainer.timer import StepTimer
@@ -62,32 +65,6 @@ if TYPE_CHECKING:
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 "A loss of ``moe_rl.losses.LOSSES``: ``(LossBatch, AlgoConfig) -> (loss, metrics)``."
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
-
-
-@dataclass
-class RLBatch:
-    """One rollout batch on this rank, ready for the minibatch updates."""
-
-    tokens_BT: torch.Tensor
-    mask_BT: torch.Tensor  # response tokens (the loss mask)
-    valid_BS: torch.Tensor  # input positions that carry routes (t < total_len - 1)
-    adv_B: torch.Tensor
-    old_logp_BT: torch.Tensor
-    replay_BSLK: torch.Tensor | None  # routes replayed in training (R2, R3)
-    old_routes_BSLK: torch.Tensor | None  # pi_old's natural routes, for drift
-    is_weights: torch.Tensor | None = None  # train-inference correction, [B, T] or [B] (detached)
-    probe_before_BSLK: torch.Tensor | None = None  # the probe rows' natural routes under pi_old
-    # (optimizer step count, the probe rows' natural routes after that step): a probe's natural
-    # forward of them (the routing share's), which the flip probe takes instead of running its own
-    probe_after: tuple[int, torch.Tensor] | None = None
-    # the engine's gate weights, replayed with replay_BSLK (R3 with algo.replay_gate_weights)
-    replay_gates_BSLK: torch.Tensor | None = None
-    ref_logp_BT: torch.Tensor | None = None  # log pi_ref of the KL term (trainer/reference.py), or None
-
-    @property
-    def lens_B(self) -> torch.Tensor:
-        """Input positions of every row (``total_len - 1``): what a packed forward computes."""
-        return self.valid_BS.sum(1).to(torch.int64)
 
 
 @dataclass
@@ -403,68 +380,6 @@ def reused_probe_before(
     return natural_BSLK if bool(same_BS[valid_BS[:n].bool()].all()) else None
 
 
-def natural_routes(run: Run, tokens_BT: torch.Tensor, lens_B: torch.Tensor | None = None) -> torch.Tensor:
-    """The policy's own top-k experts ``[B, S, L, K]`` for ``tokens_BT`` (no gradients), forwards
-    ended at the last router; with ``lens_B`` (and ``train.packing``) only those positions."""
-    b, s = tokens_BT.shape[0], tokens_BT.shape[1] - 1
-    lens_B = torch.full((b,), s, dtype=torch.int64) if lens_B is None else lens_B
-    out = []
-    for rows in micro_batches(run, lens_B, 0, b):
-        pack = packed(run, tokens_BT[rows], lens_B[rows])
-        session = RoutingSession(
-            run.policy, RouterAction.NATURAL, pack=pack, stop_after_routes=True, noise=run.route_noise
-        )
-        with torch.no_grad(), session:
-            run.policy.logits(tokens_BT[rows, :-1], pack=pack)
-        out.append(session.natural_BSLK(rows.stop - rows.start, s))
-    return torch.cat(out)
-
-
-def probe_rows(run: Run, b: int) -> int:
-    """Rows of the flip probe: the first ``train.flip_probe_sequences`` of the batch."""
-    return min(run.recipe.train.flip_probe_sequences, b)
-
-
-def micro_batches(run: Run, lens_B: torch.Tensor, start: int, stop: int) -> list[slice]:
-    """Row slices of ``[start, stop)``, one per forward: ``train.micro_batch_size`` rows, or with
-    packing and ``train.pack_tokens``, at most that many input tokens (``lens_B``) each."""
-    cfg = run.recipe.train
-    if cfg.packing and cfg.pack_tokens:
-        return token_budget_chunks(lens_B[start:stop], cfg.pack_tokens, start)
-    return [slice(start + c.start, start + c.stop) for c in chunks(stop - start, cfg.micro_batch_size)]
-
-
-def packed(run: Run, tokens_BT: torch.Tensor, lens_B: torch.Tensor) -> PackedRows | None:
-    """These rows packed for the policy (``train.packing``), or None: the padded forward."""
-    return run.policy.pack(tokens_BT, lens_B) if run.recipe.train.packing else None
-
-
-def chunks(n: int, size: int) -> list[slice]:
-    """Row slices of at most ``size`` (all rows when size is 0; none of no rows)."""
-    size = size or max(n, 1)
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
-# -- flip counting -----------------------------------------------------------------------------------
-def route_flips(a_BSLK: torch.Tensor, b_BSLK: torch.Tensor, valid_BS: torch.Tensor) -> dict:
-    """Additive flip counts between two route sets of the same tokens (``flip_counts``)."""
-    n = a_BSLK.shape[0] * a_BSLK.shape[1]
-    return flip_counts(
-        a_BSLK.reshape(n, *a_BSLK.shape[2:]), b_BSLK.reshape(n, *b_BSLK.shape[2:]), valid_BS.reshape(n)
-    )
-
-
-def flip_rates(run: Run, counts: dict[str, list[dict]]) -> dict[str, float]:
-    """Flip counts (metric prefix -> pieces) summed over pieces and data-parallel ranks, as rates."""
-    out = {}
-    for prefix, pieces in counts.items():
-        total = {k: sum(c[k] for c in pieces).float().clone() for k in pieces[0]}
-        for v in total.values():
-            dist.all_reduce(v, run.info.dp_group)
-        out.update(flip_metrics(total, prefix))
-    return out
-
-
 # -- the M minibatch updates -------------------------------------------------------------------------
 def train_on(run: Run, batch: RLBatch, timer: StepTimer | None = None, *, step: int = 0) -> dict[str, float]:
     """M minibatch updates of RL step ``step``, the run's hooks around them (timed as "probe":
@@ -479,8 +394,9 @@ def train_on(run: Run, batch: RLBatch, timer: StepTimer | None = None, *, step: 
     per_minibatch = b // cfg.minibatches
     minibatches = [slice(i * per_minibatch, (i + 1) * per_minibatch) for i in range(cfg.minibatches)]
     counts = _global_counts(run, [batch.mask_BT[mb] for mb in minibatches])
+    hooks = step_hooks(run)
     with timer.record("probe"):
-        for hook in run.hooks:
+        for hook in hooks:
             hook.begin(run, step, batch)
     loss_metrics, grad_norms, entropy, flips, skipped = [], [], [], {}, 0
     for mb, (num_sequences, num_tokens) in zip(minibatches, counts):
@@ -496,15 +412,24 @@ def train_on(run: Run, batch: RLBatch, timer: StepTimer | None = None, *, step: 
         j = len(grad_norms) - 1  # this update's index in the step
         event = OptimizerStep(run, "rl", step, j, cfg.minibatches, stats, batch)
         with timer.record("probe"):
-            for hook in run.hooks:
+            for hook in hooks:
                 hook(event)
     metrics = _reduce_over_dp(run, loss_metrics, entropy, flips)
-    for hook in run.hooks:
+    for hook in hooks:
         metrics.update(hook.metrics(run))
     metrics["grad_norm"] = max(grad_norms)
     metrics["lr"] = stats["lr"]
     metrics["optim/skipped_updates"] = float(skipped)
     return metrics
+
+
+def step_hooks(run: Run) -> list[StepHook]:
+    """The hooks around an RL step's updates: the trainer's own probes (``ratio/routing_share``,
+    whose forward serves the flip probe, then ``flip/step``), made at the run's first RL step and
+    shared with the runs derived from it (:attr:`Run.probes`), then the run's own hooks."""
+    if not run.probes:
+        run.probes.extend([RoutingShareProbe(), FlipProbe()])
+    return [*run.probes, *run.hooks]
 
 
 def training_replay(

@@ -141,8 +141,6 @@ class TensorBoardTracker(Tracker):
         self.writer.flush()
 
     def samples(self, step: int, kind: str, rows: list[dict]) -> None:
-        from moe_rl.trainer.samples import samples_text
-
         self.writer.add_text(f"samples/{kind}", samples_text(rows), step)
         self.writer.flush()
 
@@ -287,3 +285,20 @@ def make_tracker(name: str) -> Tracker:
     except KeyError:
         raise KeyError(f"unknown tracker {name!r}: use one of {', '.join(TRACKERS)}") from None
     return cls()
+
+
+def samples_text(rows: list[dict]) -> str:
+    """Markdown of sample rows for TensorBoard's text view: a header line per row, then the prompt
+    and the response as code blocks (so the text shows as generated)."""
+    parts = []
+    for r in rows:
+        head = [f"reward {r['reward']:.4g}"]
+        if "advantage" in r:
+            head.append(f"advantage {r['advantage']:+.4g}")
+        head += [f"{r['response_tokens']} tokens", str(r["finish_reason"]), f"answer `{r['answer']}`"]
+        parts.append(
+            f"**row {r['row']}**: "
+            + ", ".join(head)
+            + f"\n\n```\n{r['prompt']}\n```\n\n```\n{r['response']}\n```"
+        )
+    return "\n\n---\n\n".join(parts)
