@@ -395,7 +395,7 @@ MUTANTS = (
     ),
     Mutant(
         "a resumed RL run trains with SFT's optimizer (routers unfrozen, their lr multiplier gone)",
-        "moe_rl/trainer/context.py",
+        "moe_rl/trainer/state.py",
         'self.make_optimizer(saved.stage or "sft")',
         'self.make_optimizer("sft")',
         ("tests/unit/test_resume_knobs.py", "tests/unit/test_freeze_router.py"),

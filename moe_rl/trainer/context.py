@@ -8,12 +8,10 @@ The stages that train it live beside it: :func:`moe_rl.trainer.sft.run_sft`,
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
-import math
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -24,15 +22,16 @@ import yaml
 from moe_rl.config import Recipe, to_dict
 from moe_rl.files import write_text
 from moe_rl.routing.noise import RouteNoise
-from moe_rl.trainer.signals import StopRequested, StopSignals
-from moe_rl.trainer.state import Checkpointer, RunState, TrainingStopped
+from moe_rl.trainer.engine_handle import EngineHandle
+from moe_rl.trainer.signals import StopSignals
+from moe_rl.trainer.state import Checkpointer, RunState, SaveResume
 
 if TYPE_CHECKING:
     from moe_rl.config import AlgoConfig, OptimConfig, TrainConfig
     from moe_rl.megatron.optim import Optimizer
     from moe_rl.megatron.parallel import ParallelInfo
     from moe_rl.megatron.policy import Policy
-    from moe_rl.rollout.types import HFStateSource, RolloutEngine, Rollouts, SamplingParams
+    from moe_rl.rollout.types import RolloutEngine
     from moe_rl.tasks.base import Task
     from moe_rl.tasks.tokenizer import Tokenizer
     from moe_rl.trainer.batch import RLBatch
@@ -100,8 +99,11 @@ class KLReference(Protocol):
         ...
 
 
-class Run:
-    """The objects one run holds, built in dependency order; every trainer function takes it."""
+class Run(EngineHandle, SaveResume):
+    """The objects one run holds, built in dependency order; every trainer function takes it. Its
+    engine handle (:class:`~moe_rl.trainer.engine_handle.EngineHandle`: generate, push, the
+    engine's memory) and its save and resume policy (:class:`~moe_rl.trainer.state.SaveResume`,
+    beside the :class:`~moe_rl.trainer.state.Checkpointer`) are its bases."""
 
     recipe: Recipe
     "The resolved recipe (another algo / optim / train: :meth:`derive` a run)."
@@ -298,200 +300,6 @@ class Run:
         if new_optimizer or new.optim != self.recipe.optim or frozen_changed:
             out.make_optimizer(out.state.stage or "rl")
         return out
-
-    def save(self) -> Path:
-        """Checkpoint policy, optimizer, RNG and run state (with the metrics written so far).
-
-        A policy with a non-finite weight or a uniform output (:meth:`dead_output`) is never
-        saved: :class:`TrainingStopped`, naming the last good checkpoint.
-        """
-        from moe_rl.megatron.checkpoint import NonFiniteWeights
-
-        self.state.metrics_offset = self.sink.offset()
-        dead = self.dead_output()
-        if dead is not None:
-            raise TrainingStopped(
-                f"{self.state.stage} step {self.state.step}: the policy is dead ({dead}): not saved; "
-                f"{self.last_good_text()}: lower optim.lr"
-            )
-        try:
-            return self.checkpointer.save(self.optimizer, self.state)
-        except NonFiniteWeights as e:
-            raise TrainingStopped(
-                f"{self.state.stage} step {self.state.step}: {e}; {self.last_good_text()}: "
-                "lower optim.lr or check the data"
-            ) from None
-
-    @torch.no_grad()
-    def dead_output(self) -> str | None:
-        """Why the policy's output is dead (uniform over the vocabulary on a probe of token ids:
-        entropy within ``DEAD_ENTROPY_TOL`` of ln V), or None. A forward of one short row on
-        every rank (a collective under TP / EP)."""
-        from moe_rl.trainer.sentinel import DEAD_ENTROPY_TOL
-
-        v = self.recipe.model.vocab_size
-        n = min(16, self.recipe.model.max_seq_len)
-        probe_BT = (torch.arange(n, dtype=torch.int64) * 7 % self.tok.vocab_size)[None, :]
-        entropy = self.policy.logprobs(probe_BT, with_entropy=True).entropy_BT[:, 1:].mean()
-        if float(entropy) >= math.log(v) - DEAD_ENTROPY_TOL:
-            return f"output uniform: entropy {float(entropy):.5f} = ln({v})"
-        return None
-
-    def last_good_text(self) -> str:
-        """Where the last good checkpoint is, for a stop message (only one that passed the checks)."""
-        good = self.checkpointer.last_good
-        if good is None:
-            return "no good checkpoint of this run was written"
-        return f"the last good checkpoint is {good} (--resume continues from it)"
-
-    def stop_if_signalled(self, where: str, *, can_save: bool = True) -> None:
-        """After a step: when a rank got SIGTERM / SIGINT, save (if ``can_save`` and the weights
-        pass the checks), log one line and raise :class:`StopRequested`."""
-        signum = self.signals.requested()
-        if not signum:
-            return
-        import signal
-
-        name, saved = signal.Signals(signum).name, None
-        if can_save:
-            try:
-                saved = self.save()
-            except TrainingStopped as e:
-                log.warning("%s", e)
-        if saved is not None:
-            msg = f"{name}: stopped after {where}, checkpoint {saved} written; continue with --resume"
-        else:
-            msg = f"{name}: stopped after {where} without a checkpoint; {self.last_good_text()}"
-        log.warning("%s", msg)
-        raise StopRequested(signum, msg)
-
-    def resume(self) -> bool:
-        """Load the newest intact checkpoint of this run's directory (with its stage's optimizer),
-        and cut ``metrics.jsonl`` back to what was written when it was saved; True."""
-        from moe_rl.errors import PathError
-        from moe_rl.megatron.checkpoint import NoCheckpoint
-        from moe_rl.trainer.state import resume_conflict
-
-        conflict = resume_conflict(self.out, self.checkpointer.root)
-        if conflict is not None:
-            raise PathError(conflict)
-        saved = self.checkpointer.saved_state()
-        try:
-            if saved is None:
-                self.checkpointer.load(None)  # raises, naming what it skipped
-            self.make_optimizer(saved.stage or "sft")
-            self.state = self.checkpointer.load(self.optimizer)
-        except NoCheckpoint as e:
-            raise NoCheckpoint(f"nothing to resume: {e}") from None
-        self.state.attempt += 1
-        self.cut_rows()
-        return True
-
-    def tag_rows(self) -> None:
-        """Tag the rows the sink writes from now on with this run's id and attempt."""
-        self.sink.tags = {"run": self.state.run_id, "attempt": self.state.attempt}
-
-    def cut_rows(self) -> None:
-        """After a resume or a rollback: cut ``metrics.jsonl`` back to what was written when the
-        checkpoint now loaded was saved (those steps run again), and tag the rows to come."""
-        if self.state.metrics_offset is not None:
-            removed = self.sink.truncate(self.state.metrics_offset)
-            if removed:
-                log.info("metrics.jsonl: removed %d rows written after the checkpoint (run again)", removed)
-        self.tag_rows()
-
-    def ensure_engine(self) -> None:
-        """Build the rollout engine the recipe names (once)."""
-        if self.engine is not None:
-            return
-        rollout_cfg = self.recipe.rollout
-        if rollout_cfg.engine == "embedded":
-            self.engine = self.embedded_engine()
-            self.engine_gives_routes = True  # free: captured during generation
-        else:
-            from moe_rl.rollout.factory import build_sglang_engine, engine_start
-
-            kw = {"policy": self.policy, "tokenizer": self.tok, "out": self.out}
-            start = engine_start(self.recipe, **kw)  # the export reads the weights: before they leave
-            with self.memory_for_engine("launch"):  # colocated: engines start beside no trainer state
-                self.engine = build_sglang_engine(self.recipe, rank=self.info.rank, model_path=start, **kw)
-            self.engine_gives_routes = self.recipe.algo.routing.wants_engine_routes
-
-    def embedded_engine(self, route_noise: float | None = None) -> RolloutEngine:
-        """An embedded engine over this run's policy, as the ``rollout`` section configures one: the
-        run's own (:meth:`ensure_engine`), or another beside it whose routers add selection noise
-        ``route_noise`` instead of ``rollout.route_noise`` (a measurement's second engine: pass it
-        to :meth:`derive`; the caller closes it)."""
-        from moe_rl.rollout import get_engine_class
-
-        cfg = self.recipe.rollout
-        return get_engine_class("embedded")(
-            self.policy,
-            pad_id=self.tok.pad_id,
-            eos_id=self.tok.eos_id,
-            decoder=cfg.embedded_decoder,
-            dtype=self.recipe.rollout_dtype,
-            router_dtype=cfg.router_dtype,
-            route_noise=cfg.route_noise if route_noise is None else route_noise,
-        )
-
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
-        """The engine's ``n`` rollouts of each prompt, on the policy's device: the trainer's one
-        device boundary (engines return host tensors; everything the step computes from the batch
-        lives on the policy's device, as NCCL's collectives need). The engine works with the
-        trainer's memory on the host where it shares the GPUs (:meth:`memory_for_engine`)."""
-        with self.memory_for_engine("rollout"):  # a rollout reads no trainer tensor
-            rollouts = self.engine.generate(prompt_ids, n, sampling)
-        self.check_push()
-        return rollouts.to(self.info.device)
-
-    @torch.no_grad()
-    def check_push(self) -> None:
-        """After a rollout that took a due push check's probes (``rollout.verify_every``): the
-        trainer scores the tokens each engine scored, without route noise; WeightSyncError when an
-        engine's scores are off (:func:`moe_rl.rollout.weight_sync.verify.check_scores`)."""
-        take = getattr(self.engine, "take_push_probes", None)
-        probes = take() if take is not None else None
-        if not probes:
-            return
-        from moe_rl.rollout.weight_sync.verify import check_scores, score_tolerance
-
-        mine = [  # outside a routing session: no route noise
-            self.policy.logprobs(torch.tensor([p.tokens])).logp_BT[0, p.prompt_len :].tolist() for p in probes
-        ]
-        r = self.recipe
-        tolerance = score_tolerance(r.model.dtype, r.rollout_dtype, r.rollout.verify_tolerance)
-        check_scores(probes, mine, tolerance, self.engine.weight_version)
-
-    def push_weights(self) -> None:
-        """The policy's weights to the engine, which then serves version ``optimizer.step_count``."""
-        with self.memory_for_engine("push"):  # a push reads the weights
-            self.engine.update_weights(self.weights_for_engine(), str(self.optimizer.step_count))
-
-    @contextlib.contextmanager
-    def memory_for_engine(self, phase: str) -> Iterator[None]:
-        """Around engine phase ``phase`` (rollout, push, launch) on the trainer's own GPUs
-        (``rollout.colocated``): the engines hold memory only inside the block and, with
-        ``rollout.sglang.offload_trainer``, the trainer's state waits in host memory meanwhile, every
-        rank in step (:func:`moe_rl.trainer.colocate.engine_phase`); a no-op elsewhere. Every
-        tensor is back, as it was, when the block ends."""
-        if not self.recipe.rollout.colocated:
-            yield
-            return
-        from moe_rl.trainer.colocate import engine_phase
-
-        trainer = self.optimizer if self.recipe.rollout.sglang.offload_trainer else None
-        with engine_phase(trainer, lambda: self.engine, phase):
-            yield
-
-    def weights_for_engine(self) -> HFStateSource | None:
-        """What ``engine.update_weights`` reads: None for the embedded engine (it shares the
-        policy's weights in process), else the policy's weights under HF names."""
-        if self.recipe.rollout.engine == "embedded":
-            return None
-        from moe_rl.megatron.hf import PolicyHFSource
-
-        return PolicyHFSource(self.policy)
 
     def progress(self, stage: str, step: int, total: int, metrics: dict[str, float]) -> None:
         """Rank 0's progress after ``stage``'s step ``step`` (0-based) of ``total``, with s/step and
