@@ -15,6 +15,7 @@ import dataclasses
 import enum
 import functools
 import math
+import os
 import sys
 import types
 import typing
@@ -394,7 +395,6 @@ KEEP_AS_WRITTEN = ("char",)
 def resolve_path(value: str, folder: str | Path) -> str:
     """``value`` (a path, or ``path/to/file.py:function``) made absolute against ``folder``: an
     absolute path, a ``module:function`` and :data:`KEEP_AS_WRITTEN` stay as they are."""
-    import os
 
     head, sep, tail = value.rpartition(":")
     if sep and not head.endswith(".py"):  # module:function, or a Windows drive: not a file to resolve

@@ -54,7 +54,8 @@ import json
 import math
 import sys
 
-from moe_rl.config import ConfigError, ParallelConfig, Recipe
+from moe_rl.argparsing import ArgParser, int_at_least, number_in, one_line_errors
+from moe_rl.config import ConfigError, ParallelConfig, Recipe, load_recipe
 from moe_rl.plan_colocated import (
     colocated_detail,
     colocated_phases,
@@ -354,7 +355,6 @@ def format_plan(pl: dict) -> str:
 
 def arg_parser():
     """``moe-rl plan``'s command line (every flag's value range-checked by its type)."""
-    from moe_rl.argparsing import ArgParser, int_at_least, number_in
 
     ap = ArgParser(prog="moe-rl plan", description=__doc__.splitlines()[0])
     ap.add_argument("recipe")
@@ -389,7 +389,6 @@ def command(argv: list[str] | None = None) -> int:
     """``moe-rl plan RECIPE [overrides] [--num-gpus N] [--gpu-mem-gib G] [--json]``; 1 if it cannot
     fit. A user error raises (``moe-rl``'s main turns it into one line)."""
     args = arg_parser().parse_args(argv)
-    from moe_rl.config import load_recipe
 
     pl = plan(
         load_recipe(args.recipe, args.overrides),
@@ -409,7 +408,6 @@ def command(argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """:func:`command`, with a user error as one ``moe-rl: <kind>: <message>`` line (exit code 2)."""
-    from moe_rl.argparsing import one_line_errors
 
     argv = list(sys.argv[1:] if argv is None else argv)
     return one_line_errors(lambda: command(argv), verbose=False)

@@ -37,6 +37,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import subprocess
 import time
 import traceback
 from dataclasses import dataclass
@@ -65,9 +67,11 @@ from moe_rl.lab.runner import (
     read_arm,
     resumable_run,
 )
-from moe_rl.lab.starts import warm_start
+from moe_rl.lab.starts import cached_start, sft_key, warm_start
 from moe_rl.lab.stats import auc, mean, outlier_steps, paired
 from moe_rl.lab.status import STATUS_EVERY, StatusLines, fmt
+from moe_rl.trainer.run_lock import hold_run_dir
+from moe_rl.trainer.signals import StopRequested
 
 log = logging.getLogger(__name__)
 
@@ -361,10 +365,6 @@ def _start(
 ) -> Path | None:
     """The SFT start every run begins from (trained once into ``<out>/starts``) when the recipe has
     an SFT stage; None when it names its own start; a recipe with neither is refused."""
-    import subprocess
-
-    from moe_rl.lab.starts import cached_start, sft_key
-    from moe_rl.trainer.signals import StopRequested
 
     base = load_recipe(recipe, overrides)
     if "sft" not in base.train.stages:
@@ -432,7 +432,6 @@ def run_compare(
     (:func:`check_reruns`) unless ``fresh``. Returns ``{"table", "rows", "failed", "out", "files",
     "wall_s"}``; a stop signal raises :class:`~moe_rl.trainer.signals.StopRequested` once every
     child saved (:func:`moe_rl.lab.runner.stop_cleanly` turns it into 128 + the signal)."""
-    from moe_rl.trainer.run_lock import hold_run_dir
 
     recipe, overrides = Path(recipe), list(overrides)
     arms = list(arms or DEMO_ARMS)
@@ -472,9 +471,6 @@ class _Plan:
 
 def _compare_runs(plan: _Plan, status_every: float, stream) -> dict:
     """:func:`run_compare`'s runs, in a held ``out``: the start, every job, the results."""
-    import signal
-
-    from moe_rl.trainer.signals import StopRequested
 
     recipe, overrides, arms, seeds, out, planned = (
         plan.recipe,

@@ -10,9 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_rl.config import ConfigError, load_recipe
-from moe_rl.errors import PathError
+from moe_rl.errors import PathError, Unavailable
 from moe_rl.lab.arms import arm_overrides
 from moe_rl.lab.results import write_json
+from moe_rl.lab.runner import arm_run_overrides, differences
+from moe_rl.preflight import check_engine_layout, check_routes_served, check_services, preflight
 
 MARKER = ".moe-rl-compare"
 "Written into a comparison's ``out``: the folder is the command's own (a rerun may write into it)."
@@ -68,7 +70,6 @@ def check_reruns(out: Path, jobs: list[Job], recipe: Path, overrides: list[str],
     message names the runs, how their recipe differs (saved -> asked) and the ways on. A rerun of
     the same recipe resumes or skips them instead; ``fresh`` trains them again beside what they
     hold (:func:`moe_rl.lab.runner.run_arm`: nothing is deleted)."""
-    from moe_rl.lab.runner import arm_run_overrides, differences
 
     differing: dict[tuple[str, ...], list[str]] = {}
     for job in jobs:
@@ -100,8 +101,6 @@ def check_arms(recipe: Path, overrides: list[str], arms: list[str]) -> dict[str,
     lengths, held-out split, layout, an attached server's routes), and every SGLang server or
     router it attaches to answers (:func:`moe_rl.preflight.check_services`); an error names the
     arm. Returns each arm's RL steps."""
-    from moe_rl.errors import Unavailable
-    from moe_rl.preflight import check_engine_layout, check_routes_served, check_services, preflight
 
     steps, checked = {}, False
     for name in arms:

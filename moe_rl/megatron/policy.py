@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.config import ModelConfig, ParallelConfig
+from moe_rl.kernels import logprobs_from_hidden, resolve_logprob_impl, triton_available
 from moe_rl.kernels.logprob_reference import logprobs_entropy
 from moe_rl.megatron.model import build_gpt, moe_routers
 from moe_rl.megatron.packing import PackedRows, pack_rows
@@ -176,8 +177,6 @@ class Policy:
         chunked path; full logits off CUDA)."""
         path = self.cfg.logprob_impl
         if path == "auto":
-            from moe_rl.kernels import resolve_logprob_impl, triton_available
-
             if self.info.device.type != "cuda" or not triton_available():
                 return "logits"
             return resolve_logprob_impl("auto", self.info.device, self.output_weight().dtype)
@@ -215,8 +214,6 @@ class Policy:
             logits = self.logits(tokens_BT[:, :-1], pack=pack)
             logp, ent = logprobs_entropy(logits.reshape(-1, logits.shape[-1]), target, **kw)
         else:
-            from moe_rl.kernels import logprobs_from_hidden
-
             h = self.hidden(tokens_BT[:, :-1], pack=pack)
             logp, ent = logprobs_from_hidden(
                 h.reshape(-1, h.shape[-1]), self.output_weight(), target, impl=path, **kw

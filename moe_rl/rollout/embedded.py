@@ -48,7 +48,11 @@ from collections.abc import Iterable
 import torch
 
 from moe_rl import dist
+from moe_rl.kernels.logprob_reference import logprobs_entropy
+from moe_rl.megatron.routing import RoutingSession, routed_with
 from moe_rl.rollout.types import HFStateSource, Rollouts, SamplingParams
+from moe_rl.routing import RouterAction
+from moe_rl.routing.noise import RouteNoise
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +394,6 @@ class EmbeddedEngine:
         router_dtype: str = "same",
         route_noise: float = 0.0,
     ):
-        from moe_rl.routing.noise import RouteNoise
 
         if policy.info.tp_size > 1:
             raise NotImplementedError(
@@ -424,7 +427,6 @@ class EmbeddedEngine:
 
     def token_logprobs(self, logits_NV: torch.Tensor, tok_N: torch.Tensor, temperature: float):
         """fp32 log_softmax(logits / temperature)[tok], the trainer's function (vocab-parallel)."""
-        from moe_rl.kernels.logprob_reference import logprobs_entropy
 
         info = self.policy.info
         logp, _ = logprobs_entropy(
@@ -443,7 +445,6 @@ class EmbeddedEngine:
         Returns right-padded ``[B, T]`` tokens with B = len(prompts) * n (see
         moe_rl.rollout.types for the alignment of log-probs and routes).
         """
-        from moe_rl.megatron.routing import routed_with
 
         self._check(prompts, n, sampling)
         t_start = time.perf_counter()
@@ -478,8 +479,6 @@ class EmbeddedEngine:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Step until no rank has live rows; return the chunk's routes [b, T, L, K] and their gates
         (float32), each if asked (else None)."""
-        from moe_rl.megatron.routing import RoutingSession
-        from moe_rl.routing import RouterAction
 
         decoder, want_routes = self.decoder, sampling.return_routes
         by_session = want_routes and chunk is not None and decoder.routes_from_session

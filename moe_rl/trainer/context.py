@@ -21,10 +21,17 @@ import yaml
 
 from moe_rl.config import Recipe, to_dict
 from moe_rl.files import write_text
+from moe_rl.megatron.optim import Optimizer
+from moe_rl.megatron.parallel import backend_for, destroy_parallel
+from moe_rl.megatron.policy import build_policy
+from moe_rl.preflight import check_vocab
 from moe_rl.routing.noise import RouteNoise
+from moe_rl.tasks import build_task, load_tokenizer
 from moe_rl.trainer.engine_handle import EngineHandle
+from moe_rl.trainer.metrics import MetricsSink
+from moe_rl.trainer.progress import Progress
 from moe_rl.trainer.signals import StopSignals
-from moe_rl.trainer.state import Checkpointer, RunState, SaveResume
+from moe_rl.trainer.state import Checkpointer, RunState, SaveResume, read_run_file, write_run_file
 
 if TYPE_CHECKING:
     from moe_rl.config import AlgoConfig, OptimConfig, TrainConfig
@@ -144,11 +151,6 @@ class Run(EngineHandle, SaveResume):
 
     def __init__(self, recipe: Recipe, *, write_recipe: bool = True):
         from moe_rl.megatron.parallel import init_parallel
-        from moe_rl.megatron.policy import build_policy
-        from moe_rl.preflight import check_vocab
-        from moe_rl.tasks import build_task, load_tokenizer
-        from moe_rl.trainer.metrics import MetricsSink
-        from moe_rl.trainer.progress import Progress
 
         self.recipe = recipe
         self.tok = load_tokenizer(recipe.model.tokenizer)
@@ -156,7 +158,6 @@ class Run(EngineHandle, SaveResume):
         self.task = build_task(recipe.task, self.tok)
         self._owns_dist = not torch.distributed.is_initialized()
         if recipe.rollout.engine == "sglang":  # before NCCL starts: it reads its interface once
-            from moe_rl.megatron.parallel import backend_for
             from moe_rl.rollout.factory import pin_nccl_for_engines
 
             pin_nccl_for_engines(recipe, nccl=backend_for(recipe.parallel) == "nccl")
@@ -194,7 +195,6 @@ class Run(EngineHandle, SaveResume):
     def write_recipe(self) -> None:
         """``<out_dir>/recipe.yaml`` (the resolved recipe) and ``run.json`` (the run's id and
         checkpoint folder: what ``--resume`` continues), each written atomically (rank 0)."""
-        from moe_rl.trainer.state import read_run_file, write_run_file
 
         if self.info.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -205,7 +205,6 @@ class Run(EngineHandle, SaveResume):
     def make_optimizer(self, stage: str) -> None:
         """A fresh optimizer for ``stage``: RL does not inherit the SFT stage's Adam moments. In
         RL with ``train.freeze_router`` it never changes the routers (:meth:`frozen_for`)."""
-        from moe_rl.megatron.optim import Optimizer
 
         cfg = self.recipe.optim
         lr = self.recipe.train.sft_lr
@@ -321,8 +320,6 @@ class Run(EngineHandle, SaveResume):
         if self.engine is not None:
             self.engine.close()
         if self._owns_dist and torch.distributed.is_initialized():
-            from moe_rl.megatron.parallel import destroy_parallel
-
             destroy_parallel()
 
 

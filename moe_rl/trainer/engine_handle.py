@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moe_rl.rollout import get_engine_class
+from moe_rl.trainer.colocate import engine_phase
+
 if TYPE_CHECKING:
     from moe_rl.config import Recipe
     from moe_rl.megatron.optim import Optimizer
@@ -64,7 +67,6 @@ class EngineHandle:
         run's own (:meth:`ensure_engine`), or another beside it whose routers add selection noise
         ``route_noise`` instead of ``rollout.route_noise`` (a measurement's second engine: pass it
         to :meth:`derive`; the caller closes it)."""
-        from moe_rl.rollout import get_engine_class
 
         cfg = self.recipe.rollout
         return get_engine_class("embedded")(
@@ -120,7 +122,6 @@ class EngineHandle:
         if not self.recipe.rollout.colocated:
             yield
             return
-        from moe_rl.trainer.colocate import engine_phase
 
         trainer = self.optimizer if self.recipe.rollout.sglang.offload_trainer else None
         with engine_phase(trainer, lambda: self.engine, phase):

@@ -31,6 +31,7 @@ import torch
 
 from moe_rl import dist
 from moe_rl.losses import sequence_kl
+from moe_rl.megatron.routing import RoutingSession
 
 if TYPE_CHECKING:
     from moe_rl.config import Recipe
@@ -89,7 +90,6 @@ class Reference:
     def logprobs(self, run: Run, batch: RLBatch) -> torch.Tensor:
         """log pi_ref of ``batch``'s tokens ``[B, T]`` (0 at position 0, as every log-prob pass),
         micro-batch by micro-batch, routed as the training forwards are (module docstring)."""
-        from moe_rl.megatron.routing import RoutingSession
         from moe_rl.trainer.rl import micro_batches, packed, training_replay
 
         out = []

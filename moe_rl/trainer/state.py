@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +16,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moe_rl.errors import UserError
+from moe_rl import dist
+from moe_rl.errors import PathError, UserError, disk_full_at, is_disk_full
+from moe_rl.files import write_text
 from moe_rl.trainer.signals import StopRequested, StopSignals
 
 if TYPE_CHECKING:
@@ -144,7 +148,6 @@ def read_run_file(out_dir: str | Path) -> dict:
 
 def write_run_file(out_dir: str | Path, run_id: str | None, root: Path) -> None:
     """Record the run ``out_dir`` holds (atomically)."""
-    from moe_rl.files import write_text
 
     doc = {"run_id": run_id, "checkpoint_dir": str(root)}
     write_text(Path(out_dir) / RUN_FILE, json.dumps(doc) + "\n")
@@ -209,7 +212,6 @@ class Checkpointer:
     def save(self, optimizer: Optimizer | None, state: RunState) -> Path:
         """Write the next checkpoint with ``state`` in its meta; :class:`NonFiniteWeights` (nothing
         written, ``state`` unchanged) when the policy has a non-finite weight."""
-        from moe_rl.errors import disk_full_at, is_disk_full
         from moe_rl.megatron.checkpoint import checkpoint_dirs, checkpoint_name, save_checkpoint, step_number
 
         highest = max((step_number(p) for p in checkpoint_dirs(self.root)), default=0)
@@ -236,9 +238,7 @@ class Checkpointer:
 
     def _drop_staging(self, seq: int, state: RunState) -> None:
         """Remove the half-written staging folder of checkpoint ``seq`` (rank 0), if it is there."""
-        import shutil
 
-        from moe_rl import dist
         from moe_rl.megatron.checkpoint import checkpoint_name
 
         if dist.rank() == 0:
@@ -370,7 +370,6 @@ class SaveResume:
         signum = self.signals.requested()
         if not signum:
             return
-        import signal
 
         name, saved = signal.Signals(signum).name, None
         if can_save:
@@ -388,7 +387,6 @@ class SaveResume:
     def resume(self) -> bool:
         """Load the newest intact checkpoint of this run's directory (with its stage's optimizer),
         and cut ``metrics.jsonl`` back to what was written when it was saved; True."""
-        from moe_rl.errors import PathError
         from moe_rl.megatron.checkpoint import NoCheckpoint
 
         conflict = resume_conflict(self.out, self.checkpointer.root)

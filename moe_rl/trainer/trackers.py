@@ -33,6 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from moe_rl.names import LOSS_NAMES
+from moe_rl.routing import RoutingMode
+
 HPARAM_METRICS = (
     "rl/reward/mean",
     "rl/reward/accuracy",
@@ -123,9 +126,6 @@ class TensorBoardTracker(Tracker):
         the :data:`HPARAM_METRICS` this run logs beside its parameters (``SummaryWriter.add_hparams``
         would start another folder and write its metric values as scalars)."""
         from torch.utils.tensorboard.summary import hparams
-
-        from moe_rl.names import LOSS_NAMES
-        from moe_rl.routing import RoutingMode
 
         routings = [m.value for m in RoutingMode]
         values = {k: scalar_param(v) for k, v in params.items()}

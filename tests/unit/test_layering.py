@@ -390,3 +390,37 @@ def test_each_rule_fails_on_a_planted_import(tmp_path, rule_id, rel, text, line,
     bad = broken_by(rule_id, import_graph(_tree(tmp_path, {**tree, rel: text})))
     assert bad and all(e.path.endswith(rel) for e in bad), _report(bad)
     assert f"{rel}:{line}: " in "\n".join(str(e).replace(str(tmp_path) + "/", "") for e in bad)
+
+
+FUNCTION_IMPORTS_PER_KLOC = 10.0
+"Issue 46's ceiling on imports inside function bodies, per 1,000 non-blank lines of moe_rl/ and kernels/."
+
+
+def function_level_imports(packages: dict[str, Path] = PACKAGES) -> tuple[int, int]:
+    """``(imports inside a function body, non-blank lines)`` over the packages' files; an import
+    in a nested function counts once."""
+    found, lines = set(), 0
+    for directory in packages.values():
+        for path in sorted(directory.rglob("*.py")):
+            text = path.read_text()
+            lines += sum(1 for line in text.splitlines() if line.strip())
+            for fn in ast.walk(ast.parse(text)):
+                if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    for stmt in fn.body:
+                        found |= {
+                            (str(path), n.lineno)
+                            for n in ast.walk(stmt)
+                            if isinstance(n, (ast.Import, ast.ImportFrom))
+                        }
+    return len(found), lines
+
+
+def test_function_level_imports_stay_rare():
+    """An import goes at the top of its module unless it is heavy (megatron-core, an optional
+    library, another version's internals), late-bound on purpose, or would close a cycle."""
+    n, lines = function_level_imports()
+    per_kloc = 1000 * n / lines
+    assert per_kloc < FUNCTION_IMPORTS_PER_KLOC, (
+        f"{n} imports inside functions over {lines} non-blank lines: {per_kloc:.1f} per kLOC, over "
+        f"{FUNCTION_IMPORTS_PER_KLOC}: move the cheap ones to the top of their modules"
+    )
