@@ -142,7 +142,6 @@ def train(
     ``--resume`` / ``--fresh``; ``hooks``: called after each optimizer step
     (:mod:`moe_rl.trainer.hooks`). A stop signal ends it with
     :class:`~moe_rl.trainer.signals.StopRequested` after a checkpoint."""
-
     check_main_guard("moe_rl.train")
     _show_progress(verbose)
     recipe = with_data(_recipe(recipe, overrides), data=data, heldout=heldout, reward=reward)
@@ -197,5 +196,4 @@ def evaluate(
 def read_metrics(run_dir: str | Path, stage: str | None = None) -> list[dict]:
     """Every row of a run's ``metrics.jsonl`` (``stage``: ``sft``, ``rl`` or ``rl_eval`` only), as
     written: rates as fractions (0.27 = 27%)."""
-
     return read(Path(run_dir) / "metrics.jsonl", stage)

@@ -62,7 +62,6 @@ def _refuse(text: str, want: str):
 
 def number_in(low: float = 0.0, high: float | None = None) -> Callable[[str], float]:
     """argparse type: a finite, normal number > ``low`` (and < ``high``): seconds, GiB, a fraction."""
-
     want = f"a number > {low:g}" + (f" and < {high:g}" if high is not None else "")
 
     def parse(text: str) -> float:
@@ -97,7 +96,6 @@ def one_line_errors(command: Callable[[], int], verbose: bool) -> int:
     a stop signal, at a step (:class:`~moe_rl.errors.StopRequested`) or anywhere else
     (:class:`~moe_rl.errors.Interrupted`, Ctrl-C), one ``moe-rl: stopped: ...`` line and exit code
     128 + the signal; any other exception is a bug and keeps its traceback."""
-
     try:
         with stop_signals_end_the_command():
             return command()

@@ -103,7 +103,6 @@ def cmd_train(args) -> int:
 def cmd_check(args) -> int:
     """Load and validate a recipe (and its task's data) without starting anything; print it resolved,
     then what it detected (the model, tokenizer, data layout, reward signature, run) as YAML comments."""
-
     import yaml
 
     from moe_rl.config import load_recipe, to_dict
@@ -258,7 +257,6 @@ def cmd_export(args) -> int:
     ``model.hf_path``) nor any run's folder or checkpoint folder, nor a path inside one. The
     export is written beside it and renamed into place; a non-finite policy is refused.
     """
-
     import torch
 
     from moe_rl.config import load_recipe
@@ -345,7 +343,6 @@ def _export_source(args, recipe) -> tuple[str | None, str]:
 def _replacing_file(out):
     """An existing file at ``out`` (``--overwrite``) is set aside, removed after a good export and
     put back after a failed one."""
-
     if not out.is_file():
         yield
         return
@@ -363,7 +360,6 @@ def cmd_bench(args) -> int:
     """Run benchmarks/<name>.py of the checkout moe-rl runs from, with its own arguments: ``python -m
     benchmarks.<name>`` in a child process (:func:`moe_rl.lab.runner.run_child`) that finds the
     checkout's ``benchmarks`` package, in this working directory; its exit status is the command's."""
-
     from moe_rl.lab.arms import ROOT
     from moe_rl.lab.runner import run_child
 
@@ -487,7 +483,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_port(argv: list[str]) -> None:
     """``moe-rl serve``'s ``--port`` is a port number (else the bind fails deep in uvicorn)."""
-
     for i, a in enumerate(argv):
         value = a.partition("=")[2] if a.startswith("--port=") else None
         if a == "--port" and i + 1 < len(argv):

@@ -395,7 +395,6 @@ KEEP_AS_WRITTEN = ("char",)
 def resolve_path(value: str, folder: str | Path) -> str:
     """``value`` (a path, or ``path/to/file.py:function``) made absolute against ``folder``: an
     absolute path, a ``module:function`` and :data:`KEEP_AS_WRITTEN` stay as they are."""
-
     head, sep, tail = value.rpartition(":")
     if sep and not head.endswith(".py"):  # module:function, or a Windows drive: not a file to resolve
         return value

@@ -69,7 +69,6 @@ torch.distributed.checkpoint's writer workers: ``CheckpointException`` of ``Runt
 def is_disk_full(e: BaseException) -> bool:
     """Whether ``e``, or what it wraps (its cause, context and, for torch's ``CheckpointException``,
     every rank's failure), is a full disk (ENOSPC, EDQUOT), however a library reported it."""
-
     seen, todo = set(), [e]
     while todo:
         x = todo.pop()
@@ -92,5 +91,4 @@ def is_disk_full(e: BaseException) -> bool:
 
 def disk_full_at(path: object) -> OSError:
     """The ``OSError`` (ENOSPC) a command's one line reads as "disk full writing <path>"."""
-
     return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))

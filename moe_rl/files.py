@@ -39,7 +39,6 @@ def read_json(path: str | Path) -> Any:
     """The JSON document at ``path``; one that is cut short or edited is a
     :class:`moe_rl.errors.DataError` naming the file, line and column (a missing file: the
     ``OSError``, which names it)."""
-
     text = Path(path).read_text()
     try:
         return json.loads(text)

@@ -52,7 +52,6 @@ def check_main_guard(what: str) -> None:
     """Before ``what`` starts child processes: a script calling it from its top-level code, outside
     an ``if __name__ == "__main__":`` block, stops here with one line (``SystemExit``: no traceback)
     saying where and what to write. A notebook, ``python -c``, and a guarded script pass."""
-
     if multiprocessing.parent_process() is not None:  # a child: its parent checked
         return
     found = _main_line()

@@ -355,7 +355,6 @@ def format_plan(pl: dict) -> str:
 
 def arg_parser():
     """``moe-rl plan``'s command line (every flag's value range-checked by its type)."""
-
     ap = ArgParser(prog="moe-rl plan", description=__doc__.splitlines()[0])
     ap.add_argument("recipe")
     ap.add_argument("overrides", nargs="*", help="section.field=value")
@@ -408,7 +407,6 @@ def command(argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """:func:`command`, with a user error as one ``moe-rl: <kind>: <message>`` line (exit code 2)."""
-
     argv = list(sys.argv[1:] if argv is None else argv)
     return one_line_errors(lambda: command(argv), verbose=False)
 

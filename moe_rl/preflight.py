@@ -195,7 +195,6 @@ def check_hf_path(recipe: Recipe) -> None:
     its ``config.json`` reads as a supported config, and its safetensors weights are there (the
     shards ``model.safetensors.index.json`` lists, else ``*.safetensors``). Whether every tensor
     fits the model is checked when the policy is built (from the files' headers)."""
-
     path = recipe.model.hf_path
     if not path:
         return
@@ -229,7 +228,6 @@ def check_hf_path(recipe: Recipe) -> None:
 
 def preflight(recipe: Recipe) -> tuple[Tokenizer, Task]:
     """The tokenizer and task of ``recipe``, after every check that needs them (see the module)."""
-
     check_hf_path(recipe)
     tok = load_tokenizer(recipe.model.tokenizer)
     check_vocab(recipe, tok)

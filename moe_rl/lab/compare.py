@@ -365,7 +365,6 @@ def _start(
 ) -> Path | None:
     """The SFT start every run begins from (trained once into ``<out>/starts``) when the recipe has
     an SFT stage; None when it names its own start; a recipe with neither is refused."""
-
     base = load_recipe(recipe, overrides)
     if "sft" not in base.train.stages:
         if not (base.model.hf_path or base.checkpoint.load):
@@ -432,7 +431,6 @@ def run_compare(
     (:func:`check_reruns`) unless ``fresh``. Returns ``{"table", "rows", "failed", "out", "files",
     "wall_s"}``; a stop signal raises :class:`~moe_rl.trainer.signals.StopRequested` once every
     child saved (:func:`moe_rl.lab.runner.stop_cleanly` turns it into 128 + the signal)."""
-
     recipe, overrides = Path(recipe), list(overrides)
     arms = list(arms or DEMO_ARMS)
     if not recipe.is_file():
@@ -471,7 +469,6 @@ class _Plan:
 
 def _compare_runs(plan: _Plan, status_every: float, stream) -> dict:
     """:func:`run_compare`'s runs, in a held ``out``: the start, every job, the results."""
-
     recipe, overrides, arms, seeds, out, planned = (
         plan.recipe,
         plan.overrides,

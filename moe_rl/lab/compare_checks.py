@@ -70,7 +70,6 @@ def check_reruns(out: Path, jobs: list[Job], recipe: Path, overrides: list[str],
     message names the runs, how their recipe differs (saved -> asked) and the ways on. A rerun of
     the same recipe resumes or skips them instead; ``fresh`` trains them again beside what they
     hold (:func:`moe_rl.lab.runner.run_arm`: nothing is deleted)."""
-
     differing: dict[tuple[str, ...], list[str]] = {}
     for job in jobs:
         ov = arm_run_overrides(job.out, job_overrides(overrides, job), None, None)
@@ -101,7 +100,6 @@ def check_arms(recipe: Path, overrides: list[str], arms: list[str]) -> dict[str,
     lengths, held-out split, layout, an attached server's routes), and every SGLang server or
     router it attaches to answers (:func:`moe_rl.preflight.check_services`); an error names the
     arm. Returns each arm's RL steps."""
-
     steps, checked = {}, False
     for name in arms:
         try:

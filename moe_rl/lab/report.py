@@ -83,7 +83,6 @@ def load_arm(run_dir: str | Path) -> dict:
     """The newest run's RL and evaluation rows in ``run_dir`` (an earlier run in a folder reused with
     ``--fresh`` is not mixed in); ``dropped``: ``{metric: count}`` of values that are no number
     (left out), ``stages``: the stages its rows hold."""
-
     rows = newest_run(read_run_metrics(run_dir))
     dropped = numbers_only(rows)
     rl = [r for r in rows if r["stage"] == "rl"]
@@ -420,7 +419,6 @@ def check_report_out(out_png: Path) -> None:
 def report(runs: dict[str, str | Path], out_png: str | Path) -> tuple[str, list[dict]]:
     """Plot and tabulate named run directories: ``out_png``, and beside it the table as ``.csv``
     and ``.md`` (same stem); return the table text and summary rows."""
-
     out_png = Path(out_png)
     check_report_out(out_png)
     arms = {name: load_arm(d) for name, d in runs.items()}

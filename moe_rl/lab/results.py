@@ -92,7 +92,6 @@ def write_json(path: str | Path, doc: Any, *, indent: int | None = 1, newline: b
 
 def csv_text(rows: list[dict]) -> str:
     """``rows`` (one dict each, the first one's keys as the header) as CSV; None as empty."""
-
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else [])
     w.writeheader()

@@ -399,7 +399,6 @@ def resumable_run(
 
 def read_arm(out_dir: str | Path) -> dict:
     """``{"rl": rows, "eval": rows}`` of a finished (or stopped) arm; empty when it wrote nothing."""
-
     if not (Path(out_dir) / "metrics.jsonl").exists():
         return {"rl": [], "eval": []}
     return load_arm(out_dir)
@@ -423,7 +422,6 @@ def stop_cleanly(main) -> int:
     """``main()`` for a sweep's command line (:func:`moe_rl.argparsing.run_main`): a run stopped by
     a signal (after its checkpoint) ends the sweep with one line and 128 + the signal's number
     (rerunning the command resumes); a user error is one line and exit code 2."""
-
     return run_main(main, verbose=False)
 
 

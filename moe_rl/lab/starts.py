@@ -140,7 +140,6 @@ def shipped_start(key: str, shipped: tuple[Path, ...] = SHIPPED_STARTS) -> Path 
     """The HF folder of a shipped SFT start of SFT key ``key`` (:data:`SHIPPED_STARTS`), else None.
     Its files are checked against the sha256 its JSON records: a changed file is an error, never a
     silently different start."""
-
     for info_file in shipped:
         if not info_file.exists():
             continue
@@ -242,7 +241,6 @@ def wait_while_trained_elsewhere(root: Path, poll_s: float = 10.0) -> None:
     """Wait while another live process holds ``root``'s run lock (it is training this start): the
     caller then reuses the finished start, or resumes the interrupted one, instead of clearing a
     folder another process is writing into."""
-
     logged = False
     while (holder := held_by(root)) is not None:
         if not logged:

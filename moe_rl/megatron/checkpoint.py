@@ -101,7 +101,6 @@ def _match_main_weights(sharded: dict, ckpt: Path) -> dict:
     main weights are the parameters); such requests are taken out and returned by path, with
     the empty tensor each would have filled, for :func:`load_checkpoint` to put back.
     """
-
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedBase
 
@@ -310,7 +309,6 @@ _WRITER_MANAGER = None
 
 def _writer_server_init() -> None:
     """In the writer queue's server process: survive SIGTERM / SIGINT, end with the parent."""
-
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
@@ -498,7 +496,6 @@ def shape_mismatch(e: BaseException) -> str | None:
     """``<key> is <shape> in the checkpoint and <shape> in the model`` when megatron-core refused a
     load for a tensor's shape (its message may sit inside torch's per-rank ``CheckpointException``);
     else None."""
-
     text = "".join(traceback.format_exception(e))
     m = _SHAPE_MISMATCH.search(text)
     if m is None:

@@ -169,7 +169,6 @@ def varlen_causal(fn, query, key, value, cu_seqlens, max_seqlen, scale) -> torch
     hn]``, causal within each segment, by ``fn`` (``varlen_attn``'s signature). torch 2.10 takes
     ``is_causal``, later releases ``window_size=(-1, 0)``; GQA by ``enable_gqa`` where ``fn``
     has it, else by repeating the keys and values."""
-
     t, heads, hn = query.shape
     accepts = inspect.signature(fn).parameters
     kw = {"scale": scale}

@@ -59,7 +59,6 @@ def use_transformer_engine(cfg: ModelConfig) -> bool:
 def _have(module: str, *names: str) -> bool:
     """Whether ``module`` imports and binds every one of ``names`` to something (megatron-core
     sets a fused kernel it could not import to None)."""
-
     try:
         mod = importlib.import_module(module)
     except Exception:  # ImportError, or a broken CUDA extension

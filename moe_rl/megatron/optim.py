@@ -191,7 +191,6 @@ def use_foreach_multi_tensor() -> list[str]:
     apex: the CPU, and GPUs without either), put :func:`foreach_l2_norm` and :func:`foreach_scale`
     in their place (idempotent; transformer-engine's or apex's kernels are left alone). Returns the
     names replaced now, as ``module.name``."""
-
     from megatron.core import utils
 
     local = {

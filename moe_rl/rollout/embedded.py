@@ -427,7 +427,6 @@ class EmbeddedEngine:
 
     def token_logprobs(self, logits_NV: torch.Tensor, tok_N: torch.Tensor, temperature: float):
         """fp32 log_softmax(logits / temperature)[tok], the trainer's function (vocab-parallel)."""
-
         info = self.policy.info
         logp, _ = logprobs_entropy(
             logits_NV,
@@ -445,7 +444,6 @@ class EmbeddedEngine:
         Returns right-padded ``[B, T]`` tokens with B = len(prompts) * n (see
         moe_rl.rollout.types for the alignment of log-probs and routes).
         """
-
         self._check(prompts, n, sampling)
         t_start = time.perf_counter()
         rows = [list(p) for p in prompts for _ in range(n)]
@@ -479,7 +477,6 @@ class EmbeddedEngine:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Step until no rank has live rows; return the chunk's routes [b, T, L, K] and their gates
         (float32), each if asked (else None)."""
-
         decoder, want_routes = self.decoder, sampling.return_routes
         by_session = want_routes and chunk is not None and decoder.routes_from_session
         session = (

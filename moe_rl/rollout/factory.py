@@ -118,7 +118,6 @@ def pin_nccl_for_engines(recipe, *, nccl: bool) -> str | None:
     """Before the process's first NCCL call: ``NCCL_SOCKET_IFNAME`` set to the interface the
     recipe's remote SGLang engines reach this process at (distributed weight sync over NCCL only;
     NCCL reads it once per process, so set later it would do nothing). The interface, or None."""
-
     rollout = recipe.rollout
     if rollout.engine != "sglang" or rollout.weight_sync != "distributed" or not nccl:
         return None
@@ -197,7 +196,6 @@ def node_address(cfg: SGLangConfig, env: Mapping[str, str] | None = None) -> str
     """Rank 0's routable address, where the other nodes reach engines it launches:
     ``rollout.sglang.trainer_address``, else ``$MOE_RL_TRAINER_ADDR``, else the local address of
     the route to ``$MASTER_ADDR``. Never loopback; it must be an address of this node."""
-
     env = os.environ if env is None else env
     candidates = [
         ("rollout.sglang.trainer_address", cfg.trainer_address),
@@ -246,7 +244,6 @@ def check_reachable(urls: list[str], router_url: str | None, *, multi_node: bool
 
 def engine_gpus(cfg: SGLangConfig, n: int, trainer: list[int]) -> list[tuple[int, ...] | None]:
     """Device mask of each launched engine; ConfigError when they would land on the trainer's GPUs."""
-
     gpus = cfg.gpus if cfg.gpus is not None else (trainer if cfg.colocate and trainer else None)
     if gpus is None:
         if trainer:
@@ -337,7 +334,6 @@ def launch_fleet(
 def start_router(recipe: Recipe, out: Path, fleet, urls: list[str], address: tuple[str, str]) -> str | None:
     """The router URL: ``rollout.sglang.router_url``, else (2+ engines) sglang-router launched here
     over ``urls`` at ``address`` (bind, dial), owned by ``fleet``; None for one engine."""
-
     cfg = recipe.rollout.sglang
     if len(urls) < 2 or cfg.router_url is not None:
         return cfg.router_url
@@ -441,7 +437,6 @@ def check_colocated_servers(engines: list[SGLangClient]) -> None:
 def _launch_on_rank0(recipe: Recipe, out: Path, model_path: str, multi_node: bool, rank: int):
     """Rank 0 launches the fleet and broadcasts its URLs (never loopback across nodes); a failure
     there is raised on every rank (the others would otherwise wait in the broadcast)."""
-
     fleet = urls = router_url = failure = None
     if rank == 0:
         try:
@@ -471,7 +466,6 @@ def _launch_on_rank0(recipe: Recipe, out: Path, model_path: str, multi_node: boo
 
 def _weight_sync(rollout_cfg: RolloutConfig, out: Path, engines: list[SGLangClient]):
     """Rank 0's pusher to every engine, as the recipe's rollout section asks."""
-
     tp_sizes = [rollout_cfg.sglang.tp] * len(engines)
     if rollout_cfg.weight_sync == "disk":
         return DiskWeightSync(engines, rollout_cfg.weight_sync_dir or Path(out) / "weights")
@@ -516,7 +510,6 @@ def launch_on_every_node(recipe: Recipe, out: Path, model_path: str, rank: int):
     """Each node's first rank launches that node's colocated engines; rank 0 the router over all
     of them. Every rank returns (its Fleet or None, every engine URL in placement order, router
     URL); a failure on any node is raised on every rank. Collective."""
-
     cfg = recipe.rollout.sglang
     layout = trainer_layout()
     node = layout[rank][0]

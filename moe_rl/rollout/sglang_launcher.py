@@ -107,7 +107,6 @@ class SGLangServerConfig:
     @property
     def dial_host(self) -> str:
         """The address in the server's URL: ``advertise_host``, else ``host`` (loopback for all interfaces)."""
-
         return self.advertise_host or local_dial(self.host)
 
     def env(self) -> dict[str, str]:

@@ -222,7 +222,6 @@ def serve(
     with :class:`~moe_rl.errors.StopRequested` (one line, exit 128 + the signal). uvicorn shuts
     down on SIGTERM / SIGINT (answering the requests in flight, ``timeout_graceful_shutdown``) and
     raises the signal again as it returns; SIGHUP is given the same shutdown here."""
-
     import uvicorn
 
     if host not in ("127.0.0.1", "localhost", "::1") and not (api_key or admin_api_key):
@@ -266,7 +265,6 @@ def serve(
 
 def build_arg_parser() -> argparse.ArgumentParser:
     """The ``moe-rl serve`` command line: the ``sglang.launch_server`` options the launcher passes, plus ours."""
-
     p = ArgParser("moe-rl serve", description="SGLang-protocol server around a moe-rl rollout engine")
     p.add_argument("--model-path", default="moe-rl-embedded", type=text_value)
     p.add_argument("--host", default="127.0.0.1", type=text_value)
@@ -302,7 +300,6 @@ def build_arg_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace) -> ServeLimits:
     """The limits of ``args``, after checking them and that ``--host``/``--port`` can be listened on
     (before the engine is built); ConfigError names the flag."""
-
     from moe_rl.config import ConfigError
 
     try:

@@ -270,6 +270,5 @@ class RewardFn:
 
 def _array_types() -> tuple[type, ...]:
     """numpy arrays count as lists of values when numpy is loaded (never imported here)."""
-
     np = sys.modules.get("numpy")
     return (np.ndarray,) if np is not None else ()

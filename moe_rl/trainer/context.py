@@ -35,15 +35,12 @@ from moe_rl.trainer.state import Checkpointer, RunState, SaveResume, read_run_fi
 
 if TYPE_CHECKING:
     from moe_rl.config import AlgoConfig, OptimConfig, TrainConfig
-    from moe_rl.megatron.optim import Optimizer
     from moe_rl.megatron.parallel import ParallelInfo
     from moe_rl.megatron.policy import Policy
     from moe_rl.rollout.types import RolloutEngine
     from moe_rl.tasks.base import Task
     from moe_rl.tasks.tokenizer import Tokenizer
     from moe_rl.trainer.batch import RLBatch
-    from moe_rl.trainer.metrics import MetricsSink
-    from moe_rl.trainer.progress import Progress
 
 log = logging.getLogger(__name__)
 RANK_LOGGER = "moe_rl.rank"
@@ -195,7 +192,6 @@ class Run(EngineHandle, SaveResume):
     def write_recipe(self) -> None:
         """``<out_dir>/recipe.yaml`` (the resolved recipe) and ``run.json`` (the run's id and
         checkpoint folder: what ``--resume`` continues), each written atomically (rank 0)."""
-
         if self.info.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             write_text(self.out / "recipe.yaml", yaml.safe_dump(to_dict(self.recipe), sort_keys=False))
@@ -205,7 +201,6 @@ class Run(EngineHandle, SaveResume):
     def make_optimizer(self, stage: str) -> None:
         """A fresh optimizer for ``stage``: RL does not inherit the SFT stage's Adam moments. In
         RL with ``train.freeze_router`` it never changes the routers (:meth:`frozen_for`)."""
-
         cfg = self.recipe.optim
         lr = self.recipe.train.sft_lr
         if stage == "sft" and lr is not None:

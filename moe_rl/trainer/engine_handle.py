@@ -67,7 +67,6 @@ class EngineHandle:
         run's own (:meth:`ensure_engine`), or another beside it whose routers add selection noise
         ``route_noise`` instead of ``rollout.route_noise`` (a measurement's second engine: pass it
         to :meth:`derive`; the caller closes it)."""
-
         cfg = self.recipe.rollout
         return get_engine_class("embedded")(
             self.policy,

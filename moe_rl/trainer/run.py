@@ -38,7 +38,6 @@ STAGES = {"sft": run_sft, "rl": run_rl}
 def check_out_dir(recipe: Recipe, *, resume: bool, fresh: bool) -> None:
     """Refuse to train into a directory holding another run's checkpoints without ``--resume``
     (or ``--fresh``), and ``--resume`` with nothing to resume; before any process group starts."""
-
     if resume and fresh:
         raise PathError("--resume continues the run in train.out_dir and --fresh starts over: give one")
     out = Path(recipe.train.out_dir).resolve()

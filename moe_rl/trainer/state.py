@@ -148,7 +148,6 @@ def read_run_file(out_dir: str | Path) -> dict:
 
 def write_run_file(out_dir: str | Path, run_id: str | None, root: Path) -> None:
     """Record the run ``out_dir`` holds (atomically)."""
-
     doc = {"run_id": run_id, "checkpoint_dir": str(root)}
     write_text(Path(out_dir) / RUN_FILE, json.dumps(doc) + "\n")
 
@@ -238,7 +237,6 @@ class Checkpointer:
 
     def _drop_staging(self, seq: int, state: RunState) -> None:
         """Remove the half-written staging folder of checkpoint ``seq`` (rank 0), if it is there."""
-
         from moe_rl.megatron.checkpoint import checkpoint_name
 
         if dist.rank() == 0:
