@@ -28,7 +28,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moe_rl.config import load_recipe, recipe_from_dict
+from moe_rl.config import load_recipe, recipe_from_dict, to_dict
+from moe_rl.configlib import ConfigError
+from moe_rl.mainguard import check_main_guard
+from moe_rl.preflight import preflight
+from moe_rl.trainer.metrics import read_metrics as read
 
 if TYPE_CHECKING:
     from moe_rl.config import Recipe
@@ -58,8 +62,6 @@ def _rows(data: Any, what: str) -> list[dict]:
     rows = data.to_list() if hasattr(data, "to_list") else list(data)
     bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
     if bad is not None or not rows:
-        from moe_rl.configlib import ConfigError
-
         got = "no records" if not rows else f"record {bad} is a {type(rows[bad]).__name__}"
         raise ConfigError(f"{what}: expected a list of dicts or a datasets.Dataset, got {got}")
     return rows
@@ -90,8 +92,6 @@ def reward_spec(fn: str | Callable) -> str:
     if isinstance(fn, str):
         return fn
     if not callable(fn):
-        from moe_rl.configlib import ConfigError
-
         raise ConfigError(f"reward={fn!r}: give a function or a 'module:function' string")
     module, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if module and module != "__main__" and qual.isidentifier():
@@ -142,12 +142,9 @@ def train(
     ``--resume`` / ``--fresh``; ``hooks``: called after each optimizer step
     (:mod:`moe_rl.trainer.hooks`). A stop signal ends it with
     :class:`~moe_rl.trainer.signals.StopRequested` after a checkpoint."""
-    from moe_rl.mainguard import check_main_guard
-
     check_main_guard("moe_rl.train")
     _show_progress(verbose)
     recipe = with_data(_recipe(recipe, overrides), data=data, heldout=heldout, reward=reward)
-    from moe_rl.preflight import preflight
     from moe_rl.trainer.run import run
 
     preflight(recipe)
@@ -161,8 +158,6 @@ def _recipe(recipe: Recipe | str | Path | dict, overrides: Iterable[str]) -> Rec
     if isinstance(recipe, dict):
         return recipe_from_dict(recipe, overrides)
     if overrides:
-        from moe_rl.config import to_dict
-
         return recipe_from_dict(to_dict(recipe), overrides)
     return recipe
 
@@ -201,6 +196,4 @@ def evaluate(
 def read_metrics(run_dir: str | Path, stage: str | None = None) -> list[dict]:
     """Every row of a run's ``metrics.jsonl`` (``stage``: ``sft``, ``rl`` or ``rl_eval`` only), as
     written: rates as fractions (0.27 = 27%)."""
-    from moe_rl.trainer.metrics import read_metrics as read
-
     return read(Path(run_dir) / "metrics.jsonl", stage)

@@ -11,11 +11,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import math
 import signal
 import sys
 import threading
 import traceback
 from collections.abc import Callable
+
+from moe_rl.errors import Interrupted, StopRequested, Unavailable, UserError, is_disk_full
 
 
 class ArgParser(argparse.ArgumentParser):
@@ -31,7 +34,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def _interrupt(signum, frame) -> None:
-    from moe_rl.errors import Interrupted
 
     raise Interrupted(signum)
 
@@ -60,8 +62,6 @@ def _refuse(text: str, want: str):
 
 def number_in(low: float = 0.0, high: float | None = None) -> Callable[[str], float]:
     """argparse type: a finite, normal number > ``low`` (and < ``high``): seconds, GiB, a fraction."""
-    import math
-
     want = f"a number > {low:g}" + (f" and < {high:g}" if high is not None else "")
 
     def parse(text: str) -> float:
@@ -96,8 +96,6 @@ def one_line_errors(command: Callable[[], int], verbose: bool) -> int:
     a stop signal, at a step (:class:`~moe_rl.errors.StopRequested`) or anywhere else
     (:class:`~moe_rl.errors.Interrupted`, Ctrl-C), one ``moe-rl: stopped: ...`` line and exit code
     128 + the signal; any other exception is a bug and keeps its traceback."""
-    from moe_rl.errors import Interrupted, StopRequested, Unavailable, UserError, is_disk_full
-
     try:
         with stop_signals_end_the_command():
             return command()

@@ -7,12 +7,20 @@ import argparse
 import contextlib
 import logging
 import os
+import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from moe_rl.argparsing import ArgParser, number_in, one_line_errors, text_value
+from moe_rl.detected import detected
+from moe_rl.errors import PathError, StopRequested, UserError, disk_full_at, is_disk_full
+from moe_rl.lab.report import report
+from moe_rl.lab.runner import forwarding_signals
+from moe_rl.outputs import check_export_target
 from moe_rl.quiet import quiet_dependencies
+from moe_rl.serve.embedded import main as serve_main
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -95,12 +103,9 @@ def cmd_train(args) -> int:
 def cmd_check(args) -> int:
     """Load and validate a recipe (and its task's data) without starting anything; print it resolved,
     then what it detected (the model, tokenizer, data layout, reward signature, run) as YAML comments."""
-    from pathlib import Path
-
     import yaml
 
     from moe_rl.config import load_recipe, to_dict
-    from moe_rl.detected import detected
     from moe_rl.preflight import check_hf_path, preflight
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -174,7 +179,6 @@ def compare_parser() -> argparse.ArgumentParser:
 
 
 def cmd_compare(args) -> int:
-    from moe_rl.errors import PathError, UserError
     from moe_rl.lab.compare import parse_arms, parse_count, parse_seeds, run_compare
 
     if not Path(args.recipe).is_file():
@@ -215,8 +219,6 @@ def cmd_compare(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from moe_rl.errors import UserError
-    from moe_rl.lab.report import report
 
     bad = [r for r in args.runs if r.startswith("=") or r.endswith("=")]
     if bad:
@@ -255,17 +257,13 @@ def cmd_export(args) -> int:
     ``model.hf_path``) nor any run's folder or checkpoint folder, nor a path inside one. The
     export is written beside it and renamed into place; a non-finite policy is refused.
     """
-    from pathlib import Path
-
     import torch
 
     from moe_rl.config import load_recipe
-    from moe_rl.errors import PathError, disk_full_at, is_disk_full
     from moe_rl.megatron.checkpoint import CheckpointError, NonFiniteWeights, load_checkpoint
     from moe_rl.megatron.hf import export_hf
     from moe_rl.megatron.parallel import destroy_parallel, init_parallel
     from moe_rl.megatron.policy import build_policy
-    from moe_rl.outputs import check_export_target
     from moe_rl.tasks import load_tokenizer
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -311,7 +309,6 @@ def cmd_export(args) -> int:
 def _export_source(args, recipe) -> tuple[str | None, str]:
     """What ``moe-rl export`` reads (see :func:`cmd_export`): (path, what it is); (None, "the
     randomly initialised policy") only with ``--random-init``."""
-    from moe_rl.errors import UserError
     from moe_rl.megatron.checkpoint import CheckpointError, find_checkpoint
     from moe_rl.trainer.context import checkpoint_root
     from moe_rl.trainer.state import Checkpointer
@@ -346,8 +343,6 @@ def _export_source(args, recipe) -> tuple[str | None, str]:
 def _replacing_file(out):
     """An existing file at ``out`` (``--overwrite``) is set aside, removed after a good export and
     put back after a failed one."""
-    import uuid
-
     if not out.is_file():
         yield
         return
@@ -365,10 +360,6 @@ def cmd_bench(args) -> int:
     """Run benchmarks/<name>.py of the checkout moe-rl runs from, with its own arguments: ``python -m
     benchmarks.<name>`` in a child process (:func:`moe_rl.lab.runner.run_child`) that finds the
     checkout's ``benchmarks`` package, in this working directory; its exit status is the command's."""
-    import os
-    import subprocess
-
-    from moe_rl.errors import UserError
     from moe_rl.lab.arms import ROOT
     from moe_rl.lab.runner import run_child
 
@@ -380,8 +371,6 @@ def cmd_bench(args) -> int:
             if not p.stem.startswith("_") and p.stem not in helpers
         )
         raise UserError(f"no benchmark {args.name!r}; available: {', '.join(names)}")
-    from moe_rl.errors import StopRequested
-    from moe_rl.lab.runner import forwarding_signals
 
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     with forwarding_signals() as stop:  # a stop signal reaches the benchmark, which ends cleanly
@@ -494,8 +483,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_port(argv: list[str]) -> None:
     """``moe-rl serve``'s ``--port`` is a port number (else the bind fails deep in uvicorn)."""
-    from moe_rl.errors import UserError
-
     for i, a in enumerate(argv):
         value = a.partition("=")[2] if a.startswith("--port=") else None
         if a == "--port" and i + 1 < len(argv):
@@ -512,7 +499,6 @@ def _dispatch(argv: list[str], verbose: bool) -> int:
     if argv[:1] == ["serve"]:  # SGLang's launch_server flags: moe-rl serve --model-path P [--port N]
         _setup_logging(verbose)
         _check_port(argv[1:])
-        from moe_rl.serve.embedded import main as serve_main
 
         return serve_main(argv[1:])
     if argv[:1] == ["compare"]:  # its own parser: options and overrides in any order

@@ -49,6 +49,7 @@ from moe_rl.names import (
     TOKEN_LEVEL,
     TOKEN_RATIO_LOSSES,
 )
+from moe_rl.routing import RoutingMode
 from moe_rl.sglang_config import SGLangConfig
 from moe_rl.tasks.config import TaskConfig
 from moe_rl.tasks.tokenizer import model_tokenizer
@@ -318,8 +319,8 @@ class AlgoConfig:
     "Divide group-centred rewards by the group std (false: Dr.GRPO-style centring only)."
     adv_std_unbiased: bool = True
     "Group std with Bessel's correction, as torch.std, verl and TRL (false: population std)."
-    routing: Literal["none", "r2", "r3"] = "none"
-    "Routing replay: none | r2 (replay trainer-recorded routes) | r3 (replay rollout-engine routes)."
+    routing: RoutingMode = RoutingMode.NONE
+    "Routing replay (moe_rl.routing.RoutingMode): none | r2 (replay trainer-recorded routes) | r3 (replay rollout-engine routes)."
     replay_gate_weights: bool = False
     "R3 only: also replay the gate weights the engine mixed the experts with (Rollouts.gates_BTLK; the embedded engine returns them, SGLang does not), in the pi_old recompute and in training, instead of recomputing them from the live router; used straight through (the backward takes the live gates' gradient), so the router keeps learning (docs/algorithms.md#replayed-gate-weights)."
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
@@ -343,7 +344,7 @@ class AlgoConfig:
             "(a negative one flips the advantage signs, 0 divides by 0 in a group of equal rewards)",
         )
         require(
-            not self.replay_gate_weights or self.routing == "r3",
+            not self.replay_gate_weights or self.routing.wants_engine_routes,
             f"algo.replay_gate_weights=true replays the rollout engine's gate weights with its routes, which "
             f"only R3 replays (algo.routing={self.routing}): set algo.routing=r3 or algo.replay_gate_weights=false",
         )

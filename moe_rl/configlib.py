@@ -1,8 +1,9 @@
 """The machinery under every configuration dataclass: errors, type checks, YAML loading.
 
 Section dataclasses (``moe_rl.config``, ``moe_rl.tasks.config``) are frozen and keyword-only.
-A choice field is annotated ``Literal[...]``: :func:`_check_type` refuses any other value and
-names the allowed ones, both when a recipe is built (:func:`build_dataclass`) and when a
+A choice field is annotated ``Literal[...]`` or with a ``str`` :class:`enum.Enum` (whose members
+the recipe writes as their values, and the field holds as members): :func:`_check_type` refuses
+any other value and names the allowed ones, both when a recipe is built (:func:`build_dataclass`) and when a
 section is constructed in code (:func:`check_choices`, called first in ``__post_init__``).
 A section may declare ``moved_keys: ClassVar[dict[str, str]]`` (old field -> new dotted
 path) so a recipe or override that still uses an old key is told the new one.
@@ -11,8 +12,10 @@ path) so a recipe or override that still uses an old key is told the new one.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
+import os
 import sys
 import types
 import typing
@@ -47,9 +50,13 @@ def require_registered(value: str, registry: typing.Collection[str], where: str)
     require(value in registry, f"{where}={value!r} is unknown: use one of {', '.join(sorted(registry))}")
 
 
+def _is_enum(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, enum.Enum)
+
+
 def _is_choice(tp: Any) -> bool:
-    """Whether annotation ``tp`` contains a ``Literal`` (directly, in a union or a tuple)."""
-    if typing.get_origin(tp) is Literal:
+    """Whether annotation ``tp`` contains a ``Literal`` or an Enum (directly, in a union or a tuple)."""
+    if typing.get_origin(tp) is Literal or _is_enum(tp):
         return True
     return any(_is_choice(a) for a in typing.get_args(tp))
 
@@ -110,10 +117,12 @@ def _text_fields(cls: type) -> tuple[str, ...]:
 
 def check_choices(obj: Any, section: str) -> None:
     """The rules of every field's type, for dataclass ``obj`` (called first in ``__post_init__``):
-    a ``Literal`` holds one of its values and a float is finite and normal; errors name
-    ``section.field``. :func:`check_text` (called last) refuses blank strings."""
+    a ``Literal`` holds one of its values, an Enum field one of its members (a value given as text
+    becomes the member) and a float is finite and normal; errors name ``section.field``.
+    :func:`check_text` (called last) refuses blank strings."""
     for name, tp in _choice_fields(type(obj)):
-        _check_type(getattr(obj, name), tp, f"{section}.{name}")
+        value = _check_type(getattr(obj, name), tp, f"{section}.{name}")
+        object.__setattr__(obj, name, value)  # frozen: the parsed member in place of its text
     for name in _float_fields(type(obj)):
         require_finite(getattr(obj, name), f"{section}.{name}")
 
@@ -209,6 +218,10 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
         allowed = typing.get_args(tp)
         require(value in allowed, f"{where}={value!r}: use {one_of(allowed)}")
         return value
+    if _is_enum(tp):
+        values = [m.value for m in tp]
+        require(value in values, f"{where}={value!r}: use {one_of(values)}")
+        return tp(value)
     if origin in (typing.Union, types.UnionType):
         return _check_union(value, tp, where)
     if origin in (list, tuple):
@@ -382,8 +395,6 @@ KEEP_AS_WRITTEN = ("char",)
 def resolve_path(value: str, folder: str | Path) -> str:
     """``value`` (a path, or ``path/to/file.py:function``) made absolute against ``folder``: an
     absolute path, a ``module:function`` and :data:`KEEP_AS_WRITTEN` stay as they are."""
-    import os
-
     head, sep, tail = value.rpartition(":")
     if sep and not head.endswith(".py"):  # module:function, or a Windows drive: not a file to resolve
         return value
@@ -421,5 +432,9 @@ def dataclass_from_dict(cls: type, data: dict, overrides: list[str] | tuple[str,
 
 
 def to_dict(obj: Any) -> Any:
-    """A recipe (or any config dataclass) as plain YAML-able data."""
-    return dataclasses.asdict(obj)
+    """A recipe (or any config dataclass) as plain YAML-able data (an Enum member as its value)."""
+    return dataclasses.asdict(obj, dict_factory=lambda items: {k: _plain(v) for k, v in items})
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, enum.Enum) else value

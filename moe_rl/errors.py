@@ -8,6 +8,10 @@ Messages name the field, file or record and say the fix.
 
 from __future__ import annotations
 
+import errno
+import os
+import signal
+
 
 class UserError(ValueError):
     """A user mistake: shown as one line (``kind`` is its label), exit code 2."""
@@ -51,7 +55,6 @@ class Interrupted(BaseException):
     (a temp file or folder renamed into place, removed when cut), so nothing is left half-written."""
 
     def __init__(self, signum: int):
-        import signal
 
         super().__init__(f"{signal.Signals(signum).name} received")
         self.signum = signum
@@ -66,8 +69,6 @@ torch.distributed.checkpoint's writer workers: ``CheckpointException`` of ``Runt
 def is_disk_full(e: BaseException) -> bool:
     """Whether ``e``, or what it wraps (its cause, context and, for torch's ``CheckpointException``,
     every rank's failure), is a full disk (ENOSPC, EDQUOT), however a library reported it."""
-    import errno
-
     seen, todo = set(), [e]
     while todo:
         x = todo.pop()
@@ -90,7 +91,4 @@ def is_disk_full(e: BaseException) -> bool:
 
 def disk_full_at(path: object) -> OSError:
     """The ``OSError`` (ENOSPC) a command's one line reads as "disk full writing <path>"."""
-    import errno
-    import os
-
     return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))

@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from moe_rl.errors import DataError
+
 
 def write_text(path: str | Path, text: str) -> Path:
     """Write ``text`` at ``path`` atomically: a temp file beside it, fsync, rename (a reader never
@@ -37,8 +39,6 @@ def read_json(path: str | Path) -> Any:
     """The JSON document at ``path``; one that is cut short or edited is a
     :class:`moe_rl.errors.DataError` naming the file, line and column (a missing file: the
     ``OSError``, which names it)."""
-    from moe_rl.errors import DataError
-
     text = Path(path).read_text()
     try:
         return json.loads(text)

@@ -17,8 +17,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
 import shutil
+import socket
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -188,9 +191,6 @@ def _staging_name(out: Path, kind: str) -> Path:
     """``.<out>.<kind>-<pid>@<host>-<8 hex>`` beside ``out`` (kind ``tmp``: the staging directory;
     ``old``: the previous version set aside): its owner in its name, from the first instant to the
     last, with no owner file to write or remove."""
-    import os
-    import socket
-
     return out.parent / f".{out.name}.{kind}-{os.getpid()}@{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
 
 
@@ -198,10 +198,6 @@ def _owner_alive(staging: Path) -> bool:
     """Whether the process that made ``staging`` may still be writing it: its name (or, from an
     older version, its owner file) names a live process of this host, or another host (not ours to
     judge); an older staging directory without an owner file yet is alive for an hour."""
-    import os
-    import socket
-    import time
-
     named = re.search(r"\.(?:tmp|old)-(\d+)@(.+)-[0-9a-f]{8}$", staging.name)
     if named:
         pid, host = named.groups()

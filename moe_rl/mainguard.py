@@ -8,6 +8,7 @@ before any child starts, in one line naming the file and line. Only the standard
 from __future__ import annotations
 
 import ast
+import multiprocessing
 import sys
 
 
@@ -51,8 +52,6 @@ def check_main_guard(what: str) -> None:
     """Before ``what`` starts child processes: a script calling it from its top-level code, outside
     an ``if __name__ == "__main__":`` block, stops here with one line (``SystemExit``: no traceback)
     saying where and what to write. A notebook, ``python -c``, and a guarded script pass."""
-    import multiprocessing
-
     if multiprocessing.parent_process() is not None:  # a child: its parent checked
         return
     found = _main_line()

@@ -54,7 +54,8 @@ import json
 import math
 import sys
 
-from moe_rl.config import ConfigError, ParallelConfig, Recipe
+from moe_rl.argparsing import ArgParser, int_at_least, number_in, one_line_errors
+from moe_rl.config import ConfigError, ParallelConfig, Recipe, load_recipe
 from moe_rl.plan_colocated import (
     colocated_detail,
     colocated_phases,
@@ -271,7 +272,7 @@ def plan(
         "host_mem_gib": host_mem_gib,
         "routing_replay_bytes_per_step": rollout_tokens
         * route_bytes_per_token(m.num_layers, m.moe_router_topk, m.num_experts),
-        "routing_replay_on": recipe.algo.routing != "none",
+        "routing_replay_on": recipe.algo.routing.replays_in_training,
         "weight_sync_bytes_per_update": 2 * total["total"],
         "weight_sync_on": recipe.rollout.engine != "embedded",
         "colocated": phases,
@@ -354,8 +355,6 @@ def format_plan(pl: dict) -> str:
 
 def arg_parser():
     """``moe-rl plan``'s command line (every flag's value range-checked by its type)."""
-    from moe_rl.argparsing import ArgParser, int_at_least, number_in
-
     ap = ArgParser(prog="moe-rl plan", description=__doc__.splitlines()[0])
     ap.add_argument("recipe")
     ap.add_argument("overrides", nargs="*", help="section.field=value")
@@ -389,7 +388,6 @@ def command(argv: list[str] | None = None) -> int:
     """``moe-rl plan RECIPE [overrides] [--num-gpus N] [--gpu-mem-gib G] [--json]``; 1 if it cannot
     fit. A user error raises (``moe-rl``'s main turns it into one line)."""
     args = arg_parser().parse_args(argv)
-    from moe_rl.config import load_recipe
 
     pl = plan(
         load_recipe(args.recipe, args.overrides),
@@ -409,8 +407,6 @@ def command(argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """:func:`command`, with a user error as one ``moe-rl: <kind>: <message>`` line (exit code 2)."""
-    from moe_rl.argparsing import one_line_errors
-
     argv = list(sys.argv[1:] if argv is None else argv)
     return one_line_errors(lambda: command(argv), verbose=False)
 

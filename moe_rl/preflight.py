@@ -14,10 +14,15 @@ not when RL begins). Each failure is a
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moe_rl.configlib import require
+from moe_rl.configlib import ConfigError, require
+from moe_rl.errors import Unavailable
+from moe_rl.hf_arch import fields_from_hf, read_config_json
+from moe_rl.tasks import build_task, load_tokenizer
 
 if TYPE_CHECKING:
     from moe_rl.config import Recipe
@@ -132,7 +137,7 @@ def check_routes_served(recipe: Recipe) -> None:
     Launched engines get ``--enable-return-routed-experts`` from the launcher; a server that does
     not answer is left to engine setup (it may still be starting)."""
     cfg = recipe.rollout.sglang
-    if recipe.rollout.engine != "sglang" or recipe.algo.routing != "r3":
+    if recipe.rollout.engine != "sglang" or not recipe.algo.routing.wants_engine_routes:
         return
     urls = [u for field, u in attached_urls(recipe) if field != "rollout.sglang.router_url"]
     from moe_rl.rollout.sglang_client import SGLangClient, SGLangError
@@ -169,7 +174,6 @@ def check_services(recipe: Recipe, timeout_s: float = 10.0) -> None:
     """Every SGLang server or router the recipe attaches to answers ``/health`` now: an
     :class:`~moe_rl.errors.Unavailable` naming the field and the URL otherwise. For commands that
     would train for minutes (an SFT start) before the RL stage first asks them."""
-    from moe_rl.errors import Unavailable
     from moe_rl.rollout.sglang_client import SGLangClient, SGLangError
 
     cfg = recipe.rollout.sglang
@@ -191,12 +195,6 @@ def check_hf_path(recipe: Recipe) -> None:
     its ``config.json`` reads as a supported config, and its safetensors weights are there (the
     shards ``model.safetensors.index.json`` lists, else ``*.safetensors``). Whether every tensor
     fits the model is checked when the policy is built (from the files' headers)."""
-    import json
-    from pathlib import Path
-
-    from moe_rl.configlib import ConfigError
-    from moe_rl.hf_arch import fields_from_hf, read_config_json
-
     path = recipe.model.hf_path
     if not path:
         return
@@ -230,8 +228,6 @@ def check_hf_path(recipe: Recipe) -> None:
 
 def preflight(recipe: Recipe) -> tuple[Tokenizer, Task]:
     """The tokenizer and task of ``recipe``, after every check that needs them (see the module)."""
-    from moe_rl.tasks import build_task, load_tokenizer
-
     check_hf_path(recipe)
     tok = load_tokenizer(recipe.model.tokenizer)
     check_vocab(recipe, tok)

@@ -53,9 +53,9 @@ class Mutant:
 MUTANTS = (
     Mutant(
         "R3 replays pi_old's recorded routes (R2's)",
-        "moe_rl/trainer/rl.py",
-        'replay_BSLK = recorded_BSLK if algo.routing == "r2" else rollout_routes_BSLK',
-        'replay_BSLK = recorded_BSLK if algo.routing in ("r2", "r3") else rollout_routes_BSLK',
+        "moe_rl/routing/__init__.py",
+        "return recorded if self.pi_old_action is RouterAction.RECORD else engine",
+        "return recorded if self.replays_in_training else engine",
         (
             "tests/unit/test_wiring.py",
             "tests/integration/test_rl_e2e.py",
@@ -155,15 +155,15 @@ MUTANTS = (
     Mutant(
         "the training forward drops the engine's gates",
         "moe_rl/trainer/rl.py",
-        "routes_BSLK=replay_BSLK, gates_BSLK=gates_BSLK, pack=pack, entropy=True",
-        "routes_BSLK=replay_BSLK, gates_BSLK=None, pack=pack, entropy=True",
+        "        gates_BSLK=gates_BSLK,\n        pack=pack,\n        entropy=True,\n",
+        "        gates_BSLK=None,\n        pack=pack,\n        entropy=True,\n",
         ("tests/unit/test_replay_gates.py",),
     ),
     Mutant(
         "the pi_old recompute drops the engine's gates",
         "moe_rl/trainer/rl.py",
-        "routes_BSLK=routes, gates_BSLK=gates, pack=pack)",
-        "routes_BSLK=routes, gates_BSLK=None, pack=pack)",
+        "routes_BSLK=routes, gates_BSLK=gates, pack=pack, noise=run.route_noise",
+        "routes_BSLK=routes, gates_BSLK=None, pack=pack, noise=run.route_noise",
         ("tests/unit/test_replay_gates.py",),
     ),
     Mutant(
@@ -359,17 +359,17 @@ MUTANTS = (
     ),
     # -- issue 48: resume equals uninterrupted (tests/unit/test_resume_knobs.py) ----------------
     Mutant(
-        "SFT routes with the trainer's routing noise from one generator: a resumed SFT trains differently",
-        "moe_rl/trainer/sft.py",
-        "    run.policy.route_noise = RouteNoise()\n",
-        "    pass\n",
-        ("tests/unit/test_resume_knobs.py",),
+        "a session's routing noise outlives it (SFT and the push check route with the last RL step's)",
+        "moe_rl/megatron/routing.py",
+        "        policy.route_choice_noise = outer\n",
+        "        pass\n",
+        ("tests/unit/test_resume_knobs.py", "tests/unit/test_route_noise.py"),
     ),
     Mutant(
         "the trainer's routing noise seeded once per run: a resumed run draws other noise",
         "moe_rl/trainer/rl.py",
-        "run.policy.route_noise = RouteNoise(cfg.route_noise, seed=seed)",
-        "run.policy.route_noise.sigma = cfg.route_noise",
+        "run.route_noise = RouteNoise(cfg.route_noise, seed=seed)",
+        "run.route_noise.sigma = cfg.route_noise",
         ("tests/unit/test_resume_knobs.py", "tests/unit/test_route_noise.py"),
     ),
     Mutant(
@@ -395,7 +395,7 @@ MUTANTS = (
     ),
     Mutant(
         "a resumed RL run trains with SFT's optimizer (routers unfrozen, their lr multiplier gone)",
-        "moe_rl/trainer/context.py",
+        "moe_rl/trainer/state.py",
         'self.make_optimizer(saved.stage or "sft")',
         'self.make_optimizer("sft")',
         ("tests/unit/test_resume_knobs.py", "tests/unit/test_freeze_router.py"),

@@ -27,6 +27,12 @@ from pathlib import Path
 
 import torch
 
+from moe_rl.losses.kl import k3
+from moe_rl.megatron.routing import RoutingSession
+from moe_rl.routing import RouterAction
+from moe_rl.routing.flip import flip_counts
+from moe_rl.routing.noise import RouteNoise
+
 R3_PER_ROUTER = 0.10
 "The R3 paper's per-router disagreement between SGLang and Megatron (about 10%)."
 MEGATRON_TWO_PASS_KL = 8e-4
@@ -36,19 +42,14 @@ DEFAULT_SIGMAS = (0.0, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2)
 
 def two_pass(run, tokens_BT, mask_BT, lens_B, sigma: float, seed: int) -> dict[str, float]:
     """The two-pass disagreement of the trainer's forwards of ``tokens_BT`` at route noise ``sigma``."""
-    from moe_rl.losses.kl import k3
-    from moe_rl.megatron.routing import RoutingSession
-    from moe_rl.routing import RouterAction
-    from moe_rl.routing.flip import flip_counts
-    from moe_rl.routing.noise import RouteNoise
     from moe_rl.trainer.rl import packed
 
     b, s = tokens_BT.shape[0], tokens_BT.shape[1] - 1
     passes = []
     for i in range(2):
-        run.policy.route_noise = RouteNoise(sigma, seed=seed * 2 + i)
+        noise = RouteNoise(sigma, seed=seed * 2 + i)
         pack = packed(run, tokens_BT, lens_B)
-        with torch.no_grad(), RoutingSession(run.policy, RouterAction.NATURAL, pack=pack) as rs:
+        with torch.no_grad(), RoutingSession(run.policy, RouterAction.NATURAL, pack=pack, noise=noise) as rs:
             out = run.policy.logprobs(
                 tokens_BT, temperature=run.recipe.train.temperature, with_entropy=True, pack=pack
             )

@@ -37,6 +37,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import subprocess
 import time
 import traceback
 from dataclasses import dataclass
@@ -45,7 +47,15 @@ from pathlib import Path
 from moe_rl.config import load_recipe
 from moe_rl.errors import PathError, UserError
 from moe_rl.lab.arms import COMPARE_ARMS, DEMO_ARMS, arm_dir
-from moe_rl.lab.compare_checks import MARKER, check_arms, check_out, check_reruns, claim_out, job_overrides
+from moe_rl.lab.compare_checks import (
+    MARKER,
+    Job,
+    check_arms,
+    check_out,
+    check_reruns,
+    claim_out,
+    job_overrides,
+)
 from moe_rl.lab.compare_plot import plot
 from moe_rl.lab.report import summarize
 from moe_rl.lab.results import csv_text, json_safe, write_json, write_text
@@ -57,9 +67,11 @@ from moe_rl.lab.runner import (
     read_arm,
     resumable_run,
 )
-from moe_rl.lab.starts import warm_start
+from moe_rl.lab.starts import cached_start, sft_key, warm_start
 from moe_rl.lab.stats import auc, mean, outlier_steps, paired
 from moe_rl.lab.status import STATUS_EVERY, StatusLines, fmt
+from moe_rl.trainer.run_lock import hold_run_dir
+from moe_rl.trainer.signals import StopRequested
 
 log = logging.getLogger(__name__)
 
@@ -142,24 +154,6 @@ def parse_count(text: str | int, flag: str, what: str) -> int:
 
 
 # -- the runs -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Job:
-    """One run of the comparison: ``arm``'s replicate ``seed`` into ``out``."""
-
-    arm: str
-    seed: int
-    out: Path
-
-    @property
-    def label(self) -> str:
-        return f"{self.arm} seed {self.seed}"
-
-    @property
-    def log_file(self) -> Path:
-        """Beside the run's folder (which a fresh run empties)."""
-        return self.out.parent / f"{self.out.name}.log"
-
-
 def plan_jobs(arms: list[str], seeds: int | list[int], out: Path) -> list[Job]:
     """Every arm's every seed (a count N: seeds 0 .. N-1), seed by seed (the first seed of every arm
     first: a comparison cut short still has whole seeds to pair)."""
@@ -371,11 +365,6 @@ def _start(
 ) -> Path | None:
     """The SFT start every run begins from (trained once into ``<out>/starts``) when the recipe has
     an SFT stage; None when it names its own start; a recipe with neither is refused."""
-    import subprocess
-
-    from moe_rl.lab.starts import cached_start, sft_key
-    from moe_rl.trainer.signals import StopRequested
-
     base = load_recipe(recipe, overrides)
     if "sft" not in base.train.stages:
         if not (base.model.hf_path or base.checkpoint.load):
@@ -442,8 +431,6 @@ def run_compare(
     (:func:`check_reruns`) unless ``fresh``. Returns ``{"table", "rows", "failed", "out", "files",
     "wall_s"}``; a stop signal raises :class:`~moe_rl.trainer.signals.StopRequested` once every
     child saved (:func:`moe_rl.lab.runner.stop_cleanly` turns it into 128 + the signal)."""
-    from moe_rl.trainer.run_lock import hold_run_dir
-
     recipe, overrides = Path(recipe), list(overrides)
     arms = list(arms or DEMO_ARMS)
     if not recipe.is_file():
@@ -482,10 +469,6 @@ class _Plan:
 
 def _compare_runs(plan: _Plan, status_every: float, stream) -> dict:
     """:func:`run_compare`'s runs, in a held ``out``: the start, every job, the results."""
-    import signal
-
-    from moe_rl.trainer.signals import StopRequested
-
     recipe, overrides, arms, seeds, out, planned = (
         plan.recipe,
         plan.overrides,

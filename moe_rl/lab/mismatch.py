@@ -12,16 +12,17 @@ import time
 
 import torch
 
+from moe_rl.losses.corrections import mismatch_metrics
+from moe_rl.rollout.embedded import EmbeddedEngine
+from moe_rl.rollout.types import SamplingParams
+from moe_rl.routing.flip import flip_metrics
+
 R3_PAPER = {"router_disagreement": 0.10, "token_any_flip": 0.94, "model": "Qwen3-30B-A3B, 48 layers"}
 "The R3 paper's SGLang-vs-Megatron figures (docs/algorithms.md#paper-figures)."
 
 
 def measure(run, dtype: str, router: str, length: int, prompts: int, group: int) -> dict:
     """One cell: a batch from the engine in (dtype, router) against the trainer's fp32 recompute."""
-    from moe_rl.losses.corrections import mismatch_metrics
-    from moe_rl.rollout.embedded import EmbeddedEngine
-    from moe_rl.rollout.types import SamplingParams
-    from moe_rl.routing.flip import flip_metrics
     from moe_rl.trainer.rl import encode_prompts, engine_routes, old_policy_pass, route_flips
 
     engine = EmbeddedEngine(run.policy, pad_id=run.tok.pad_id, dtype=dtype, router_dtype=router)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
 from moe_rl.errors import DataError, PathError
+from moe_rl.lab.results import csv_text, write_text
+from moe_rl.trainer.metrics import complete_lines, newest_run
 
 ROLLOUT_FLIP = "flip/rollout_vs_trainer/rate"
 CLIPPED_OWN = "clipped_own"
@@ -59,7 +62,6 @@ def read_run_metrics(run_dir: str | Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise PathError(f"{run_dir} has no metrics.jsonl: give a run's train.out_dir (one that has trained)")
-    from moe_rl.trainer.metrics import complete_lines
 
     rows = []
     for lineno, raw in enumerate(complete_lines(path.read_bytes()), start=1):
@@ -81,8 +83,6 @@ def load_arm(run_dir: str | Path) -> dict:
     """The newest run's RL and evaluation rows in ``run_dir`` (an earlier run in a folder reused with
     ``--fresh`` is not mixed in); ``dropped``: ``{metric: count}`` of values that are no number
     (left out), ``stages``: the stages its rows hold."""
-    from moe_rl.trainer.metrics import newest_run
-
     rows = newest_run(read_run_metrics(run_dir))
     dropped = numbers_only(rows)
     rl = [r for r in rows if r["stage"] == "rl"]
@@ -419,10 +419,6 @@ def check_report_out(out_png: Path) -> None:
 def report(runs: dict[str, str | Path], out_png: str | Path) -> tuple[str, list[dict]]:
     """Plot and tabulate named run directories: ``out_png``, and beside it the table as ``.csv``
     and ``.md`` (same stem); return the table text and summary rows."""
-    import logging
-
-    from moe_rl.lab.results import csv_text, write_text
-
     out_png = Path(out_png)
     check_report_out(out_png)
     arms = {name: load_arm(d) for name, d in runs.items()}

@@ -14,6 +14,8 @@ the whole file).
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import math
 import os
@@ -90,9 +92,6 @@ def write_json(path: str | Path, doc: Any, *, indent: int | None = 1, newline: b
 
 def csv_text(rows: list[dict]) -> str:
     """``rows`` (one dict each, the first one's keys as the header) as CSV; None as empty."""
-    import csv
-    import io
-
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else [])
     w.writeheader()

@@ -28,6 +28,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from moe_rl.argparsing import run_main
+from moe_rl.lab.report import load_arm
 from moe_rl.lab.results import write_json
 from moe_rl.trainer.signals import SIGNALS
 
@@ -397,8 +399,6 @@ def resumable_run(
 
 def read_arm(out_dir: str | Path) -> dict:
     """``{"rl": rows, "eval": rows}`` of a finished (or stopped) arm; empty when it wrote nothing."""
-    from moe_rl.lab.report import load_arm
-
     if not (Path(out_dir) / "metrics.jsonl").exists():
         return {"rl": [], "eval": []}
     return load_arm(out_dir)
@@ -422,8 +422,6 @@ def stop_cleanly(main) -> int:
     """``main()`` for a sweep's command line (:func:`moe_rl.argparsing.run_main`): a run stopped by
     a signal (after its checkpoint) ends the sweep with one line and 128 + the signal's number
     (rerunning the command resumes); a user error is one line and exit code 2."""
-    from moe_rl.argparsing import run_main
-
     return run_main(main, verbose=False)
 
 

@@ -21,9 +21,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from moe_rl.errors import UserError
 from moe_rl.lab.arms import ROOT
 from moe_rl.lab.results import write_json
 from moe_rl.lab.runner import cpu_seconds, run_recipe
+from moe_rl.trainer.metrics import newest_run, read_metrics
+from moe_rl.trainer.run_lock import held_by
+from moe_rl.trainer.state import Checkpointer
 
 if TYPE_CHECKING:
     from moe_rl.config import Recipe
@@ -136,8 +140,6 @@ def shipped_start(key: str, shipped: tuple[Path, ...] = SHIPPED_STARTS) -> Path 
     """The HF folder of a shipped SFT start of SFT key ``key`` (:data:`SHIPPED_STARTS`), else None.
     Its files are checked against the sha256 its JSON records: a changed file is an error, never a
     silently different start."""
-    from moe_rl.errors import UserError
-
     for info_file in shipped:
         if not info_file.exists():
             continue
@@ -204,8 +206,6 @@ def warm_start(
     a start over (no intact checkpoint) trains beside what is there (``--fresh``) and reads its
     own rows of ``metrics.jsonl``."""
     from moe_rl.megatron.checkpoint import latest_checkpoint
-    from moe_rl.trainer.metrics import newest_run, read_metrics
-    from moe_rl.trainer.state import Checkpointer
 
     recipe = _sft_recipe(base, overrides)
     root = Path(root) if root is not None else cache / sft_key(recipe)
@@ -241,8 +241,6 @@ def wait_while_trained_elsewhere(root: Path, poll_s: float = 10.0) -> None:
     """Wait while another live process holds ``root``'s run lock (it is training this start): the
     caller then reuses the finished start, or resumes the interrupted one, instead of clearing a
     folder another process is writing into."""
-    from moe_rl.trainer.run_lock import held_by
-
     logged = False
     while (holder := held_by(root)) is not None:
         if not logged:

@@ -30,13 +30,19 @@ by their step number and never removes the one just written.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
 import random
 import re
 import shutil
+import signal
+import threading
+import traceback
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import numpy as np
@@ -95,8 +101,6 @@ def _match_main_weights(sharded: dict, ckpt: Path) -> dict:
     main weights are the parameters); such requests are taken out and returned by path, with
     the empty tensor each would have filled, for :func:`load_checkpoint` to put back.
     """
-    import dataclasses
-
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedBase
 
@@ -148,7 +152,6 @@ def _match_layout(sharded: dict, ckpt: Path, meta: dict) -> None:
     key with no counterpart is refused (:class:`CheckpointError`, one line naming both layouts).
     The optimizer's fp32 main-weight requests are renamed and left to :func:`_match_main_weights`.
     """
-    import dataclasses
 
     # tensors and objects (``_extra_state``); not re-exported by dist_checkpointing from 0.17 on
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
@@ -306,10 +309,6 @@ _WRITER_MANAGER = None
 
 def _writer_server_init() -> None:
     """In the writer queue's server process: survive SIGTERM / SIGINT, end with the parent."""
-    import multiprocessing
-    import signal
-    import threading
-
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
@@ -331,8 +330,6 @@ def signal_proof_writer_queue() -> None:
     that ignores SIGTERM and SIGINT and exits when its parent process ends. Idempotent; nothing
     is done where megatron-core has no such queue."""
     global _WRITER_MANAGER
-    import multiprocessing
-    from multiprocessing.managers import SyncManager
 
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
@@ -499,8 +496,6 @@ def shape_mismatch(e: BaseException) -> str | None:
     """``<key> is <shape> in the checkpoint and <shape> in the model`` when megatron-core refused a
     load for a tensor's shape (its message may sit inside torch's per-rank ``CheckpointException``);
     else None."""
-    import traceback
-
     text = "".join(traceback.format_exception(e))
     m = _SHAPE_MISMATCH.search(text)
     if m is None:

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from moe_rl.dist import all_gather_cat
 from moe_rl.megatron.local_layers import GroupedExperts, SDPAttention
+from moe_rl.megatron.routing import selection_noise
 from moe_rl.routing.noise import selection_key
 
 
@@ -209,7 +210,7 @@ class Decoder:
         them; under selection noise the gates are the clean scores of the chosen experts."""
         router = self._routers[layer_idx]
         logits = F.linear(t.to(router.dtype), router)  # [N, E] in the router's dtype, as megatron's
-        noise = self.policy.route_noise  # selection noise, as install_route_choice applies it
+        noise = selection_noise(self.policy)  # the decode loop's, as install_route_choice applies it
         if self.pre_softmax:
             scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
             if noise.active:

@@ -27,6 +27,8 @@ gradients of every parameter) on the same weights.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -167,8 +169,6 @@ def varlen_causal(fn, query, key, value, cu_seqlens, max_seqlen, scale) -> torch
     hn]``, causal within each segment, by ``fn`` (``varlen_attn``'s signature). torch 2.10 takes
     ``is_causal``, later releases ``window_size=(-1, 0)``; GQA by ``enable_gqa`` where ``fn``
     has it, else by repeating the keys and values."""
-    import inspect
-
     t, heads, hn = query.shape
     accepts = inspect.signature(fn).parameters
     kw = {"scale": scale}

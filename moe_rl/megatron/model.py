@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import logging
 
 import torch
@@ -58,8 +59,6 @@ def use_transformer_engine(cfg: ModelConfig) -> bool:
 def _have(module: str, *names: str) -> bool:
     """Whether ``module`` imports and binds every one of ``names`` to something (megatron-core
     sets a fused kernel it could not import to None)."""
-    import importlib
-
     try:
         mod = importlib.import_module(module)
     except Exception:  # ImportError, or a broken CUDA extension

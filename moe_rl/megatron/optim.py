@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import logging
 import math
 
@@ -190,8 +191,6 @@ def use_foreach_multi_tensor() -> list[str]:
     apex: the CPU, and GPUs without either), put :func:`foreach_l2_norm` and :func:`foreach_scale`
     in their place (idempotent; transformer-engine's or apex's kernels are left alone). Returns the
     names replaced now, as ``module.name``."""
-    import importlib
-
     from megatron.core import utils
 
     local = {

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from moe_rl.config import ConfigError, ParallelConfig
 from moe_rl.dist import free_port
+from moe_rl.megatron.shims import apply_cpu_shims
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,6 @@ def init_parallel(
     """Start torch.distributed (if needed) and megatron-core's model-parallel groups."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from moe_rl.megatron.shims import apply_cpu_shims
 
     apply_cpu_shims()
     if world_size is None:

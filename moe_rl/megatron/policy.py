@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.config import ModelConfig, ParallelConfig
+from moe_rl.kernels import logprobs_from_hidden, resolve_logprob_impl, triton_available
 from moe_rl.kernels.logprob_reference import logprobs_entropy
 from moe_rl.megatron.model import build_gpt, moe_routers
 from moe_rl.megatron.packing import PackedRows, pack_rows
 from moe_rl.megatron.parallel import ParallelInfo
 from moe_rl.megatron.routing import install_route_choice
-from moe_rl.routing.noise import RouteNoise
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,6 @@ class Policy:
         self.info = info
         self.model = build_gpt(model_cfg, parallel_cfg)
         self.routers = moe_routers(self.model)
-        self.route_noise = RouteNoise()
-        "Selection noise of this policy's routers (moe_rl.routing.noise; off by default)."
         install_route_choice(self)
         self.vocab_start = info.tp_rank * (model_cfg.vocab_size // info.tp_size)
 
@@ -179,8 +177,6 @@ class Policy:
         chunked path; full logits off CUDA)."""
         path = self.cfg.logprob_impl
         if path == "auto":
-            from moe_rl.kernels import resolve_logprob_impl, triton_available
-
             if self.info.device.type != "cuda" or not triton_available():
                 return "logits"
             return resolve_logprob_impl("auto", self.info.device, self.output_weight().dtype)
@@ -218,8 +214,6 @@ class Policy:
             logits = self.logits(tokens_BT[:, :-1], pack=pack)
             logp, ent = logprobs_entropy(logits.reshape(-1, logits.shape[-1]), target, **kw)
         else:
-            from moe_rl.kernels import logprobs_from_hidden
-
             h = self.hidden(tokens_BT[:, :-1], pack=pack)
             logp, ent = logprobs_from_hidden(
                 h.reshape(-1, h.shape[-1]), self.output_weight(), target, impl=path, **kw

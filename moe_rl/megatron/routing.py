@@ -29,6 +29,9 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from moe_rl.dist import all_gather_cat
@@ -45,8 +48,9 @@ def install_route_choice(policy) -> None:
     0.19.x: ``topk_routing_with_score_function``), which records, replays or computes it. Each
     router's instance method is replaced by one that
 
-    - applies the policy's selection noise (``policy.route_noise``, :class:`RouteNoise`) to a
-      choice the router makes itself (no action, or RECORD, which then records the noisy choice):
+    - applies the selection noise of the forward (:class:`RouteNoise`, the value a
+      :class:`RoutingSession` or :func:`routed_with` was given; none outside them) to a choice
+      the router makes itself (no action, or RECORD, which then records the noisy choice):
       the top-k of the noisy key, with the gate weights gathered from the clean scores as megatron
       gathers them for replayed experts. Replayed experts (REPLAY_FORWARD / REPLAY_BACKWARD) are
       used exactly, whatever the noise;
@@ -61,8 +65,7 @@ def install_route_choice(policy) -> None:
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     replayed = (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD)
-    if getattr(policy, "route_noise", None) is None:
-        policy.route_noise = RouteNoise()
+    policy.route_choice_noise = NO_NOISE
     policy.route_listeners = []
     for layer, router in enumerate(policy.routers):
         rr, cfg = router.router_replay, router.config
@@ -71,7 +74,7 @@ def install_route_choice(policy) -> None:
         def choose(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None, *,
                    layer=layer, rr=rr, default=rr.get_replay_topk, pre_softmax=pre_softmax,
                    score_function=score_function):  # fmt: skip
-            noise, action = policy.route_noise, rr.router_replay_action
+            noise, action = policy.route_choice_noise, rr.router_replay_action
             if noise.active and (score_function != "softmax" or group_topk):
                 raise ValueError(
                     "route noise supports softmax routers without group-limited top-k; this router "
@@ -99,6 +102,32 @@ def install_route_choice(policy) -> None:
             return out
 
         rr.get_replay_topk = choose
+
+
+NO_NOISE = RouteNoise()
+"Selection noise off: what a forward outside any :func:`routed_with` scope routes with."
+
+
+@contextlib.contextmanager
+def routed_with(policy, noise: RouteNoise | None) -> Iterator[None]:
+    """``policy``'s forwards inside choose their routes with selection ``noise`` (None: the noise
+    around, none outside every scope), drawn from its generator, and those after it as before:
+    the one place a forward's noise is set
+    (:class:`RoutingSession` enters it with its ``noise``; an engine's decode loop with its own).
+    The lean decoder reads it with :func:`selection_noise`."""
+    install_route_choice(policy)
+    outer = policy.route_choice_noise
+    policy.route_choice_noise = outer if noise is None else noise
+    try:
+        yield
+    finally:
+        policy.route_choice_noise = outer
+
+
+def selection_noise(policy) -> RouteNoise:
+    """The selection noise ``policy``'s forwards route with now (:func:`routed_with`)."""
+    install_route_choice(policy)
+    return policy.route_choice_noise
 
 
 def sanitize_routes(routes_NK: torch.Tensor, topk: int) -> torch.Tensor:
@@ -136,6 +165,11 @@ class RoutingSession:
 
     ``entropy``: also keep the entropy of every router's softmax over the experts, per token, of
     the first forward (:meth:`router_entropy_BSL`; softmax routers only).
+
+    ``noise``: the selection noise of the routers' own choices in the session's forwards
+    (:mod:`moe_rl.routing.noise`; None: that of the forwards around it, none outside every
+    :func:`routed_with`), a value its caller owns (the trainer's per RL step,
+    an engine's per call); replayed experts are used exactly whatever it is.
     """
 
     def __init__(
@@ -149,6 +183,7 @@ class RoutingSession:
         stop_after_routes: bool = False,
         capture_gates: bool = False,
         entropy: bool = False,
+        noise: RouteNoise | None = None,
     ):
         if action is RouterAction.REPLAY and routes_BSLK is None:
             raise ValueError("RouterAction.REPLAY needs routes_BSLK (the experts to replay)")
@@ -165,6 +200,8 @@ class RoutingSession:
         self.pack = pack
         self.stop_after_routes = stop_after_routes
         self.capture_gates = capture_gates
+        self.noise = noise
+        self._noise_scope: contextlib.AbstractContextManager | None = None
         self.topk = policy.cfg.moe_router_topk
         self._natural: list[list[torch.Tensor]] = []
         self.entropy = entropy
@@ -217,7 +254,8 @@ class RoutingSession:
     def __enter__(self) -> RoutingSession:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        install_route_choice(self.policy)
+        self._noise_scope = routed_with(self.policy, self.noise)
+        self._noise_scope.__enter__()
         self._capturing = True
         self.policy.route_listeners.append(self._listen)
         for i, router in enumerate(self.policy.routers):
@@ -305,6 +343,9 @@ class RoutingSession:
             router.router_replay.clear_router_replay_action()
             if self.action is not RouterAction.RECORD:
                 router.router_replay.clear_indices()
+        if self._noise_scope is not None:
+            self._noise_scope.__exit__(None, None, None)
+            self._noise_scope = None
         return exc_type is _RoutesCaptured  # the early end of a routes-only forward
 
     # -- results ---------------------------------------------------------------------------

@@ -48,7 +48,11 @@ from collections.abc import Iterable
 import torch
 
 from moe_rl import dist
+from moe_rl.kernels.logprob_reference import logprobs_entropy
+from moe_rl.megatron.routing import RoutingSession, routed_with
 from moe_rl.rollout.types import HFStateSource, Rollouts, SamplingParams
+from moe_rl.routing import RouterAction
+from moe_rl.routing.noise import RouteNoise
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +394,6 @@ class EmbeddedEngine:
         router_dtype: str = "same",
         route_noise: float = 0.0,
     ):
-        from moe_rl.routing.noise import RouteNoise
 
         if policy.info.tp_size > 1:
             raise NotImplementedError(
@@ -424,8 +427,6 @@ class EmbeddedEngine:
 
     def token_logprobs(self, logits_NV: torch.Tensor, tok_N: torch.Tensor, temperature: float):
         """fp32 log_softmax(logits / temperature)[tok], the trainer's function (vocab-parallel)."""
-        from moe_rl.kernels.logprob_reference import logprobs_entropy
-
         info = self.policy.info
         logp, _ = logprobs_entropy(
             logits_NV,
@@ -457,9 +458,8 @@ class EmbeddedEngine:
         self.decoder.begin()  # collective under EP with the lean decoder: every rank calls generate
         self._calls += 1
         self.route_noise.reseed(noise_seed(sampling.seed, self._calls))
-        trainer_noise, self.policy.route_noise = self.policy.route_noise, self.route_noise
-        try:
-            with torch.no_grad():
+        try:  # the engine's forwards route with its own noise; the trainer's keep theirs
+            with torch.no_grad(), routed_with(self.policy, self.route_noise):
                 for c in range(n_chunks):
                     i, j = spans[c] if c < len(spans) else (0, 0)
                     chunk = _Chunk(self, rows[i:j], gens[i:j], sampling) if j > i else None
@@ -470,7 +470,6 @@ class EmbeddedEngine:
                         gates.append(chunk_gates)
         finally:
             model.train(was_training)
-            self.policy.route_noise = trainer_noise  # the trainer's forwards keep their own noise
         return self._assemble(chunks, routes, gates, prompts, n, sampling, time.perf_counter() - t_start)
 
     def _run_chunk(
@@ -478,13 +477,12 @@ class EmbeddedEngine:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Step until no rank has live rows; return the chunk's routes [b, T, L, K] and their gates
         (float32), each if asked (else None)."""
-        from moe_rl.megatron.routing import RoutingSession
-        from moe_rl.routing import RouterAction
-
         decoder, want_routes = self.decoder, sampling.return_routes
         by_session = want_routes and chunk is not None and decoder.routes_from_session
         session = (
-            RoutingSession(self.policy, RouterAction.NATURAL, capture_gates=sampling.return_gates)
+            RoutingSession(
+                self.policy, RouterAction.NATURAL, capture_gates=sampling.return_gates, noise=self.route_noise
+            )
             if by_session
             else None
         )

@@ -23,12 +23,28 @@ from typing import TYPE_CHECKING
 
 from moe_rl import dist
 from moe_rl.config import ConfigError
-from moe_rl.dist import host_port
-from moe_rl.rollout.colocated import trainer_gpus
+from moe_rl.dist import free_port, host_port
+from moe_rl.megatron.hf import export_hf
+from moe_rl.rollout.colocated import (
+    colocated_payload_ranks,
+    colocated_placement,
+    trainer_gpus,
+    trainer_layout,
+)
 from moe_rl.rollout.sglang_client import SGLangClient, url_host
 from moe_rl.rollout.sglang_engine import SGLangEngine
+from moe_rl.rollout.sglang_launcher import SGLangLaunchError, check_disjoint, plan_gpus
+from moe_rl.rollout.sglang_router import Fleet, SGLangRouterLauncher
 from moe_rl.rollout.types import HFStateSource, Rollouts, SamplingParams
-from moe_rl.rollout.weight_sync.address import is_loopback, is_wildcard, local_dial, route_address
+from moe_rl.rollout.weight_sync import DiskWeightSync, DistributedWeightSync, TensorWeightSync
+from moe_rl.rollout.weight_sync.address import (
+    is_loopback,
+    is_wildcard,
+    local_dial,
+    pin_nccl_interface,
+    route_address,
+)
+from moe_rl.rollout.weight_sync.session import source_tensors
 
 if TYPE_CHECKING:
     from moe_rl.config import Recipe, RolloutConfig
@@ -83,8 +99,6 @@ class RankedSGLangEngine:
             if contribute is not None:
                 contribute(source)
             else:
-                from moe_rl.rollout.weight_sync.session import source_tensors
-
                 for _ in source_tensors(source, dist.group_device()):
                     pass
             self.inner.weight_version = version
@@ -104,8 +118,6 @@ def pin_nccl_for_engines(recipe, *, nccl: bool) -> str | None:
     """Before the process's first NCCL call: ``NCCL_SOCKET_IFNAME`` set to the interface the
     recipe's remote SGLang engines reach this process at (distributed weight sync over NCCL only;
     NCCL reads it once per process, so set later it would do nothing). The interface, or None."""
-    from moe_rl.rollout.weight_sync.address import pin_nccl_interface
-
     rollout = recipe.rollout
     if rollout.engine != "sglang" or rollout.weight_sync != "distributed" or not nccl:
         return None
@@ -184,8 +196,6 @@ def node_address(cfg: SGLangConfig, env: Mapping[str, str] | None = None) -> str
     """Rank 0's routable address, where the other nodes reach engines it launches:
     ``rollout.sglang.trainer_address``, else ``$MOE_RL_TRAINER_ADDR``, else the local address of
     the route to ``$MASTER_ADDR``. Never loopback; it must be an address of this node."""
-    from moe_rl.dist import free_port
-
     env = os.environ if env is None else env
     candidates = [
         ("rollout.sglang.trainer_address", cfg.trainer_address),
@@ -234,8 +244,6 @@ def check_reachable(urls: list[str], router_url: str | None, *, multi_node: bool
 
 def engine_gpus(cfg: SGLangConfig, n: int, trainer: list[int]) -> list[tuple[int, ...] | None]:
     """Device mask of each launched engine; ConfigError when they would land on the trainer's GPUs."""
-    from moe_rl.rollout.sglang_launcher import check_disjoint, plan_gpus
-
     gpus = cfg.gpus if cfg.gpus is not None else (trainer if cfg.colocate and trainer else None)
     if gpus is None:
         if trainer:
@@ -273,7 +281,6 @@ def launch_fleet(
     ``masks`` their GPUs, ``first`` the index of the first, ``address`` this node's (bind, dial),
     no ``router``."""
     from moe_rl.rollout.sglang_launcher import SGLangLauncher, SGLangServerConfig
-    from moe_rl.rollout.sglang_router import Fleet
 
     cfg = recipe.rollout.sglang
     bind, dial = address or engine_address(
@@ -299,7 +306,7 @@ def launch_fleet(
                 host=bind,
                 advertise_host=dial,
                 port=(cfg.port or None) if i == 0 else None,
-                enable_return_routed_experts=recipe.algo.routing == "r3",
+                enable_return_routed_experts=recipe.algo.routing.wants_engine_routes,
                 mem_fraction_static=cfg.mem_fraction,
                 dtype=dtype,
                 module=cfg.module,
@@ -327,8 +334,6 @@ def launch_fleet(
 def start_router(recipe: Recipe, out: Path, fleet, urls: list[str], address: tuple[str, str]) -> str | None:
     """The router URL: ``rollout.sglang.router_url``, else (2+ engines) sglang-router launched here
     over ``urls`` at ``address`` (bind, dial), owned by ``fleet``; None for one engine."""
-    from moe_rl.rollout.sglang_router import SGLangRouterLauncher
-
     cfg = recipe.rollout.sglang
     if len(urls) < 2 or cfg.router_url is not None:
         return cfg.router_url
@@ -352,7 +357,6 @@ def engine_start(recipe: Recipe, *, policy: Policy, tokenizer: Tokenizer, out: P
         return None
     if cfg.model_path:
         return cfg.model_path
-    from moe_rl.megatron.hf import export_hf
 
     path = str(Path(out) / "hf_init")
     export_hf(policy, path, tokenizer=tokenizer)
@@ -433,8 +437,6 @@ def check_colocated_servers(engines: list[SGLangClient]) -> None:
 def _launch_on_rank0(recipe: Recipe, out: Path, model_path: str, multi_node: bool, rank: int):
     """Rank 0 launches the fleet and broadcasts its URLs (never loopback across nodes); a failure
     there is raised on every rank (the others would otherwise wait in the broadcast)."""
-    from moe_rl.rollout.sglang_launcher import SGLangLaunchError
-
     fleet = urls = router_url = failure = None
     if rank == 0:
         try:
@@ -464,14 +466,10 @@ def _launch_on_rank0(recipe: Recipe, out: Path, model_path: str, multi_node: boo
 
 def _weight_sync(rollout_cfg: RolloutConfig, out: Path, engines: list[SGLangClient]):
     """Rank 0's pusher to every engine, as the recipe's rollout section asks."""
-    from moe_rl.rollout.weight_sync import DiskWeightSync, DistributedWeightSync, TensorWeightSync
-
     tp_sizes = [rollout_cfg.sglang.tp] * len(engines)
     if rollout_cfg.weight_sync == "disk":
         return DiskWeightSync(engines, rollout_cfg.weight_sync_dir or Path(out) / "weights")
     if rollout_cfg.weight_sync == "tensor":  # collective: every rank builds its engine rank's payloads
-        from moe_rl.rollout.colocated import colocated_payload_ranks
-
         ranks = colocated_payload_ranks(rollout_cfg.sglang, len(engines))
         return TensorWeightSync(
             engines, tp_sizes=tp_sizes, timeout_s=rollout_cfg.timeout_s, payload_ranks=ranks
@@ -512,9 +510,6 @@ def launch_on_every_node(recipe: Recipe, out: Path, model_path: str, rank: int):
     """Each node's first rank launches that node's colocated engines; rank 0 the router over all
     of them. Every rank returns (its Fleet or None, every engine URL in placement order, router
     URL); a failure on any node is raised on every rank. Collective."""
-    from moe_rl.rollout.colocated import colocated_placement, trainer_layout
-    from moe_rl.rollout.sglang_launcher import SGLangLaunchError
-
     cfg = recipe.rollout.sglang
     layout = trainer_layout()
     node = layout[rank][0]

@@ -23,6 +23,8 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -93,9 +95,6 @@ def check_sglang_version(version: str | None) -> str:
     from packaging.version import InvalidVersion, Version
 
     if version is None:
-        from importlib.metadata import PackageNotFoundError
-        from importlib.metadata import version as dist_version
-
         try:
             version = dist_version("sglang")
         except PackageNotFoundError as e:

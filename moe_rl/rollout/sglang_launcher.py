@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from moe_rl.rollout.sglang_client import (
     SGLangUnavailable,
     check_sglang_version,
 )
+from moe_rl.rollout.weight_sync.address import local_dial
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +107,6 @@ class SGLangServerConfig:
     @property
     def dial_host(self) -> str:
         """The address in the server's URL: ``advertise_host``, else ``host`` (loopback for all interfaces)."""
-        from moe_rl.rollout.weight_sync.address import local_dial
-
         return self.advertise_host or local_dial(self.host)
 
     def env(self) -> dict[str, str]:
@@ -180,8 +180,6 @@ def build_command(cfg: SGLangServerConfig, port: int) -> list[str]:
 def installed_sglang_version(python: str) -> str | None:
     """The sglang version ``python`` would import (None when it has none)."""
     if python == sys.executable:
-        from importlib.metadata import PackageNotFoundError, version
-
         try:
             return version("sglang")
         except PackageNotFoundError:

@@ -19,11 +19,15 @@ import contextlib
 import importlib
 import logging
 import secrets
+import signal
+import socket
 import sys
 import threading
 from typing import Any
 
+from moe_rl.argparsing import ArgParser, int_at_least, number_in, text_value
 from moe_rl.dist import host_port
+from moe_rl.errors import Interrupted, StopRequested
 from moe_rl.serve.app import SGLangProtocolApp
 from moe_rl.serve.limits import FLAGS, ServeLimits, add_limit_args, dumps, limits_from_args, strict_loads
 from moe_rl.serve.protocol import error_response
@@ -218,11 +222,7 @@ def serve(
     with :class:`~moe_rl.errors.StopRequested` (one line, exit 128 + the signal). uvicorn shuts
     down on SIGTERM / SIGINT (answering the requests in flight, ``timeout_graceful_shutdown``) and
     raises the signal again as it returns; SIGHUP is given the same shutdown here."""
-    import signal
-
     import uvicorn
-
-    from moe_rl.errors import Interrupted, StopRequested
 
     if host not in ("127.0.0.1", "localhost", "::1") and not (api_key or admin_api_key):
         logger.warning("moe-rl serve binds %s without --api-key: the weight-update endpoints are open", host)
@@ -265,8 +265,6 @@ def serve(
 
 def build_arg_parser() -> argparse.ArgumentParser:
     """The ``moe-rl serve`` command line: the ``sglang.launch_server`` options the launcher passes, plus ours."""
-    from moe_rl.argparsing import ArgParser, int_at_least, number_in, text_value
-
     p = ArgParser("moe-rl serve", description="SGLang-protocol server around a moe-rl rollout engine")
     p.add_argument("--model-path", default="moe-rl-embedded", type=text_value)
     p.add_argument("--host", default="127.0.0.1", type=text_value)
@@ -302,8 +300,6 @@ def build_arg_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace) -> ServeLimits:
     """The limits of ``args``, after checking them and that ``--host``/``--port`` can be listened on
     (before the engine is built); ConfigError names the flag."""
-    import socket
-
     from moe_rl.config import ConfigError
 
     try:

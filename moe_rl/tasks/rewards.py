@@ -25,6 +25,7 @@ import importlib.util
 import inspect
 import math
 import numbers
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,7 +270,5 @@ class RewardFn:
 
 def _array_types() -> tuple[type, ...]:
     """numpy arrays count as lists of values when numpy is loaded (never imported here)."""
-    import sys
-
     np = sys.modules.get("numpy")
     return (np.ndarray,) if np is not None else ()

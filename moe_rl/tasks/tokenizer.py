@@ -15,6 +15,7 @@ text (``"<eos>"``) encode to their ids, characters outside the alphabet encode t
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -287,8 +288,6 @@ def model_tokenizer(hf_path: str | None) -> str:
     built-in class reads the same ids), when there is no ``hf_path``, or when the folder holds no
     ``tokenizer.json`` (then said in one warning line, once per folder). A folder that does not
     exist here keeps its path: ``moe-rl check`` and ``train`` refuse it, naming ``model.hf_path``."""
-    import logging
-
     if not hf_path:
         return "char"
     folder = Path(hf_path)

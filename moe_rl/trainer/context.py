@@ -8,37 +8,39 @@ The stages that train it live beside it: :func:`moe_rl.trainer.sft.run_sft`,
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
-import math
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import yaml
 
 from moe_rl.config import Recipe, to_dict
 from moe_rl.files import write_text
+from moe_rl.megatron.optim import Optimizer
+from moe_rl.megatron.parallel import backend_for, destroy_parallel
+from moe_rl.megatron.policy import build_policy
+from moe_rl.preflight import check_vocab
 from moe_rl.routing.noise import RouteNoise
-from moe_rl.trainer.hooks import FunctionHook, OptimizerStep, StepHook
-from moe_rl.trainer.signals import StopRequested, StopSignals
-from moe_rl.trainer.state import Checkpointer, RunState, TrainingStopped
+from moe_rl.tasks import build_task, load_tokenizer
+from moe_rl.trainer.engine_handle import EngineHandle
+from moe_rl.trainer.metrics import MetricsSink
+from moe_rl.trainer.progress import Progress
+from moe_rl.trainer.signals import StopSignals
+from moe_rl.trainer.state import Checkpointer, RunState, SaveResume, read_run_file, write_run_file
 
 if TYPE_CHECKING:
     from moe_rl.config import AlgoConfig, OptimConfig, TrainConfig
-    from moe_rl.megatron.optim import Optimizer
     from moe_rl.megatron.parallel import ParallelInfo
     from moe_rl.megatron.policy import Policy
-    from moe_rl.rollout.types import HFStateSource, RolloutEngine, Rollouts, SamplingParams
+    from moe_rl.rollout.types import RolloutEngine
     from moe_rl.tasks.base import Task
     from moe_rl.tasks.tokenizer import Tokenizer
-    from moe_rl.trainer.metrics import MetricsSink
-    from moe_rl.trainer.progress import Progress
-    from moe_rl.trainer.reference import Reference
+    from moe_rl.trainer.batch import RLBatch
 
 log = logging.getLogger(__name__)
 RANK_LOGGER = "moe_rl.rank"
@@ -48,8 +50,64 @@ SHARED_SECTIONS = ("model", "parallel", "rollout", "task")
 "Recipe sections a derived run keeps: the policy, process groups, engine and task were built from them."
 
 
-class Run:
-    """The objects one run holds, built in dependency order; every trainer function takes it."""
+# -- seam 1: hooks after each optimizer step (moe_rl.trainer.hooks) ------------------------------
+@dataclass(frozen=True)
+class OptimizerStep:
+    """What a hook sees after one optimizer step."""
+
+    run: Run
+    "The run that stepped (``run.optimizer.step_count`` counts this step already)."
+    stage: str
+    "The stage: ``sft`` or ``rl``."
+    step: int
+    "The stage's step the update belongs to (an RL step holds ``minibatches`` updates)."
+    minibatch: int
+    "The update's index j within the step, 0 .. ``minibatches`` - 1 (0 in SFT)."
+    minibatches: int
+    "Updates in the step: ``train.minibatches`` in RL, 1 in SFT."
+    stats: dict[str, float]
+    "What ``optimizer.step()`` returned (``grad_norm``, ``lr``, ``skipped``; SFT adds ``loss``)."
+    batch: RLBatch | None = None
+    "The RL step's rollout batch (this rank's rows); None in SFT."
+
+
+class StepHook:
+    """A measurement after each optimizer step; subclass and override what it needs."""
+
+    def begin(self, run: Run, step: int, batch: RLBatch) -> None:
+        """Before the first update of RL step ``step`` on ``batch``."""
+
+    def __call__(self, event: OptimizerStep) -> None:
+        """After each optimizer step."""
+
+    def metrics(self, run: Run) -> dict[str, float]:
+        """After the updates of an RL step: metrics to add to the step's (reduced over ranks)."""
+        return {}
+
+
+class FunctionHook(StepHook):
+    """A plain function ``fn(event)`` as a hook (:meth:`Run.add_hook` wraps functions in it)."""
+
+    def __init__(self, fn: Callable[[OptimizerStep], object]):
+        self.fn = fn
+
+    def __call__(self, event: OptimizerStep) -> None:
+        self.fn(event)
+
+
+class KLReference(Protocol):
+    """What the RL step asks of the KL term's reference (:class:`moe_rl.trainer.reference.Reference`)."""
+
+    def use(self, run: Run, batch: RLBatch, rewards_B: torch.Tensor) -> dict[str, float]:
+        """Set ``batch.ref_logp_BT`` (and, with an in-reward KL, the advantages); the penalty's metrics."""
+        ...
+
+
+class Run(EngineHandle, SaveResume):
+    """The objects one run holds, built in dependency order; every trainer function takes it. Its
+    engine handle (:class:`~moe_rl.trainer.engine_handle.EngineHandle`: generate, push, the
+    engine's memory) and its save and resume policy (:class:`~moe_rl.trainer.state.SaveResume`,
+    beside the :class:`~moe_rl.trainer.state.Checkpointer`) are its bases."""
 
     recipe: Recipe
     "The resolved recipe (another algo / optim / train: :meth:`derive` a run)."
@@ -65,6 +123,8 @@ class Run:
     "The optimizer of the current stage (None until :meth:`make_optimizer`)."
     engine: RolloutEngine | None
     "The rollout engine (None until :meth:`ensure_engine`)."
+    route_noise: RouteNoise
+    "The selection noise the trainer's routing sessions route with (``train.route_noise``): drawn anew for each RL step by :func:`moe_rl.trainer.rl.collect`; forwards outside a session route without."
     engine_gives_routes: bool
     "Ask the engine for every token's routed experts (free on the embedded engine; SGLang: R3 only)."
     sink: MetricsSink
@@ -78,20 +138,16 @@ class Run:
     signals: StopSignals
     "SIGTERM / SIGINT seen while :func:`moe_rl.trainer.run.run` runs the stages (installed there)."
     hooks: list[StepHook]
-    "Called after each optimizer step (:mod:`moe_rl.trainer.hooks`); the flip probe is the first."
-    reference: Reference | None
+    "Called after each optimizer step (:mod:`moe_rl.trainer.hooks`), after :attr:`probes`."
+    probes: list[StepHook]
+    "The trainer's own probes (:mod:`moe_rl.trainer.probe`), made by the first RL step (:func:`moe_rl.trainer.rl.step_hooks`); one list for this run and those derived from it."
+    reference: KLReference | None
     "The KL term's reference, the RL stage's starting weights (:mod:`moe_rl.trainer.reference`); None without one."
     phases: Progress
     "Rank 0's progress: phase lines, a bar or plain step lines, progress.json (:mod:`moe_rl.trainer.progress`)."
 
     def __init__(self, recipe: Recipe, *, write_recipe: bool = True):
         from moe_rl.megatron.parallel import init_parallel
-        from moe_rl.megatron.policy import build_policy
-        from moe_rl.preflight import check_vocab
-        from moe_rl.tasks import build_task, load_tokenizer
-        from moe_rl.trainer.metrics import MetricsSink
-        from moe_rl.trainer.probe import FlipProbe, RoutingShareProbe
-        from moe_rl.trainer.progress import Progress
 
         self.recipe = recipe
         self.tok = load_tokenizer(recipe.model.tokenizer)
@@ -99,7 +155,6 @@ class Run:
         self.task = build_task(recipe.task, self.tok)
         self._owns_dist = not torch.distributed.is_initialized()
         if recipe.rollout.engine == "sglang":  # before NCCL starts: it reads its interface once
-            from moe_rl.megatron.parallel import backend_for
             from moe_rl.rollout.factory import pin_nccl_for_engines
 
             pin_nccl_for_engines(recipe, nccl=backend_for(recipe.parallel) == "nccl")
@@ -112,7 +167,7 @@ class Run:
                 *(i.dp_rank, i.dp_size),
             )
         self.policy = build_policy(recipe.model, recipe.parallel, self.info)
-        self.policy.route_noise = RouteNoise(recipe.train.route_noise, seed=recipe.train.seed)
+        self.route_noise = RouteNoise(recipe.train.route_noise, seed=recipe.train.seed)
         self.optimizer = None
         self.engine = None
         self.engine_gives_routes = False
@@ -126,7 +181,8 @@ class Run:
             checkpoint_root(recipe), self.policy.model, keep=recipe.checkpoint.keep
         )
         self.signals = StopSignals()
-        self.hooks = [RoutingShareProbe(), FlipProbe()]  # the share's forward serves the flip probe
+        self.hooks = []
+        self.probes = []
         self.reference = None
         self.phases = Progress(self.out, enabled=self.info.rank == 0, log_every=recipe.train.log_every)
         self._derived_from: Run | None = None
@@ -136,8 +192,6 @@ class Run:
     def write_recipe(self) -> None:
         """``<out_dir>/recipe.yaml`` (the resolved recipe) and ``run.json`` (the run's id and
         checkpoint folder: what ``--resume`` continues), each written atomically (rank 0)."""
-        from moe_rl.trainer.state import read_run_file, write_run_file
-
         if self.info.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             write_text(self.out / "recipe.yaml", yaml.safe_dump(to_dict(self.recipe), sort_keys=False))
@@ -147,8 +201,6 @@ class Run:
     def make_optimizer(self, stage: str) -> None:
         """A fresh optimizer for ``stage``: RL does not inherit the SFT stage's Adam moments. In
         RL with ``train.freeze_router`` it never changes the routers (:meth:`frozen_for`)."""
-        from moe_rl.megatron.optim import Optimizer
-
         cfg = self.recipe.optim
         lr = self.recipe.train.sft_lr
         if stage == "sft" and lr is not None:
@@ -243,205 +295,6 @@ class Run:
             out.make_optimizer(out.state.stage or "rl")
         return out
 
-    def save(self) -> Path:
-        """Checkpoint policy, optimizer, RNG and run state (with the metrics written so far).
-
-        A policy with a non-finite weight or a uniform output (:meth:`dead_output`) is never
-        saved: :class:`TrainingStopped`, naming the last good checkpoint.
-        """
-        from moe_rl.megatron.checkpoint import NonFiniteWeights
-
-        self.state.metrics_offset = self.sink.offset()
-        dead = self.dead_output()
-        if dead is not None:
-            raise TrainingStopped(
-                f"{self.state.stage} step {self.state.step}: the policy is dead ({dead}): not saved; "
-                f"{self.last_good_text()}: lower optim.lr"
-            )
-        try:
-            return self.checkpointer.save(self.optimizer, self.state)
-        except NonFiniteWeights as e:
-            raise TrainingStopped(
-                f"{self.state.stage} step {self.state.step}: {e}; {self.last_good_text()}: "
-                "lower optim.lr or check the data"
-            ) from None
-
-    @torch.no_grad()
-    def dead_output(self) -> str | None:
-        """Why the policy's output is dead (uniform over the vocabulary on a probe of token ids:
-        entropy within ``DEAD_ENTROPY_TOL`` of ln V), or None. A forward of one short row on
-        every rank (a collective under TP / EP)."""
-        from moe_rl.trainer.sentinel import DEAD_ENTROPY_TOL
-
-        v = self.recipe.model.vocab_size
-        n = min(16, self.recipe.model.max_seq_len)
-        probe_BT = (torch.arange(n, dtype=torch.int64) * 7 % self.tok.vocab_size)[None, :]
-        entropy = self.policy.logprobs(probe_BT, with_entropy=True).entropy_BT[:, 1:].mean()
-        if float(entropy) >= math.log(v) - DEAD_ENTROPY_TOL:
-            return f"output uniform: entropy {float(entropy):.5f} = ln({v})"
-        return None
-
-    def last_good_text(self) -> str:
-        """Where the last good checkpoint is, for a stop message (only one that passed the checks)."""
-        good = self.checkpointer.last_good
-        if good is None:
-            return "no good checkpoint of this run was written"
-        return f"the last good checkpoint is {good} (--resume continues from it)"
-
-    def stop_if_signalled(self, where: str, *, can_save: bool = True) -> None:
-        """After a step: when a rank got SIGTERM / SIGINT, save (if ``can_save`` and the weights
-        pass the checks), log one line and raise :class:`StopRequested`."""
-        signum = self.signals.requested()
-        if not signum:
-            return
-        import signal
-
-        name, saved = signal.Signals(signum).name, None
-        if can_save:
-            try:
-                saved = self.save()
-            except TrainingStopped as e:
-                log.warning("%s", e)
-        if saved is not None:
-            msg = f"{name}: stopped after {where}, checkpoint {saved} written; continue with --resume"
-        else:
-            msg = f"{name}: stopped after {where} without a checkpoint; {self.last_good_text()}"
-        log.warning("%s", msg)
-        raise StopRequested(signum, msg)
-
-    def resume(self) -> bool:
-        """Load the newest intact checkpoint of this run's directory (with its stage's optimizer),
-        and cut ``metrics.jsonl`` back to what was written when it was saved; True."""
-        from moe_rl.errors import PathError
-        from moe_rl.megatron.checkpoint import NoCheckpoint
-        from moe_rl.trainer.state import resume_conflict
-
-        conflict = resume_conflict(self.out, self.checkpointer.root)
-        if conflict is not None:
-            raise PathError(conflict)
-        saved = self.checkpointer.saved_state()
-        try:
-            if saved is None:
-                self.checkpointer.load(None)  # raises, naming what it skipped
-            self.make_optimizer(saved.stage or "sft")
-            self.state = self.checkpointer.load(self.optimizer)
-        except NoCheckpoint as e:
-            raise NoCheckpoint(f"nothing to resume: {e}") from None
-        self.state.attempt += 1
-        self.cut_rows()
-        return True
-
-    def tag_rows(self) -> None:
-        """Tag the rows the sink writes from now on with this run's id and attempt."""
-        self.sink.tags = {"run": self.state.run_id, "attempt": self.state.attempt}
-
-    def cut_rows(self) -> None:
-        """After a resume or a rollback: cut ``metrics.jsonl`` back to what was written when the
-        checkpoint now loaded was saved (those steps run again), and tag the rows to come."""
-        if self.state.metrics_offset is not None:
-            removed = self.sink.truncate(self.state.metrics_offset)
-            if removed:
-                log.info("metrics.jsonl: removed %d rows written after the checkpoint (run again)", removed)
-        self.tag_rows()
-
-    def ensure_engine(self) -> None:
-        """Build the rollout engine the recipe names (once)."""
-        if self.engine is not None:
-            return
-        rollout_cfg = self.recipe.rollout
-        if rollout_cfg.engine == "embedded":
-            self.engine = self.embedded_engine()
-            self.engine_gives_routes = True  # free: captured during generation
-        else:
-            from moe_rl.rollout.factory import build_sglang_engine, engine_start
-
-            kw = {"policy": self.policy, "tokenizer": self.tok, "out": self.out}
-            start = engine_start(self.recipe, **kw)  # the export reads the weights: before they leave
-            with self.memory_for_engine("launch"):  # colocated: engines start beside no trainer state
-                self.engine = build_sglang_engine(self.recipe, rank=self.info.rank, model_path=start, **kw)
-            self.engine_gives_routes = self.recipe.algo.routing == "r3"
-
-    def embedded_engine(self, route_noise: float | None = None) -> RolloutEngine:
-        """An embedded engine over this run's policy, as the ``rollout`` section configures one: the
-        run's own (:meth:`ensure_engine`), or another beside it whose routers add selection noise
-        ``route_noise`` instead of ``rollout.route_noise`` (a measurement's second engine: pass it
-        to :meth:`derive`; the caller closes it)."""
-        from moe_rl.rollout import get_engine_class
-
-        cfg = self.recipe.rollout
-        return get_engine_class("embedded")(
-            self.policy,
-            pad_id=self.tok.pad_id,
-            eos_id=self.tok.eos_id,
-            decoder=cfg.embedded_decoder,
-            dtype=self.recipe.rollout_dtype,
-            router_dtype=cfg.router_dtype,
-            route_noise=cfg.route_noise if route_noise is None else route_noise,
-        )
-
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> Rollouts:
-        """The engine's ``n`` rollouts of each prompt, on the policy's device: the trainer's one
-        device boundary (engines return host tensors; everything the step computes from the batch
-        lives on the policy's device, as NCCL's collectives need). The engine works with the
-        trainer's memory on the host where it shares the GPUs (:meth:`memory_for_engine`)."""
-        with self.memory_for_engine("rollout"):  # a rollout reads no trainer tensor
-            rollouts = self.engine.generate(prompt_ids, n, sampling)
-        self.check_push()
-        return rollouts.to(self.info.device)
-
-    @torch.no_grad()
-    def check_push(self) -> None:
-        """After a rollout that took a due push check's probes (``rollout.verify_every``): the
-        trainer scores the tokens each engine scored, without route noise; WeightSyncError when an
-        engine's scores are off (:func:`moe_rl.rollout.weight_sync.verify.check_scores`)."""
-        take = getattr(self.engine, "take_push_probes", None)
-        probes = take() if take is not None else None
-        if not probes:
-            return
-        from moe_rl.rollout.weight_sync.verify import check_scores, score_tolerance
-
-        noise, self.policy.route_noise = self.policy.route_noise, RouteNoise()
-        try:
-            mine = [
-                self.policy.logprobs(torch.tensor([p.tokens])).logp_BT[0, p.prompt_len :].tolist()
-                for p in probes
-            ]
-        finally:
-            self.policy.route_noise = noise
-        r = self.recipe
-        tolerance = score_tolerance(r.model.dtype, r.rollout_dtype, r.rollout.verify_tolerance)
-        check_scores(probes, mine, tolerance, self.engine.weight_version)
-
-    def push_weights(self) -> None:
-        """The policy's weights to the engine, which then serves version ``optimizer.step_count``."""
-        with self.memory_for_engine("push"):  # a push reads the weights
-            self.engine.update_weights(self.weights_for_engine(), str(self.optimizer.step_count))
-
-    @contextlib.contextmanager
-    def memory_for_engine(self, phase: str) -> Iterator[None]:
-        """Around engine phase ``phase`` (rollout, push, launch) on the trainer's own GPUs
-        (``rollout.colocated``): the engines hold memory only inside the block and, with
-        ``rollout.sglang.offload_trainer``, the trainer's state waits in host memory meanwhile, every
-        rank in step (:func:`moe_rl.trainer.colocate.engine_phase`); a no-op elsewhere. Every
-        tensor is back, as it was, when the block ends."""
-        if not self.recipe.rollout.colocated:
-            yield
-            return
-        from moe_rl.trainer.colocate import engine_phase
-
-        trainer = self.optimizer if self.recipe.rollout.sglang.offload_trainer else None
-        with engine_phase(trainer, lambda: self.engine, phase):
-            yield
-
-    def weights_for_engine(self) -> HFStateSource | None:
-        """What ``engine.update_weights`` reads: None for the embedded engine (it shares the
-        policy's weights in process), else the policy's weights under HF names."""
-        if self.recipe.rollout.engine == "embedded":
-            return None
-        from moe_rl.megatron.hf import PolicyHFSource
-
-        return PolicyHFSource(self.policy)
-
     def progress(self, stage: str, step: int, total: int, metrics: dict[str, float]) -> None:
         """Rank 0's progress after ``stage``'s step ``step`` (0-based) of ``total``, with s/step and
         the time left: a bar on a terminal; where stderr is a file or a pipe (a log, Slurm, a child
@@ -462,8 +315,6 @@ class Run:
         if self.engine is not None:
             self.engine.close()
         if self._owns_dist and torch.distributed.is_initialized():
-            from moe_rl.megatron.parallel import destroy_parallel
-
             destroy_parallel()
 
 

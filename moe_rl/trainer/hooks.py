@@ -14,58 +14,11 @@ In an RL step the trainer calls, for every hook, in registration order::
 The calls are timed as the step's ``probe`` phase (excluded from ``train``), except ``metrics``.
 In SFT only ``hook(event)`` is called, after each optimizer step (``event.batch`` is None).
 Every rank calls every hook: a hook may run a forward or a collective.
+
+The types live with :class:`~moe_rl.trainer.context.Run`, which holds the hooks and hands itself to
+them (one module, so no import circle); they are imported from here.
 """
 
-from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from moe_rl.trainer.context import Run
-    from moe_rl.trainer.rl import RLBatch
-
-
-@dataclass(frozen=True)
-class OptimizerStep:
-    """What a hook sees after one optimizer step."""
-
-    run: Run
-    "The run that stepped (``run.optimizer.step_count`` counts this step already)."
-    stage: str
-    "The stage: ``sft`` or ``rl``."
-    step: int
-    "The stage's step the update belongs to (an RL step holds ``minibatches`` updates)."
-    minibatch: int
-    "The update's index j within the step, 0 .. ``minibatches`` - 1 (0 in SFT)."
-    minibatches: int
-    "Updates in the step: ``train.minibatches`` in RL, 1 in SFT."
-    stats: dict[str, float]
-    "What ``optimizer.step()`` returned (``grad_norm``, ``lr``, ``skipped``; SFT adds ``loss``)."
-    batch: RLBatch | None = None
-    "The RL step's rollout batch (this rank's rows); None in SFT."
-
-
-class StepHook:
-    """A measurement after each optimizer step; subclass and override what it needs."""
-
-    def begin(self, run: Run, step: int, batch: RLBatch) -> None:
-        """Before the first update of RL step ``step`` on ``batch``."""
-
-    def __call__(self, event: OptimizerStep) -> None:
-        """After each optimizer step."""
-
-    def metrics(self, run: Run) -> dict[str, float]:
-        """After the updates of an RL step: metrics to add to the step's (reduced over ranks)."""
-        return {}
-
-
-class FunctionHook(StepHook):
-    """A plain function ``fn(event)`` as a hook (:meth:`Run.add_hook` wraps functions in it)."""
-
-    def __init__(self, fn: Callable[[OptimizerStep], object]):
-        self.fn = fn
-
-    def __call__(self, event: OptimizerStep) -> None:
-        self.fn(event)
+from moe_rl.trainer.context import FunctionHook as FunctionHook
+from moe_rl.trainer.context import OptimizerStep as OptimizerStep
+from moe_rl.trainer.context import StepHook as StepHook

@@ -14,12 +14,12 @@ import torch
 from moe_rl import dist
 from moe_rl.megatron.routing import RoutingSession
 from moe_rl.routing import RouterAction
+from moe_rl.trainer.forwards import flip_rates, micro_batches, natural_routes, packed, probe_rows, route_flips
 from moe_rl.trainer.hooks import OptimizerStep, StepHook
-from moe_rl.trainer.rl import flip_rates, micro_batches, natural_routes, packed, probe_rows, route_flips
 
 if TYPE_CHECKING:
+    from moe_rl.trainer.batch import RLBatch
     from moe_rl.trainer.context import Run
-    from moe_rl.trainer.rl import RLBatch
 
 
 class FlipProbe(StepHook):
@@ -98,7 +98,7 @@ class RoutingShareProbe(StepHook):
         share_routes = len(micro_batches(run, lens_B, 0, n)) == 1
         for routes in (None, batch.old_routes_BSLK[:n]):
             action = RouterAction.NATURAL if routes is None else RouterAction.REPLAY
-            session = RoutingSession(run.policy, action, routes_BSLK=routes, pack=pack)
+            session = RoutingSession(run.policy, action, routes_BSLK=routes, pack=pack, noise=run.route_noise)
             with torch.no_grad(), session:
                 logp_BT = run.policy.logprobs(tokens_BT, temperature=temperature, pack=pack).logp_BT
             if routes is None and share_routes:

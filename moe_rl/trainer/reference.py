@@ -31,12 +31,13 @@ import torch
 
 from moe_rl import dist
 from moe_rl.losses import sequence_kl
+from moe_rl.megatron.routing import RoutingSession
 
 if TYPE_CHECKING:
     from moe_rl.config import Recipe
     from moe_rl.megatron.policy import Policy
+    from moe_rl.trainer.batch import RLBatch
     from moe_rl.trainer.context import Run
-    from moe_rl.trainer.rl import RLBatch
 
 log = logging.getLogger(__name__)
 
@@ -89,23 +90,20 @@ class Reference:
     def logprobs(self, run: Run, batch: RLBatch) -> torch.Tensor:
         """log pi_ref of ``batch``'s tokens ``[B, T]`` (0 at position 0, as every log-prob pass),
         micro-batch by micro-batch, routed as the training forwards are (module docstring)."""
-        from moe_rl.megatron.routing import RoutingSession
-        from moe_rl.routing import RouterAction
-        from moe_rl.trainer.rl import micro_batches, packed
+        from moe_rl.trainer.rl import micro_batches, packed, training_replay
 
-        replay_BSLK = batch.replay_BSLK if run.recipe.algo.routing != "none" else None
-        gates_BSLK = batch.replay_gates_BSLK if replay_BSLK is not None else None
-        action = RouterAction.NATURAL if replay_BSLK is None else RouterAction.REPLAY
         out = []
         with self.swapped_into(run.policy):
             for rows in micro_batches(run, batch.lens_B, 0, batch.tokens_BT.shape[0]):
                 pack = packed(run, batch.tokens_BT[rows], batch.lens_B[rows])
+                action, routes_BSLK, gates_BSLK = training_replay(run, batch, rows)
                 session = RoutingSession(
                     run.policy,
                     action,
-                    routes_BSLK=None if replay_BSLK is None else replay_BSLK[rows],
-                    gates_BSLK=None if gates_BSLK is None else gates_BSLK[rows],
+                    routes_BSLK=routes_BSLK,
+                    gates_BSLK=gates_BSLK,
                     pack=pack,
+                    noise=run.route_noise,
                 )
                 with session:
                     tokens_BT, t = batch.tokens_BT[rows], run.recipe.train.temperature

@@ -41,17 +41,20 @@ from moe_rl.losses.corrections import (
     mismatch_metrics,
 )
 from moe_rl.megatron.checkpoint import weights_finite
-from moe_rl.megatron.packing import PackedRows, token_budget_chunks
 from moe_rl.megatron.routing import RoutingSession
 from moe_rl.rollout.types import Rollouts, SamplingParams
 from moe_rl.routing import RouterAction
 from moe_rl.routing.codec import decode_routes
-from moe_rl.routing.flip import flip_counts, flip_metrics
 from moe_rl.routing.load import expert_load_counts, expert_load_metrics
 from moe_rl.routing.noise import RouteNoise
 from moe_rl.routing.validate import validate_routes
 from moe_rl.tasks.base import Prompt, batch_rewards, make_rng
-from moe_rl.trainer.hooks import OptimizerStep
+from moe_rl.trainer.batch import RLBatch as RLBatch  # re-exported, as the forwards: where callers found them
+from moe_rl.trainer.forwards import chunks as chunks
+from moe_rl.trainer.forwards import flip_rates, micro_batches, packed, probe_rows, route_flips
+from moe_rl.trainer.forwards import natural_routes as natural_routes
+from moe_rl.trainer.hooks import OptimizerStep, StepHook
+from moe_rl.trainer.probe import FlipProbe, RoutingShareProbe
 from moe_rl.trainer.samples import samples_due, write_samples
 from moe_rl.trainer.sft import encode_pair
 from moe_rl.trainer.timer import StepTimer
@@ -62,32 +65,6 @@ if TYPE_CHECKING:
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 "A loss of ``moe_rl.losses.LOSSES``: ``(LossBatch, AlgoConfig) -> (loss, metrics)``."
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
-
-
-@dataclass
-class RLBatch:
-    """One rollout batch on this rank, ready for the minibatch updates."""
-
-    tokens_BT: torch.Tensor
-    mask_BT: torch.Tensor  # response tokens (the loss mask)
-    valid_BS: torch.Tensor  # input positions that carry routes (t < total_len - 1)
-    adv_B: torch.Tensor
-    old_logp_BT: torch.Tensor
-    replay_BSLK: torch.Tensor | None  # routes replayed in training (R2, R3)
-    old_routes_BSLK: torch.Tensor | None  # pi_old's natural routes, for drift
-    is_weights: torch.Tensor | None = None  # train-inference correction, [B, T] or [B] (detached)
-    probe_before_BSLK: torch.Tensor | None = None  # the probe rows' natural routes under pi_old
-    # (optimizer step count, the probe rows' natural routes after that step): a probe's natural
-    # forward of them (the routing share's), which the flip probe takes instead of running its own
-    probe_after: tuple[int, torch.Tensor] | None = None
-    # the engine's gate weights, replayed with replay_BSLK (R3 with algo.replay_gate_weights)
-    replay_gates_BSLK: torch.Tensor | None = None
-    ref_logp_BT: torch.Tensor | None = None  # log pi_ref of the KL term (trainer/reference.py), or None
-
-    @property
-    def lens_B(self) -> torch.Tensor:
-        """Input positions of every row (``total_len - 1``): what a packed forward computes."""
-        return self.valid_BS.sum(1).to(torch.int64)
 
 
 @dataclass
@@ -125,7 +102,7 @@ def collect(run: Run, step: int, timer: StepTimer | None = None) -> tuple[RLBatc
     timer = timer or StepTimer()
     cfg = run.recipe.train  # the trainer's route noise, drawn per step (a resumed run draws the same)
     seed = make_rng("route_noise", cfg.seed, step).randrange(2**63)
-    run.policy.route_noise = RouteNoise(cfg.route_noise, seed=seed)
+    run.route_noise = RouteNoise(cfg.route_noise, seed=seed)
     with timer.record("rollout"):
         prompts, rollouts = generate(run, step)
     with timer.record("old_logprob"):  # scoring is cheap: it is timed with the pi_old forward
@@ -159,7 +136,7 @@ def generate(run: Run, step: int) -> tuple[list[Prompt], Rollouts]:
     policy's device)."""
     cfg = run.recipe.train
     prompts = local_prompts(run, run.task.sample(step, cfg.prompts_per_step, run.recipe.task.seed))
-    want_routes = run.recipe.algo.routing == "r3" or run.engine_gives_routes
+    want_routes = run.recipe.algo.routing.wants_engine_routes or run.engine_gives_routes
     sampling = sampling_for(run, step, routes=want_routes, gates=run.recipe.algo.replay_gate_weights)
     return prompts, run.generate(encode_prompts(run, prompts), cfg.group_size, sampling)
 
@@ -245,13 +222,12 @@ def old_policy(run: Run, rollouts: Rollouts, adv_B: torch.Tensor) -> tuple[RLBat
     rollout_logp_BT = rollouts.logprobs_BT
     old_logp_BT, is_weights, metrics = rollout_logp_BT, None, {}
     lens_B = valid_BS.sum(1).to(torch.int64)
-    probe_before_BSLK = None
-    if algo.old_logprobs == "recompute" or algo.routing == "r2":
+    probe_before_BSLK = recorded_BSLK = None
+    if algo.old_logprobs == "recompute" or algo.routing.needs_pi_old_pass:
         recomputed_BT, old_routes_BSLK, recorded_BSLK = old_policy_pass(
             run, tokens_BT, rollout_routes_BSLK, lens_B, gates_BSLK
         )
         probe_before_BSLK = reused_probe_before(run, old_routes_BSLK, rollout_routes_BSLK, valid_BS)
-        replay_BSLK = recorded_BSLK if algo.routing == "r2" else rollout_routes_BSLK
         if algo.old_logprobs == "recompute":
             old_logp_BT = recomputed_BT
             is_weights = correction_weights_for(algo, recomputed_BT, rollout_logp_BT, mask_BT)
@@ -260,7 +236,8 @@ def old_policy(run: Run, rollouts: Rollouts, adv_B: torch.Tensor) -> tuple[RLBat
             flips = [route_flips(rollout_routes_BSLK, old_routes_BSLK, valid_BS)]
             metrics.update(flip_rates(run, {"flip/rollout_vs_trainer": flips}))
     else:  # bypass mode: pi_old is the rollout policy, its routes are the engine's
-        replay_BSLK = old_routes_BSLK = rollout_routes_BSLK
+        old_routes_BSLK = rollout_routes_BSLK
+    replay_BSLK = algo.routing.replayed(recorded_BSLK, rollout_routes_BSLK)
     batch = RLBatch(
         tokens_BT, mask_BT, valid_BS, adv_B, old_logp_BT, replay_BSLK, old_routes_BSLK, is_weights
     )
@@ -348,14 +325,16 @@ def old_policy_pass(
     R3 when the replayed routes were the natural ones (:func:`reused_probe_before`), their
     natural routes here are the probe's "before" routes, computed by the same operations."""
     algo, (b, s) = run.recipe.algo, (tokens_BT.shape[0], tokens_BT.shape[1] - 1)
-    action = {"r2": RouterAction.RECORD, "r3": RouterAction.REPLAY}.get(algo.routing, RouterAction.NATURAL)
+    action = algo.routing.pi_old_action
     n_probe = probe_rows(run, b)
     logps, naturals, recorded = [], [], []
     for rows in micro_batches(run, lens_B, 0, n_probe) + micro_batches(run, lens_B, n_probe, b):
         routes = rollout_routes_BSLK[rows] if action is RouterAction.REPLAY else None
         gates = rollout_gates_BSLK[rows] if routes is not None and rollout_gates_BSLK is not None else None
         pack = packed(run, tokens_BT[rows], lens_B[rows])
-        session = RoutingSession(run.policy, action, routes_BSLK=routes, gates_BSLK=gates, pack=pack)
+        session = RoutingSession(
+            run.policy, action, routes_BSLK=routes, gates_BSLK=gates, pack=pack, noise=run.route_noise
+        )
         with torch.no_grad(), session:
             out = run.policy.logprobs(tokens_BT[rows], temperature=run.recipe.train.temperature, pack=pack)
         logps.append(out.logp_BT)
@@ -388,7 +367,7 @@ def reused_probe_before(
     n = probe_rows(run, natural_BSLK.shape[0])
     natural_BSLK = natural_BSLK[:n]
     algo = run.recipe.algo
-    if algo.routing != "r3":
+    if algo.routing.pi_old_action is not RouterAction.REPLAY:
         return natural_BSLK
     if (
         replayed_BSLK is None
@@ -399,66 +378,6 @@ def reused_probe_before(
         return None
     same_BS = (natural_BSLK == replayed_BSLK[:n].to(natural_BSLK)).all(-1).all(-1)
     return natural_BSLK if bool(same_BS[valid_BS[:n].bool()].all()) else None
-
-
-def natural_routes(run: Run, tokens_BT: torch.Tensor, lens_B: torch.Tensor | None = None) -> torch.Tensor:
-    """The policy's own top-k experts ``[B, S, L, K]`` for ``tokens_BT`` (no gradients), forwards
-    ended at the last router; with ``lens_B`` (and ``train.packing``) only those positions."""
-    b, s = tokens_BT.shape[0], tokens_BT.shape[1] - 1
-    lens_B = torch.full((b,), s, dtype=torch.int64) if lens_B is None else lens_B
-    out = []
-    for rows in micro_batches(run, lens_B, 0, b):
-        pack = packed(run, tokens_BT[rows], lens_B[rows])
-        session = RoutingSession(run.policy, RouterAction.NATURAL, pack=pack, stop_after_routes=True)
-        with torch.no_grad(), session:
-            run.policy.logits(tokens_BT[rows, :-1], pack=pack)
-        out.append(session.natural_BSLK(rows.stop - rows.start, s))
-    return torch.cat(out)
-
-
-def probe_rows(run: Run, b: int) -> int:
-    """Rows of the flip probe: the first ``train.flip_probe_sequences`` of the batch."""
-    return min(run.recipe.train.flip_probe_sequences, b)
-
-
-def micro_batches(run: Run, lens_B: torch.Tensor, start: int, stop: int) -> list[slice]:
-    """Row slices of ``[start, stop)``, one per forward: ``train.micro_batch_size`` rows, or with
-    packing and ``train.pack_tokens``, at most that many input tokens (``lens_B``) each."""
-    cfg = run.recipe.train
-    if cfg.packing and cfg.pack_tokens:
-        return token_budget_chunks(lens_B[start:stop], cfg.pack_tokens, start)
-    return [slice(start + c.start, start + c.stop) for c in chunks(stop - start, cfg.micro_batch_size)]
-
-
-def packed(run: Run, tokens_BT: torch.Tensor, lens_B: torch.Tensor) -> PackedRows | None:
-    """These rows packed for the policy (``train.packing``), or None: the padded forward."""
-    return run.policy.pack(tokens_BT, lens_B) if run.recipe.train.packing else None
-
-
-def chunks(n: int, size: int) -> list[slice]:
-    """Row slices of at most ``size`` (all rows when size is 0; none of no rows)."""
-    size = size or max(n, 1)
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
-# -- flip counting -----------------------------------------------------------------------------------
-def route_flips(a_BSLK: torch.Tensor, b_BSLK: torch.Tensor, valid_BS: torch.Tensor) -> dict:
-    """Additive flip counts between two route sets of the same tokens (``flip_counts``)."""
-    n = a_BSLK.shape[0] * a_BSLK.shape[1]
-    return flip_counts(
-        a_BSLK.reshape(n, *a_BSLK.shape[2:]), b_BSLK.reshape(n, *b_BSLK.shape[2:]), valid_BS.reshape(n)
-    )
-
-
-def flip_rates(run: Run, counts: dict[str, list[dict]]) -> dict[str, float]:
-    """Flip counts (metric prefix -> pieces) summed over pieces and data-parallel ranks, as rates."""
-    out = {}
-    for prefix, pieces in counts.items():
-        total = {k: sum(c[k] for c in pieces).float().clone() for k in pieces[0]}
-        for v in total.values():
-            dist.all_reduce(v, run.info.dp_group)
-        out.update(flip_metrics(total, prefix))
-    return out
 
 
 # -- the M minibatch updates -------------------------------------------------------------------------
@@ -475,8 +394,9 @@ def train_on(run: Run, batch: RLBatch, timer: StepTimer | None = None, *, step: 
     per_minibatch = b // cfg.minibatches
     minibatches = [slice(i * per_minibatch, (i + 1) * per_minibatch) for i in range(cfg.minibatches)]
     counts = _global_counts(run, [batch.mask_BT[mb] for mb in minibatches])
+    hooks = step_hooks(run)
     with timer.record("probe"):
-        for hook in run.hooks:
+        for hook in hooks:
             hook.begin(run, step, batch)
     loss_metrics, grad_norms, entropy, flips, skipped = [], [], [], {}, 0
     for mb, (num_sequences, num_tokens) in zip(minibatches, counts):
@@ -492,15 +412,43 @@ def train_on(run: Run, batch: RLBatch, timer: StepTimer | None = None, *, step: 
         j = len(grad_norms) - 1  # this update's index in the step
         event = OptimizerStep(run, "rl", step, j, cfg.minibatches, stats, batch)
         with timer.record("probe"):
-            for hook in run.hooks:
+            for hook in hooks:
                 hook(event)
     metrics = _reduce_over_dp(run, loss_metrics, entropy, flips)
-    for hook in run.hooks:
+    for hook in hooks:
         metrics.update(hook.metrics(run))
     metrics["grad_norm"] = max(grad_norms)
     metrics["lr"] = stats["lr"]
     metrics["optim/skipped_updates"] = float(skipped)
     return metrics
+
+
+def step_hooks(run: Run) -> list[StepHook]:
+    """The hooks around an RL step's updates: the trainer's own probes (``ratio/routing_share``,
+    whose forward serves the flip probe, then ``flip/step``), made at the run's first RL step and
+    shared with the runs derived from it (:attr:`Run.probes`), then the run's own hooks."""
+    if not run.probes:
+        run.probes.extend([RoutingShareProbe(), FlipProbe()])
+    return [*run.probes, *run.hooks]
+
+
+def training_replay(
+    run: Run, batch: RLBatch, rows: slice
+) -> tuple[RouterAction, torch.Tensor | None, torch.Tensor | None]:
+    """How a training-side forward (an update's, the reference's) of ``batch``'s ``rows`` routes:
+    ``(action, routes_BSLK, gates_BSLK)``, replaying the batch's routes (with the engine's gate
+    weights where the batch holds them) when the run's routing mode replays in training, else
+    naturally. Decided by the run that trains, not the one that collected: a study's arms train
+    on one batch."""
+    if not run.recipe.algo.routing.replays_in_training:
+        return RouterAction.NATURAL, None, None
+    if batch.replay_BSLK is None:
+        raise ValueError(
+            f"algo.routing={run.recipe.algo.routing} replays routes in training, but the batch holds none "
+            "(collected without replay): collect it under the routing mode that trains on it"
+        )
+    gates = batch.replay_gates_BSLK
+    return RouterAction.REPLAY, batch.replay_BSLK[rows], None if gates is None else gates[rows]
 
 
 def _micro_step(
@@ -520,14 +468,17 @@ def _micro_step(
     ``entropy`` and ``flips`` (``flips["experts"]``).
     """
     cfg, algo = run.recipe.train, run.recipe.algo
-    replay_BSLK = batch.replay_BSLK[rows] if algo.routing != "none" else None
-    action = RouterAction.REPLAY if replay_BSLK is not None else RouterAction.NATURAL
-    gates = batch.replay_gates_BSLK
-    gates_BSLK = gates[rows] if replay_BSLK is not None and gates is not None else None
+    action, replay_BSLK, gates_BSLK = training_replay(run, batch, rows)
     mask_BT = batch.mask_BT[rows]
     pack = packed(run, batch.tokens_BT[rows], batch.lens_B[rows])
     session = RoutingSession(
-        run.policy, action, routes_BSLK=replay_BSLK, gates_BSLK=gates_BSLK, pack=pack, entropy=True
+        run.policy,
+        action,
+        routes_BSLK=replay_BSLK,
+        gates_BSLK=gates_BSLK,
+        pack=pack,
+        entropy=True,
+        noise=run.route_noise,
     )
     with session:
         out = run.policy.logprobs(

@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 
 from moe_rl.config import Recipe
+from moe_rl.errors import PathError
 from moe_rl.mainguard import check_main_guard
+from moe_rl.outputs import enclosing_checkpoint_folder, run_markers
 from moe_rl.tasks.base import make_rng
 from moe_rl.trainer.context import Run, checkpoint_root
 from moe_rl.trainer.hooks import OptimizerStep, StepHook
@@ -23,7 +25,7 @@ from moe_rl.trainer.loop import run_rl
 from moe_rl.trainer.progress import Progress
 from moe_rl.trainer.run_lock import hold_run_dir
 from moe_rl.trainer.sft import run_sft
-from moe_rl.trainer.state import Checkpointer
+from moe_rl.trainer.state import Checkpointer, TrainingStopped
 
 __all__ = ["STAGES", "Run", "check_out_dir", "checkpoint_root", "run"]  # Run: where callers found it
 
@@ -36,9 +38,6 @@ STAGES = {"sft": run_sft, "rl": run_rl}
 def check_out_dir(recipe: Recipe, *, resume: bool, fresh: bool) -> None:
     """Refuse to train into a directory holding another run's checkpoints without ``--resume``
     (or ``--fresh``), and ``--resume`` with nothing to resume; before any process group starts."""
-    from moe_rl.errors import PathError
-    from moe_rl.outputs import enclosing_checkpoint_folder, run_markers
-
     if resume and fresh:
         raise PathError("--resume continues the run in train.out_dir and --fresh starts over: give one")
     out = Path(recipe.train.out_dir).resolve()
@@ -166,7 +165,6 @@ def check_start_finite(run: Run, resumed: bool) -> None:
     naming them and where they came from, before a step (they would make every step's loss NaN,
     which the stop message would blame on the learning rate)."""
     from moe_rl.megatron.checkpoint import non_finite_names, weights_finite
-    from moe_rl.trainer.state import TrainingStopped
 
     if weights_finite(run.policy.model):
         return

@@ -77,20 +77,3 @@ def write_samples(
 ) -> None:
     """:func:`sample_rows` of this batch to the run's sink as ``kind`` rows of ``step``."""
     run.sink.samples(step, kind, sample_rows(run, prompts, rollouts, rewards_B, adv_B, group))
-
-
-def samples_text(rows: list[dict]) -> str:
-    """Markdown of sample rows for TensorBoard's text view: a header line per row, then the prompt
-    and the response as code blocks (so the text shows as generated)."""
-    parts = []
-    for r in rows:
-        head = [f"reward {r['reward']:.4g}"]
-        if "advantage" in r:
-            head.append(f"advantage {r['advantage']:+.4g}")
-        head += [f"{r['response_tokens']} tokens", str(r["finish_reason"]), f"answer `{r['answer']}`"]
-        parts.append(
-            f"**row {r['row']}**: "
-            + ", ".join(head)
-            + f"\n\n```\n{r['prompt']}\n```\n\n```\n{r['response']}\n```"
-        )
-    return "\n\n---\n\n".join(parts)

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from moe_rl.dist import all_reduce
-from moe_rl.routing.noise import RouteNoise
 from moe_rl.tasks.base import make_rng
 from moe_rl.trainer.hooks import OptimizerStep
 from moe_rl.trainer.stage import Stage, run_stage
@@ -88,10 +87,9 @@ def run_sft(run: Run) -> dict[str, float]:
     (uniform output): the run stops, nothing saved. The run's hooks see every optimizer step.
 
     SFT routes without ``train.route_noise`` (RL's pi_old, training and probe forwards, seeded per
-    RL step): an SFT start is shared by runs of any noise (its signature leaves the knob out), and a
-    resumed SFT trains as the uninterrupted one did (one generator for the whole stage restarted at a
-    resume)."""
-    run.policy.route_noise = RouteNoise()
+    RL step): its forwards run in no routing session, so with no selection noise
+    (:func:`moe_rl.megatron.routing.routed_with`). An SFT start is shared by runs of any noise (its
+    signature leaves the knob out), and a resumed SFT trains as the uninterrupted one did."""
     run.state.step, run.state.stage = run.state.step_of("sft"), "sft"
     return run_stage(run, SFTStage(run, run.recipe.train.sft_steps))
 

@@ -1,20 +1,32 @@
-"""Where a run stands (:class:`RunState`) and the one object that saves, resumes and rolls back
-its checkpoints (:class:`Checkpointer`)."""
+"""Where a run stands (:class:`RunState`), the one object that saves, resumes and rolls back its
+checkpoints (:class:`Checkpointer`), and the run's policy of when it saves and how it resumes
+(:class:`SaveResume`)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import shutil
+import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moe_rl.errors import UserError
+import torch
+
+from moe_rl import dist
+from moe_rl.errors import PathError, UserError, disk_full_at, is_disk_full
+from moe_rl.files import write_text
+from moe_rl.trainer.signals import StopRequested, StopSignals
 
 if TYPE_CHECKING:
-    import torch
-
+    from moe_rl.config import Recipe
     from moe_rl.megatron.optim import Optimizer
+    from moe_rl.megatron.policy import Policy
+    from moe_rl.tasks.tokenizer import Tokenizer
+    from moe_rl.trainer.metrics import MetricsSink
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +148,6 @@ def read_run_file(out_dir: str | Path) -> dict:
 
 def write_run_file(out_dir: str | Path, run_id: str | None, root: Path) -> None:
     """Record the run ``out_dir`` holds (atomically)."""
-    from moe_rl.files import write_text
-
     doc = {"run_id": run_id, "checkpoint_dir": str(root)}
     write_text(Path(out_dir) / RUN_FILE, json.dumps(doc) + "\n")
 
@@ -201,7 +211,6 @@ class Checkpointer:
     def save(self, optimizer: Optimizer | None, state: RunState) -> Path:
         """Write the next checkpoint with ``state`` in its meta; :class:`NonFiniteWeights` (nothing
         written, ``state`` unchanged) when the policy has a non-finite weight."""
-        from moe_rl.errors import disk_full_at, is_disk_full
         from moe_rl.megatron.checkpoint import checkpoint_dirs, checkpoint_name, save_checkpoint, step_number
 
         highest = max((step_number(p) for p in checkpoint_dirs(self.root)), default=0)
@@ -228,9 +237,6 @@ class Checkpointer:
 
     def _drop_staging(self, seq: int, state: RunState) -> None:
         """Remove the half-written staging folder of checkpoint ``seq`` (rank 0), if it is there."""
-        import shutil
-
-        from moe_rl import dist
         from moe_rl.megatron.checkpoint import checkpoint_name
 
         if dist.rank() == 0:
@@ -282,3 +288,129 @@ class Checkpointer:
             "rolled back to %s (RL step %d), lr scale now %.3g", self.last_good, state.step, state.lr_scale
         )
         return state
+
+
+class SaveResume:
+    """The run's save and resume policy beside its :class:`Checkpointer`: a policy whose weights
+    are non-finite or whose output is dead is never saved; a stop signal saves and stops; a resume
+    loads the newest intact checkpoint and cuts the metrics back to it.
+    :class:`~moe_rl.trainer.context.Run` is one (it holds the parts named below)."""
+
+    recipe: Recipe
+    "The resolved recipe."
+    tok: Tokenizer
+    "The tokenizer (the dead-output probe's token ids)."
+    policy: Policy
+    "The policy saved."
+    optimizer: Optimizer | None
+    "The optimizer saved with it."
+    sink: MetricsSink
+    "``metrics.jsonl``, cut back at a resume."
+    state: RunState
+    "The run's position, saved in every checkpoint."
+    checkpointer: Checkpointer
+    "Writes, finds and loads the checkpoints."
+    out: Path
+    "``train.out_dir``."
+    signals: StopSignals
+    "SIGTERM / SIGINT seen."
+    make_optimizer: Callable[[str], None]
+    "A fresh optimizer for a stage (:meth:`moe_rl.trainer.context.Run.make_optimizer`)."
+
+    def save(self) -> Path:
+        """Checkpoint policy, optimizer, RNG and run state (with the metrics written so far).
+
+        A policy with a non-finite weight or a uniform output (:meth:`dead_output`) is never
+        saved: :class:`TrainingStopped`, naming the last good checkpoint.
+        """
+        from moe_rl.megatron.checkpoint import NonFiniteWeights
+
+        self.state.metrics_offset = self.sink.offset()
+        dead = self.dead_output()
+        if dead is not None:
+            raise TrainingStopped(
+                f"{self.state.stage} step {self.state.step}: the policy is dead ({dead}): not saved; "
+                f"{self.last_good_text()}: lower optim.lr"
+            )
+        try:
+            return self.checkpointer.save(self.optimizer, self.state)
+        except NonFiniteWeights as e:
+            raise TrainingStopped(
+                f"{self.state.stage} step {self.state.step}: {e}; {self.last_good_text()}: "
+                "lower optim.lr or check the data"
+            ) from None
+
+    @torch.no_grad()
+    def dead_output(self) -> str | None:
+        """Why the policy's output is dead (uniform over the vocabulary on a probe of token ids:
+        entropy within ``DEAD_ENTROPY_TOL`` of ln V), or None. A forward of one short row on
+        every rank (a collective under TP / EP)."""
+        from moe_rl.trainer.sentinel import DEAD_ENTROPY_TOL
+
+        v = self.recipe.model.vocab_size
+        n = min(16, self.recipe.model.max_seq_len)
+        probe_BT = (torch.arange(n, dtype=torch.int64) * 7 % self.tok.vocab_size)[None, :]
+        entropy = self.policy.logprobs(probe_BT, with_entropy=True).entropy_BT[:, 1:].mean()
+        if float(entropy) >= math.log(v) - DEAD_ENTROPY_TOL:
+            return f"output uniform: entropy {float(entropy):.5f} = ln({v})"
+        return None
+
+    def last_good_text(self) -> str:
+        """Where the last good checkpoint is, for a stop message (only one that passed the checks)."""
+        good = self.checkpointer.last_good
+        if good is None:
+            return "no good checkpoint of this run was written"
+        return f"the last good checkpoint is {good} (--resume continues from it)"
+
+    def stop_if_signalled(self, where: str, *, can_save: bool = True) -> None:
+        """After a step: when a rank got SIGTERM / SIGINT, save (if ``can_save`` and the weights
+        pass the checks), log one line and raise :class:`StopRequested`."""
+        signum = self.signals.requested()
+        if not signum:
+            return
+
+        name, saved = signal.Signals(signum).name, None
+        if can_save:
+            try:
+                saved = self.save()
+            except TrainingStopped as e:
+                log.warning("%s", e)
+        if saved is not None:
+            msg = f"{name}: stopped after {where}, checkpoint {saved} written; continue with --resume"
+        else:
+            msg = f"{name}: stopped after {where} without a checkpoint; {self.last_good_text()}"
+        log.warning("%s", msg)
+        raise StopRequested(signum, msg)
+
+    def resume(self) -> bool:
+        """Load the newest intact checkpoint of this run's directory (with its stage's optimizer),
+        and cut ``metrics.jsonl`` back to what was written when it was saved; True."""
+        from moe_rl.megatron.checkpoint import NoCheckpoint
+
+        conflict = resume_conflict(self.out, self.checkpointer.root)
+        if conflict is not None:
+            raise PathError(conflict)
+        saved = self.checkpointer.saved_state()
+        try:
+            if saved is None:
+                self.checkpointer.load(None)  # raises, naming what it skipped
+            self.make_optimizer(saved.stage or "sft")
+            self.state = self.checkpointer.load(self.optimizer)
+        except NoCheckpoint as e:
+            raise NoCheckpoint(f"nothing to resume: {e}") from None
+        self.state.attempt += 1
+        self.cut_rows()
+        return True
+
+    def tag_rows(self) -> None:
+        """Tag the rows the sink writes from now on with this run's id and attempt."""
+        self.sink.tags = {"run": self.state.run_id, "attempt": self.state.attempt}
+
+    def cut_rows(self) -> None:
+        """After a resume or a rollback: cut ``metrics.jsonl`` back to what was written when the
+        checkpoint now loaded was saved (those steps run again), and tag the rows to come."""
+        if self.state.metrics_offset is not None:
+            removed = self.sink.truncate(self.state.metrics_offset)
+            if removed:
+                log.info("metrics.jsonl: removed %d rows written after the checkpoint (run again)", removed)
+        self.tag_rows()

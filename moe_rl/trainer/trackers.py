@@ -29,10 +29,12 @@ import json
 import os
 import re
 import time
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
+
+from moe_rl.names import LOSS_NAMES
+from moe_rl.routing import RoutingMode
 
 HPARAM_METRICS = (
     "rl/reward/mean",
@@ -125,10 +127,7 @@ class TensorBoardTracker(Tracker):
         would start another folder and write its metric values as scalars)."""
         from torch.utils.tensorboard.summary import hparams
 
-        from moe_rl.config import AlgoConfig
-        from moe_rl.names import LOSS_NAMES
-
-        routings = list(typing.get_args(typing.get_type_hints(AlgoConfig)["routing"]))
+        routings = [m.value for m in RoutingMode]
         values = {k: scalar_param(v) for k, v in params.items()}
         domains = {"algo.name": list(LOSS_NAMES), "algo.routing": routings}
         domains = {k: d for k, d in domains.items() if values.get(k) in d}
@@ -142,8 +141,6 @@ class TensorBoardTracker(Tracker):
         self.writer.flush()
 
     def samples(self, step: int, kind: str, rows: list[dict]) -> None:
-        from moe_rl.trainer.samples import samples_text
-
         self.writer.add_text(f"samples/{kind}", samples_text(rows), step)
         self.writer.flush()
 
@@ -288,3 +285,20 @@ def make_tracker(name: str) -> Tracker:
     except KeyError:
         raise KeyError(f"unknown tracker {name!r}: use one of {', '.join(TRACKERS)}") from None
     return cls()
+
+
+def samples_text(rows: list[dict]) -> str:
+    """Markdown of sample rows for TensorBoard's text view: a header line per row, then the prompt
+    and the response as code blocks (so the text shows as generated)."""
+    parts = []
+    for r in rows:
+        head = [f"reward {r['reward']:.4g}"]
+        if "advantage" in r:
+            head.append(f"advantage {r['advantage']:+.4g}")
+        head += [f"{r['response_tokens']} tokens", str(r["finish_reason"]), f"answer `{r['answer']}`"]
+        parts.append(
+            f"**row {r['row']}**: "
+            + ", ".join(head)
+            + f"\n\n```\n{r['prompt']}\n```\n\n```\n{r['response']}\n```"
+        )
+    return "\n\n---\n\n".join(parts)

@@ -6,7 +6,7 @@ references are tests/unit/test_route_noise.py and tests/unit/test_replay_gates.p
 import pytest
 import torch
 
-from moe_rl.megatron.routing import RoutingSession
+from moe_rl.megatron.routing import RoutingSession, routed_with, selection_noise
 from moe_rl.routing import RouterAction
 from moe_rl.routing.noise import RouteNoise
 
@@ -24,9 +24,8 @@ def policy(parallel_info):
 @pytest.fixture
 def noisy(policy):
     """The policy with trainer-side selection noise, reset to none afterwards."""
-    policy.route_noise = RouteNoise(0.5, seed=3)
-    yield policy
-    policy.route_noise = RouteNoise(0.0)
+    with routed_with(policy, RouteNoise(0.5, seed=3)):
+        yield policy
 
 
 def used_experts(maps: list[torch.Tensor], b: int, s: int, k: int) -> torch.Tensor:
@@ -51,9 +50,9 @@ def test_noise_draws_on_cuda_repeat_after_reseed_and_replay_stays_exact(noisy):
             noisy.logprobs(tok)
         return rs.recorded_BSLK(b, s)
 
-    noisy.route_noise.reseed(7)
+    selection_noise(noisy).reseed(7)
     first, second = natural(), natural()
-    noisy.route_noise.reseed(7)
+    selection_noise(noisy).reseed(7)
     again = natural()
     assert torch.equal(first, again)  # the CUDA generator restarts from the seed
     assert not torch.equal(first, second)  # fresh draws in every forward
@@ -80,7 +79,7 @@ def test_the_engines_noisy_routes_and_gates_replay_on_cuda(policy, decoder):
     engine = EmbeddedEngine(policy, pad_id=0, decoder=decoder, route_noise=1.0)
     sampling = SamplingParams(max_new_tokens=16, seed=11, return_routes=True, return_gates=True)
     ro = engine.generate([[5, 6, 7, 8], [9, 10]], 2, sampling)
-    assert policy.route_noise.sigma == 0
+    assert selection_noise(policy).sigma == 0
     b, t = ro.tokens_BT.shape
     s, k = t - 1, policy.routers[0].topk
     valid = (torch.arange(s)[None] < (ro.total_lens_B[:, None] - 1)).cuda()

@@ -108,6 +108,27 @@ def test_clip_defaults_come_from_the_loss_registry():
         AlgoConfig(name="ppo")
 
 
+def test_routing_is_parsed_once_into_its_mode_and_written_back_as_text(tmp_path):
+    """``algo.routing`` from a recipe, an override, code or ``dataclasses.replace`` is a
+    :class:`RoutingMode` member, and the recipe it writes (``recipe.yaml``) holds the text again, so
+    a run's saved recipe loads as before."""
+    import dataclasses
+
+    import yaml
+
+    from moe_rl.config import to_dict
+    from moe_rl.routing import RouterAction, RoutingMode
+
+    r = recipe_from_dict({"algo": {"routing": "r3"}}, ["algo.routing=r2"])
+    assert r.algo.routing is RoutingMode.R2 and r.algo.routing.pi_old_action is RouterAction.RECORD
+    assert AlgoConfig(routing="r3").routing is RoutingMode.R3
+    assert dataclasses.replace(r.algo, routing="none").routing is RoutingMode.NONE
+    text = yaml.safe_dump(to_dict(r), sort_keys=False)
+    assert "routing: r2\n" in text
+    (tmp_path / "recipe.yaml").write_text(text)
+    assert load_recipe(tmp_path / "recipe.yaml") == r
+
+
 @pytest.mark.parametrize(
     "section, kw, needle",
     [

@@ -244,7 +244,7 @@ def test_the_reference_forward_replays_the_training_routes(tmp_path, parallel_in
             replay = RoutingSession(run.policy, RouterAction.REPLAY, routes_BSLK=batch.replay_BSLK)
             with replay:
                 want = run.policy.logprobs(batch.tokens_BT, temperature=recipe.train.temperature).logp_BT
-            natural = RoutingSession(run.policy, RouterAction.NATURAL)
+            natural = RoutingSession(run.policy, RouterAction.NATURAL, noise=run.route_noise)
             with natural:
                 own = run.policy.logprobs(batch.tokens_BT, temperature=recipe.train.temperature).logp_BT
         m = batch.mask_BT.bool()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_rl.config import ConfigError, recipe_from_dict
-from moe_rl.megatron.routing import RoutingSession
+from moe_rl.megatron.routing import RoutingSession, routed_with, selection_noise
 from moe_rl.rollout.types import SamplingParams
 from moe_rl.routing import RouterAction
 from moe_rl.routing.noise import RouteNoise, selection_key
@@ -46,8 +46,8 @@ class RouterTap:
             h.remove()
 
 
-def natural(policy, tokens=TOKENS):
-    with torch.no_grad(), RoutingSession(policy, RouterAction.NATURAL) as rs:
+def natural(policy, tokens=TOKENS, noise=None):
+    with torch.no_grad(), RoutingSession(policy, RouterAction.NATURAL, noise=noise) as rs:
         policy.logits(tokens[:, :-1])
     return rs.natural_BSLK(tokens.shape[0], tokens.shape[1] - 1)
 
@@ -58,14 +58,12 @@ def disagreement(a, b):
 
 
 def test_noise_off_routes_as_before_and_noise_on_changes_some_routers(policy):
-    policy.route_noise = RouteNoise(0.0)
-    first, second = natural(policy), natural(policy)
+    off = RouteNoise(0.0)
+    first, second = natural(policy, noise=off), natural(policy)
     assert torch.equal(first, second)
-    policy.route_noise = RouteNoise(0.05, seed=1)
-    try:
-        noisy = [natural(policy) for _ in range(2)]
-    finally:
-        policy.route_noise = RouteNoise(0.0)
+    noise = RouteNoise(0.05, seed=1)  # one value, two sessions: fresh draws in each
+    noisy = [natural(policy, noise=noise) for _ in range(2)]
+    assert selection_noise(policy).sigma == 0  # the session's noise ends with it
     d_pass = disagreement(noisy[0], noisy[1])  # fresh draws in every forward
     assert 0 < d_pass < 0.5, d_pass
     assert 0 < disagreement(first, noisy[0]) < 0.5
@@ -74,12 +72,8 @@ def test_noise_off_routes_as_before_and_noise_on_changes_some_routers(policy):
 def test_noise_moves_the_selection_only_gates_come_from_the_clean_logits(policy):
     """Under heavy noise the chosen experts are often not the top-k, yet each gate equals the clean
     softmax score of its expert (pre-softmax) or the clean softmax over the chosen logits."""
-    policy.route_noise = RouteNoise(3.0, seed=2)
-    try:
-        with torch.no_grad(), RouterTap(policy) as tap:
-            policy.logits(TOKENS[:, :-1])
-    finally:
-        policy.route_noise = RouteNoise(0.0)
+    with torch.no_grad(), RouterTap(policy) as tap, routed_with(policy, RouteNoise(3.0, seed=2)):
+        policy.logits(TOKENS[:, :-1])
     off_topk = 0
     for i, x, probs, routing_map in tap.seen:
         router = policy.routers[i]
@@ -99,9 +93,13 @@ def test_replayed_routes_are_exact_under_noise_and_record_keeps_the_noisy_choice
     """R2's recorded routes are the (noisy) experts the pi_old pass used; replaying them under new
     noise uses exactly them, so the replayed forward's log-probs equal the recorded pass's."""
     b, s = TOKENS.shape[0], TOKENS.shape[1] - 1
-    policy.route_noise = RouteNoise(0.5, seed=3)
-    try:
-        with torch.no_grad(), RouterTap(policy) as tap, RoutingSession(policy, RouterAction.RECORD) as rec:
+    noise = RouteNoise(0.5, seed=3)
+    with routed_with(policy, noise):  # the forwards outside the sessions too
+        with (
+            torch.no_grad(),
+            RouterTap(policy) as tap,
+            RoutingSession(policy, RouterAction.RECORD, noise=noise) as rec,
+        ):
             logp_rec = policy.logprobs(TOKENS).logp_BT
         recorded = rec.recorded_BSLK(b, s)
         used = torch.stack([m.nonzero()[:, 1].view(s, b, 2).transpose(0, 1) for _, _, _, m in tap.seen], 2)
@@ -110,7 +108,7 @@ def test_replayed_routes_are_exact_under_noise_and_record_keeps_the_noisy_choice
         with (
             torch.no_grad(),
             RouterTap(policy) as tap,
-            RoutingSession(policy, RouterAction.REPLAY, routes_BSLK=recorded) as rep,
+            RoutingSession(policy, RouterAction.REPLAY, routes_BSLK=recorded, noise=noise) as rep,
         ):
             logp_rep = policy.logprobs(TOKENS).logp_BT
         for i, _, _, m in tap.seen:
@@ -121,8 +119,6 @@ def test_replayed_routes_are_exact_under_noise_and_record_keeps_the_noisy_choice
         with torch.no_grad():
             logp_natural = policy.logprobs(TOKENS).logp_BT  # fresh noise, no replay
         assert (logp_natural - logp_rec).abs().max() > 1e-4
-    finally:
-        policy.route_noise = RouteNoise(0.0)
 
 
 @pytest.mark.parametrize("decoder", ["lean", "megatron"])
@@ -134,7 +130,7 @@ def test_engine_noise_is_the_engines_own_and_r3_replays_it_exactly(policy, decod
     engine = EmbeddedEngine(policy, pad_id=0, decoder=decoder, route_noise=1.0)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=11, return_routes=True)
     ro = engine.generate([[5, 6, 7], [8, 9, 10, 11]], 2, sampling)
-    assert policy.route_noise.sigma == 0  # restored: the trainer's forwards keep their own
+    assert selection_noise(policy).sigma == 0  # restored: the trainer's forwards keep their own
     b, t = ro.tokens_BT.shape
     from moe_rl.routing.codec import decode_routes
 
