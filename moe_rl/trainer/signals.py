@@ -39,6 +39,8 @@ class StopSignals:
     def __init__(self) -> None:
         self.signum: int | None = None
         "The first signal received (None: none)."
+        self.acted = False
+        "Whether a step loop acted on it (stopped with :class:`StopRequested`): then it is not handed on."
         self._old: dict[int, object] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -60,7 +62,7 @@ class StopSignals:
         for s, old in self._old.items():
             signal.signal(s, old)
         installed, self._old = bool(self._old), {}
-        if installed and exc_type is None and self.signum is not None:
+        if installed and exc_type is None and self.signum is not None and not self.acted:
             # the run ended (its last step and save) before any step loop acted on the signal:
             # hand it on to the handler outside (a comparison stops starting runs; a command
             # ends with 128 + it), never drop it

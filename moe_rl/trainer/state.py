@@ -380,6 +380,7 @@ class SaveResume:
         else:
             msg = f"{name}: stopped after {where} without a checkpoint; {self.last_good_text()}"
         log.warning("%s", msg)
+        self.signals.acted = True  # acted on: not handed on again when the run's signals are restored
         raise StopRequested(signum, msg)
 
     def resume(self) -> bool:
