@@ -466,10 +466,10 @@ MUTANTS = (
     ),
     Mutant(
         "export --overwrite replaces a folder holding the checkpoint it reads",
-        "moe_rl/megatron/hf.py",
-        "if target == src or src.is_relative_to(target) or target.is_relative_to(src):",
-        "if target == src:",
-        ("tests/badinput/test_outputs_checkpoints.py",),
+        "moe_rl/outputs.py",
+        "        if target == src or src.is_relative_to(target) or target.is_relative_to(src):",
+        "        if target == src:",
+        ("tests/badinput/test_outputs_checkpoints.py", "tests/badinput/test_nothing_lost.py"),
     ),
     Mutant(
         "serve answers a /generate over --max-total-tokens (one request can take the server's memory)",
