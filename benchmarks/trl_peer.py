@@ -300,7 +300,5 @@ def main(argv=None) -> dict:
     return result
 
 
-if __name__ == "__main__":  # one line for a user error, a file error or a stop signal
-    from moe_rl.argparsing import run_main
-
-    raise SystemExit(run_main(main))
+if __name__ == "__main__":  # run in TRL's own venv (benchmarks/trl_env.sh), which has no moe_rl
+    main()

@@ -30,7 +30,7 @@ from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 HTTP_SERVER = "sglang/srt/entrypoints/http_server.py"
 IO_STRUCT = "sglang/srt/managers/io_struct.py"
 API_TYPES = "sglang/api/v1/api_types.py"

@@ -103,7 +103,7 @@ def namespaces():
 
 def test_weight_sync_across_network_namespaces(namespaces, tmp_path):
     srv, trn = namespaces
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "unit"), str(REPO)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "integration"), str(REPO)])}
     env.pop("MOE_RL_TRAINER_ADDR", None)
     port = free_port()
     log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - closed below

@@ -11,6 +11,7 @@ Shape legend: V vocab, H hidden, L MoE layers, E experts, K top-k, M expert widt
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -345,7 +346,11 @@ def test_failed_push_keeps_old_weights_and_version(client, dist_sync, trainer, t
     engine = _engine(client, sync)
     bad = list(init_weights(3).items())  # earlier buckets are fine, the last tensor is not
     bad[-1] = (bad[-1][0], torch.zeros(H + 1, M))
-    with pytest.raises(WeightSyncError, match=rf"{bad[-1][0]}.*shape \[17, 8\]") as e:
+    # named with the pushed shape: by the disk loader, or by the server before it allocates (issue 47)
+    name = re.escape(bad[-1][0])
+    with pytest.raises(
+        WeightSyncError, match=rf"{name}.*shape \[17, 8\]|\[17, 8\]: '{name}' is \[16, 8\]"
+    ) as e:
         engine.update_weights(DictSource(bad), "v-bad")
     assert not e.value.server_may_be_mixed and f"serves weight_version '{trainer['version']}'" in str(e.value)
     assert client.get_weight_version() == trainer["version"] and engine.weight_version == trainer["version"]
