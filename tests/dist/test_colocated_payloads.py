@@ -178,6 +178,7 @@ def _launch_worker(rank: int, path_s: str) -> None:
     factory.engine_address = lambda cfg, multi_node, env=None: here
     factory.check_reachable = lambda *a, **k: None
     sglang_launcher.SGLangLauncher, sglang_router.SGLangRouterLauncher = _Launcher, _Router
+    factory.SGLangRouterLauncher = _Router  # imported by name at the factory's module level
     over = ["rollout.engine=sglang", "rollout.sglang.colocate=true", "rollout.weight_sync=tensor"]
     recipe = recipe_from_dict(
         {}, over + ["rollout.sglang.engines=2", "rollout.sglang.model_path=/m", "rollout.sglang.port=0"]
