@@ -24,9 +24,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from moe_rl.lab.arms import ARMS, FIRST_SEED, ROOT, arm_dir, flatten
+from moe_rl.lab import cells as cell_plans
+from moe_rl.lab.arms import ROOT, arm_dir
+from moe_rl.lab.cells import arm_sections, cell_overrides, run_overrides, start_overrides_of  # noqa: F401 (re-exported)
 from moe_rl.lab.collapse import collapse_verdict
 from moe_rl.lab.stats import auc, kaplan_meier, log_rank_p, mean, outlier_steps, paired, routing_share
 
@@ -63,9 +63,7 @@ CHAOS = "CHAOS"
 
 def load_plan(path: Path | str = PLAN_YAML) -> dict:
     """A plan, by path or by design letter (:data:`DESIGNS`)."""
-    if str(path) in DESIGNS:
-        path = DESIGNS[str(path)]
-    return yaml.safe_load(Path(path).read_text())
+    return cell_plans.load_plan(DESIGNS.get(str(path), path))
 
 
 def design_of(plan: dict) -> str:
@@ -88,39 +86,6 @@ class RunSpec:
     @property
     def label(self) -> str:
         return f"{self.cell} {self.arm} seed {self.seed}"
-
-
-def arm_sections(plan: dict, arm: str) -> list[dict]:
-    """The recipe sections of ``arm``: one of :data:`ARMS`, or a plan ``extra_arms`` entry over its
-    ``of`` arm."""
-    extra = plan.get("extra_arms", {})
-    if arm in extra:
-        return [*arm_sections(plan, extra[arm]["of"]), extra[arm]["overrides"]]
-    if arm not in ARMS:
-        raise KeyError(f"unknown arm {arm!r}: use one of {', '.join([*ARMS, *extra])}")
-    return [ARMS[arm]]
-
-
-def cell_overrides(plan: dict, cell: str) -> list[str]:
-    """base.yaml overrides of ``cell``: ``cell_base`` then its parts (``noise``, ``dense``)."""
-    if cell not in plan["cells"]:
-        raise KeyError(f"unknown cell {cell!r}: use one of {', '.join(plan['cells'])}")
-    return flatten(plan["cell_base"]) + [ov for part in plan["cells"][cell] for ov in flatten(plan[part])]
-
-
-def start_overrides_of(plan: dict, cell: str) -> list[str]:
-    """The overrides that fix a cell's SFT start: ``cell_base`` and its model part (``dense``); the
-    noise is RL-only (its SFT signature is the MoE cells')."""
-    parts = [p for p in plan["cells"][cell] if "model" in plan[p]]
-    return flatten(plan["cell_base"]) + [ov for p in parts for ov in flatten(plan[p])]
-
-
-def run_overrides(plan: dict, cell: str, arm: str, seed: int, steps: int | None = None) -> list[str]:
-    ov = cell_overrides(plan, cell)
-    for sections in arm_sections(plan, arm):
-        ov += flatten(sections)
-    ov += [f"train.seed={FIRST_SEED + seed}", f"task.seed={seed}"]
-    return ov + ([f"train.rl_steps={steps}"] if steps else [])
 
 
 def run_specs(

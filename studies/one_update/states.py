@@ -1,7 +1,7 @@
 """Design (e)'s states: GRPO runs of design (b)'s cells on fresh seeds, weights and Adam state saved
 every few steps by the trainer's own checkpoints, and a scoring run opened on each.
 
-A state run is design (b)'s run of its cell (``moe_rl.lab.noise.run_overrides`` of
+A state run is design (b)'s run of its cell (``moe_rl.lab.cells.run_overrides`` of
 recipes/demo/dial.plan.yaml: the same recipe, start and seeds scheme) with ``checkpoint.every`` set to
 the plan's ``every`` and every checkpoint kept; :func:`moe_rl.lab.runner.resumable_run` runs it
 (a finished one is skipped, a stopped one resumed). Its checkpoint of RL step k (``...-rl-step-
@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_rl.lab import noise
+from moe_rl.lab import cells
 from moe_rl.lab.arms import DEMO, ROOT
 from moe_rl.lab.runner import STATUS_FILE, read_status, resumable_run
 from moe_rl.lab.starts import CACHE, sft_key, shipped_start, warm_start
@@ -60,9 +60,14 @@ class State:
         return f"{self.run.name}-step{self.step:03d}"
 
 
+CELL_PLANS = {"b": ROOT / "studies" / "noise" / "dial.plan.yaml"}
+"""The plans whose cells the states run, by the design letter the plan names (design (b)'s plan is a
+record of the noise study: read as data, not imported)."""
+
+
 def cell_plan(plan: dict) -> dict:
     """Design (b)'s plan (or the smoke's stand-in, ``plan["cell_plan_inline"]``)."""
-    return plan.get("cell_plan_inline") or noise.load_plan(plan["states"]["cell_plan"])
+    return plan.get("cell_plan_inline") or cells.load_plan(CELL_PLANS[plan["states"]["cell_plan"]])
 
 
 def state_runs(plan: dict, root: Path) -> list[StateRun]:
@@ -79,7 +84,7 @@ def run_overrides(plan: dict, run: StateRun) -> list[str]:
     """The run's overrides on recipes/demo/base.yaml: design (b)'s run of its cell and seed, for
     ``states.rl_steps`` steps, every checkpoint kept (plus the plan's ``state_overrides``)."""
     cells = cell_plan(plan)
-    ov = noise.run_overrides(cells, run.cell, plan["states"]["arm"], run.seed, plan["states"]["rl_steps"])
+    ov = cells.run_overrides(cells, run.cell, plan["states"]["arm"], run.seed, plan["states"]["rl_steps"])
     keep = plan["states"]["rl_steps"] // run.every + 5
     return [*ov, f"checkpoint.keep={keep}", *plan.get("state_overrides", [])]
 
@@ -97,7 +102,7 @@ def start_of(plan: dict, run: StateRun, cache: Path = CACHE) -> Path:
 
     if plan.get("start"):
         return Path(plan["start"])
-    ov = noise.start_overrides_of(cell_plan(plan), run.cell)
+    ov = cells.start_overrides_of(cell_plan(plan), run.cell)
     shipped = shipped_start(sft_key(load_recipe(DEMO, [*ov, "train.stages=[sft]"])), SHIPPED)
     return shipped if shipped is not None else warm_start(DEMO, ov, cache=cache)[0]
 

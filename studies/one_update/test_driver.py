@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from moe_rl.lab import noise
-from moe_rl.lab.arms import DEMO_SEEDS
+from moe_rl.lab import cells
+from moe_rl.lab.arms import DEMO_SEEDS, ROOT
 from studies.one_update import driver, states
 from studies.one_update.harness import ARMS
 
@@ -23,10 +23,10 @@ def test_the_committed_preregistration_is_the_plan():
 def test_the_seeds_are_fresh():
     """No design, the phase nor the demo used them (their plans' seed lists and stages)."""
     used = set(range(DEMO_SEEDS))
-    for d in "abcd":
-        p = noise.load_plan(d)
+    for name in ("noise", "dial", "ladder", "gates"):  # designs (a) to (d)
+        p = cells.load_plan(ROOT / "studies" / "noise" / f"{name}.plan.yaml")
         used |= set(p["seeds"]) | {s for e in p["order"] for s in e.get("seeds", [])}
-    phase = noise.load_plan(noise.PLAN_YAML.parent / "phase.plan.yaml")["seeds"]
+    phase = cells.load_plan(ROOT / "studies" / "collapse" / "phase.plan.yaml")["seeds"]
     used |= {s for v in phase.values() for s in v}
     mine = [s for v in PLAN["states"]["sets"].values() for s in v["seeds"]]
     from studies.one_update.gpu import GPU_SEED
@@ -38,7 +38,9 @@ def test_the_states_are_design_bs_cells_and_the_moe_one_starts_from_the_shipped_
     runs = {r.name: r for r in states.state_runs(PLAN, tmp_path)}
     assert len(runs) == 5 and sum(r.set == "moe" for r in runs.values()) == 3
     moe = states.run_overrides(PLAN, runs["moe-s500"])
-    assert moe[: len(moe) - 1] == noise.run_overrides(noise.load_plan("b"), "moe-dial30", "GRPO", 500, 100)
+    assert moe[: len(moe) - 1] == cells.run_overrides(
+        cells.load_plan(states.CELL_PLANS["b"]), "moe-dial30", "GRPO", 500, 100
+    )
     assert "train.router_lr_mult=30.0" in moe and "checkpoint.keep=25" in moe
     dense = states.run_overrides(PLAN, runs["dense-s503"])
     assert "model.num_experts=2" in dense and "model.moe_router_topk=2" in dense
