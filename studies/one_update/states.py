@@ -83,8 +83,8 @@ def state_runs(plan: dict, root: Path) -> list[StateRun]:
 def run_overrides(plan: dict, run: StateRun) -> list[str]:
     """The run's overrides on recipes/demo/base.yaml: design (b)'s run of its cell and seed, for
     ``states.rl_steps`` steps, every checkpoint kept (plus the plan's ``state_overrides``)."""
-    cells = cell_plan(plan)
-    ov = cells.run_overrides(cells, run.cell, plan["states"]["arm"], run.seed, plan["states"]["rl_steps"])
+    design_b = cell_plan(plan)
+    ov = cells.run_overrides(design_b, run.cell, plan["states"]["arm"], run.seed, plan["states"]["rl_steps"])
     keep = plan["states"]["rl_steps"] // run.every + 5
     return [*ov, f"checkpoint.keep={keep}", *plan.get("state_overrides", [])]
 

@@ -51,7 +51,7 @@ def test_the_states_are_design_bs_cells_and_the_moe_one_starts_from_the_shipped_
 
 
 def test_the_engine_noise_is_the_committed_calibrations():
-    (cal,) = sorted(driver.RESULTS.glob("calibrate-*-dial-start-*.json"))
+    (cal,) = sorted(driver.RESULTS.glob("one_update-*-calibrate-dial-start-*.json"))
     assert json.loads(cal.read_text())["headline"]["reaches_r3"] == PLAN["scoring"]["engine_sigma"]
 
 
