@@ -481,8 +481,8 @@ MUTANTS = (
     Mutant(
         "serve answers a /generate of more prompts than --max-running-requests",
         "moe_rl/serve/app.py",
-        "        if len(batch) > lim.max_running_requests:",
-        "        if False:",
+        "            if len(count) > self.limits.max_running_requests:",
+        "            if False:",
         ("tests/badinput/test_server.py",),
     ),
 )

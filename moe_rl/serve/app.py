@@ -280,7 +280,7 @@ class SGLangProtocolApp(StallGuard, WeightEndpoints, OpenAIEndpoints):
             raise BadRequest("body: expected a JSON object")
         if body.get("stream"):
             raise BadRequest("body.stream: streaming is not supported by moe-rl serve")
-        count = body.get("text", body.get("input_ids"))
+        count = body.get("text") if body.get("text") is not None else body.get("input_ids")
         if isinstance(count, list) and count and isinstance(count[0], (list, str)):
             if len(count) > self.limits.max_running_requests:
                 raise BadRequest(
@@ -337,10 +337,8 @@ class SGLangProtocolApp(StallGuard, WeightEndpoints, OpenAIEndpoints):
     def _over_limits(
         self, batch: list[list[int]], parsed: list[tuple[SamplingParams, int | None]]
     ) -> str | None:
-        """Why the server refuses this batch (prompt count, tokens, context length), or None."""
-        lim = self.limits
-        if len(batch) > lim.max_running_requests:
-            return limit_message("number of prompts", len(batch), "max_running_requests", lim)
+        """Why the server refuses this batch (tokens, context length), or None."""
+        lim = self.limits  # the number of prompts: refused before they are parsed (_parse_generate)
         total = sum(len(p) + sp.max_new_tokens for p, (sp, _) in zip(batch, parsed))
         if total > lim.max_total_tokens:
             return limit_message("prompt + max_new_tokens tokens", total, "max_total_tokens", lim)

@@ -174,9 +174,11 @@ def test_weights_body_limit_is_its_own_flag(server):
 
 
 # ---------------------------------------------------------------- batch limits
-def test_too_many_prompts_is_400_while_a_concurrent_generate_completes(server):
+@pytest.mark.parametrize("text", [{}, {"text": None}], ids=["input_ids", "text-null"])
+def test_too_many_prompts_is_400_while_a_concurrent_generate_completes(server, text):
     th, out = concurrent_generate(server)
-    r = post(server, "/generate", {"input_ids": [[1]] * 9, "sampling_params": {"max_new_tokens": 1}})
+    body = {**text, "input_ids": [[1]] * 9, "sampling_params": {"max_new_tokens": 1}}
+    r = post(server, "/generate", body)
     th.join(10)
     assert r.status_code == 400
     assert "number of prompts (9) exceeds the server's limit of 8 (--max-running-requests)" in message(r)
