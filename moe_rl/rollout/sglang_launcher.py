@@ -23,6 +23,7 @@ whose id is the PID we started: SIGTERM, then SIGKILL after a grace period. Neve
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -289,6 +290,9 @@ class SGLangLauncher:
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+        # its own session (a Ctrl-C in the terminal does not reach it): it ends with this process,
+        # however that ends short of a kill (an exception, sys.exit), not left serving on its port
+        atexit.register(self.stop)
         try:
             return self.wait_ready()
         except BaseException:
@@ -326,6 +330,7 @@ class SGLangLauncher:
     def stop(self, grace_s: float = 30.0) -> int | None:
         """SIGTERM the server's process group (id = its PID), SIGKILL after ``grace_s``."""
         proc, self.proc = self.proc, None
+        atexit.unregister(self.stop)
         code = None
         if proc is not None:
             code = proc.poll()

@@ -11,6 +11,7 @@ The process runs in its own session and is stopped by its process-group id (its 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -94,6 +95,9 @@ class SGLangRouterLauncher:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         logger.info("launching %s (log %s)", " ".join(cmd), self.log_path)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        # its own session (a Ctrl-C in the terminal does not reach it): it ends with this process,
+        # however that ends short of a kill (an exception, sys.exit), not left serving on its port
+        atexit.register(self.stop)
         try:
             return self._wait_ready()
         except BaseException:
@@ -124,6 +128,7 @@ class SGLangRouterLauncher:
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the router's process group (id = its PID), SIGKILL after ``grace_s``."""
         proc, self.proc = self.proc, None
+        atexit.unregister(self.stop)
         code = None
         if proc is not None:
             code = proc.poll()

@@ -13,7 +13,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +29,8 @@ from moe_rl.rollout.sglang_router import SGLangRouterLauncher
 from moe_rl.rollout.types import SamplingParams
 from moe_rl.rollout.weight_sync import DistributedWeightSync
 from moe_rl.serve.http import ServerThread
-from tests.unit.test_sglang_contract import _EchoEngine
 from tests.integration.test_sglang_e2e import DictSource, E, K, L, _check_matches, _launcher, init_weights
+from tests.unit.test_sglang_contract import _EchoEngine
 
 pytestmark = pytest.mark.dist
 
@@ -44,6 +49,49 @@ def echo_fleet(tmp_path):
         router.stop()
         for w in workers:
             w.stop()
+
+
+LEFT_RUNNING = """
+import sys
+from moe_rl.rollout.sglang_router import SGLangRouterLauncher
+from moe_rl.serve.http import ServerThread
+from tests.unit.test_sglang_contract import _EchoEngine
+
+worker = ServerThread(_EchoEngine(), weight_version="v0")
+router = SGLangRouterLauncher([worker.url], log_path=sys.argv[1])
+router.start()
+print(router.proc.pid, flush=True)
+try:
+    raise RuntimeError("a step failed")  # the router is never stopped by the code
+finally:
+    worker.stop()
+"""
+
+
+def test_a_router_left_running_ends_with_the_process_that_launched_it(tmp_path):
+    """A trainer that ends on an exception before it stops its router (a failed step, a bug in a
+    caller) left the router serving on its port, orphaned in its own session (seen after a failing
+    test: a ``sglang::router`` of PPID 1 an hour later); the launcher now stops it as the process
+    ends. The same holds for the SGLang servers' launcher (same code path)."""
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run(
+        [sys.executable, "-c", LEFT_RUNNING, str(tmp_path / "router.log")],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        timeout=120,
+    )
+    pid = int(res.stdout.split()[0])
+    try:
+        assert res.returncode == 1 and "a step failed" in res.stderr, res.stderr[-2000:]
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # the router's process is gone (stopped and reaped by its launcher)
+    finally:
+        try:
+            os.killpg(pid, signal.SIGKILL)  # the old code's orphan: never left behind by the test
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def test_what_the_router_does_to_our_requests(echo_fleet):
