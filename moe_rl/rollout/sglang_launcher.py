@@ -292,7 +292,7 @@ class SGLangLauncher:
         )
         # its own session (a Ctrl-C in the terminal does not reach it): it ends with this process,
         # however that ends short of a kill (an exception, sys.exit), not left serving on its port
-        atexit.register(self.stop)
+        atexit.register(self._stop_at_exit, os.getpid())
         try:
             return self.wait_ready()
         except BaseException:
@@ -327,10 +327,15 @@ class SGLangLauncher:
                 pass
             time.sleep(self.poll_s)
 
+    def _stop_at_exit(self, owner: int) -> None:
+        """:meth:`stop` as the launching process ends (not in a forked child that inherited it)."""
+        if os.getpid() == owner:
+            self.stop()
+
     def stop(self, grace_s: float = 30.0) -> int | None:
         """SIGTERM the server's process group (id = its PID), SIGKILL after ``grace_s``."""
         proc, self.proc = self.proc, None
-        atexit.unregister(self.stop)
+        atexit.unregister(self._stop_at_exit)
         code = None
         if proc is not None:
             code = proc.poll()

@@ -97,7 +97,7 @@ class SGLangRouterLauncher:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         # its own session (a Ctrl-C in the terminal does not reach it): it ends with this process,
         # however that ends short of a kill (an exception, sys.exit), not left serving on its port
-        atexit.register(self.stop)
+        atexit.register(self._stop_at_exit, os.getpid())
         try:
             return self._wait_ready()
         except BaseException:
@@ -125,10 +125,15 @@ class SGLangRouterLauncher:
             return "(no log)"
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
+    def _stop_at_exit(self, owner: int) -> None:
+        """:meth:`stop` as the launching process ends (not in a forked child that inherited it)."""
+        if os.getpid() == owner:
+            self.stop()
+
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the router's process group (id = its PID), SIGKILL after ``grace_s``."""
         proc, self.proc = self.proc, None
-        atexit.unregister(self.stop)
+        atexit.unregister(self._stop_at_exit)
         code = None
         if proc is not None:
             code = proc.poll()
