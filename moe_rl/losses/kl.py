@@ -3,7 +3,7 @@ KL divergence", 2020), as verl and TRL name them (docs/algorithms.md#kl-to-a-ref
 
 Shape legend: B = sequences, T = padded tokens per sequence.
 
-With d = log pi_ref - log pi_theta per token (REFERENCE.md):
+With d = log pi_ref - log pi_theta per token (docs/algorithms.md, "KL to a reference"):
 
 - ``k1`` = -d = log pi_theta - log pi_ref (verl's ``kl`` / ``k1``): unbiased, can be negative;
 - ``k2`` = d^2 / 2 (verl's ``mse`` / ``k2``): biased, non-negative;

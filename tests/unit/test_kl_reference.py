@@ -116,7 +116,7 @@ def test_the_kl_loss_term_is_trls(loss_type):
 
 
 def test_the_estimators_are_referencemds():
-    """d = log pi_ref - log pi_theta: k1 = -d, k2 = d^2/2, k3 = e^d - 1 - d (REFERENCE.md); k3 >= 0
+    """d = log pi_ref - log pi_theta: k1 = -d, k2 = d^2/2, k3 = e^d - 1 - d (docs/algorithms.md); k3 >= 0
     and zero at the reference; k1's mean estimates the KL without bias, as k3's does."""
     from moe_rl.losses import k1, k2, k3
 
