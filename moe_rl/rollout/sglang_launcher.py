@@ -300,10 +300,17 @@ class SGLangLauncher:
             raise
 
     def wait_ready(self) -> SGLangClient:
-        """Poll /health_generate until 200, the process exits, or the startup deadline passes."""
+        """Poll /health_generate until 200, the process exits, or the startup deadline passes.
+
+        Each probe's timeout doubles from 2 s to 30 s (a loaded server's first generation can take
+        seconds): between probes the process is checked. A socket of another program on the port
+        (it took the port before the server bound it) accepts the probe and never answers: with one
+        30 s probe, the server's "address already in use" exit was seen only after it (32 s in
+        tests/integration/test_sglang_e2e.py's taken-port test)."""
         client = self.client(timeout_s=30.0, retries=0)
         t0 = time.monotonic()
         deadline = t0 + self.startup_timeout_s
+        probe_s = 2.0
         while True:
             code = self.proc.poll() if self.proc is not None else None
             if code is not None:
@@ -320,11 +327,12 @@ class SGLangLauncher:
                     f"{_log_tail(self.log_path)}"
                 )
             try:
-                if client.health_generate(timeout_s=min(30.0, max(remaining, 0.1))):
+                if client.health_generate(timeout_s=min(probe_s, max(remaining, 0.1))):
                     logger.info("server %s healthy after %.1f s", self.url, time.monotonic() - t0)
                     return self.client()
             except (SGLangUnavailable, SGLangHTTPError):
                 pass
+            probe_s = min(2 * probe_s, 30.0)
             time.sleep(self.poll_s)
 
     def _stop_at_exit(self, owner: int) -> None:

@@ -348,10 +348,14 @@ def test_failed_push_keeps_old_weights_and_version(client, dist_sync, trainer, t
     bad[-1] = (bad[-1][0], torch.zeros(H + 1, M))
     # named with the pushed shape: by the disk loader, or by the server before it allocates (issue 47)
     name = re.escape(bad[-1][0])
+    t0 = time.monotonic()
     with pytest.raises(
         WeightSyncError, match=rf"{name}.*shape \[17, 8\]|\[17, 8\]: '{name}' is \[16, 8\]"
     ) as e:
         engine.update_weights(DictSource(bad), "v-bad")
+    # at once, not after the group's timeout: the refused bucket's broadcast never completes, and
+    # gloo's teardown of its group waits that timeout out (30 s here, before the fix)
+    assert time.monotonic() - t0 < 10, time.monotonic() - t0
     assert not e.value.server_may_be_mixed and f"serves weight_version '{trainer['version']}'" in str(e.value)
     assert client.get_weight_version() == trainer["version"] and engine.weight_version == trainer["version"]
     ro = engine.generate([[9, 8, 7]], 1, SamplingParams(max_new_tokens=4, seed=5, return_routes=True))
@@ -423,7 +427,10 @@ def test_a_picked_port_taken_before_the_bind_is_picked_again(tmp_path, monkeypat
     launcher = _launcher(tmp_path, "taken", routes=False)
     try:
         assert launcher.port == taken.getsockname()[1]
+        t0 = time.monotonic()
         client = launcher.start()
+        # the exit seen within a short probe of the stranger's socket (one 30 s probe before)
+        assert time.monotonic() - t0 < 20, time.monotonic() - t0
         assert client.health() and launcher.port != taken.getsockname()[1]
         assert "address already in use" in (tmp_path / "taken.log").read_text().lower()
     finally:

@@ -97,6 +97,11 @@ def destroy_process_group(pg: Any) -> None:
         logger.warning("destroying weight-update group failed: %s", e)
 
 
+def _teardown(held: list) -> None:
+    """Destroy the group ``held`` holds, dropping the last reference to it in this thread."""
+    destroy_process_group(held.pop())
+
+
 def _in_thread(fn: Callable[[], Any], box: dict) -> threading.Thread:
     def run() -> None:
         try:
@@ -281,23 +286,34 @@ class DistributedWeightSync:
                     time.sleep(0.0005)
                 w.wait()
         except BaseException:
-            self._drop_group()
+            self._drop_group(pending=True)
             for th, _ in calls:
                 th.join(1.0)
             raise
         for (th, box), c in zip(calls, self.clients):
             th.join(max(1.0, deadline - time.monotonic()))
             if th.is_alive():
-                self._drop_group()
+                self._drop_group(pending=True)
                 raise TimeoutError(f"{c.base_url} did not finish the update call")
             if "error" in box:
                 raise box["error"]
 
-    def _drop_group(self) -> None:
-        """A failed broadcast leaves the group unusable: forget it, reconnect next push."""
-        if self._group is not None:
-            destroy_process_group(self._group)
-        self._group = None
+    def _drop_group(self, *, pending: bool = False) -> None:
+        """Forget the group (a failed broadcast leaves it unusable; the next push reconnects).
+
+        ``pending``: a broadcast of it may never complete (a bucket the server refused or never
+        took). gloo's teardown joins its worker, which waits out the group's timeout (``timeout_s``,
+        600 s by default) first: the push reported its error only then (30 s in
+        tests/integration/test_sglang_e2e.py's failed push). That teardown runs on a daemon thread."""
+        held, self._group = [self._group], None
+        if held[0] is None:
+            return
+        if pending:  # the thread takes the only reference: the group's destructor joins there too
+            threading.Thread(
+                target=_teardown, args=(held,), daemon=True, name="weight-group-teardown"
+            ).start()
+        else:
+            destroy_process_group(held.pop())
 
     def close(self) -> None:
         """Destroy the group on both sides (best effort)."""
