@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast test-integration test-studies test-studies-changed test-dist test-gpu mutate bench-check lint format clean
+.PHONY: venv demo test test-fast test-integration test-studies test-nightly test-studies-changed test-dist test-gpu mutate bench-check lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,19 +23,26 @@ demo: $(STAMP)
 # the tiers by cost (conftest.py): fast = tests/unit + tests/badinput in process (no child
 # processes); integration = child processes, torchrun, Slurm, netns, end-to-end runs (tests/integration,
 # tests/dist, and the few marked tests of the fast folders), then the newest megatron-core; studies =
-# each study's own tests
-PYTEST = $(BIN)/python -m pytest -q --durations=15
+# each study's own tests; nightly = the exhaustive loops whose sampled size the integration tier runs
+# (the SIGKILL at every write of a checkpoint and an export). Each tier runs on JOBS pytest workers
+# (pytest-xdist, one file per worker at a time, one intra-op thread each: conftest.py); JOBS=0 runs
+# in this process.
+JOBS ?= $(shell nproc)
+PYTEST = $(BIN)/python -m pytest -q --durations=15 -n $(JOBS) --dist loadfile
 test: test-fast test-integration test-studies
 
 test-fast: $(STAMP)
 	$(PYTEST) -m "not integration" tests/unit tests/badinput
 
 test-integration: $(STAMP)
-	$(PYTEST) -m integration tests
+	$(PYTEST) -m "integration and not nightly" tests
 	$(MAKE) test-megatron-newest
 
 test-studies: $(STAMP)
 	$(PYTEST) studies
+
+test-nightly: $(STAMP)
+	$(PYTEST) -m nightly tests
 
 # the tests of the studies a change touches (tools/changed_studies.py; STUDY_BASE: what it is measured from)
 STUDY_BASE ?= main
@@ -146,14 +153,14 @@ sglang-wheels: $(STAMP)
 # megatron-core tests of model, optimizer, routing replay, packing, checkpoints (across layer
 # specs), HF export / import, both decoders, one EP and one TP+EP multi-process test, then the tiny
 # recipe's per-step losses against $(VENV)'s megatron-core (tests/megatron_losses.py).
-.PHONY: test-megatron-newest
+.PHONY: test-megatron-newest venv-newest
 VENV_NEWEST ?= .venv312
 # the first Python >= 3.12 that runs (a pyenv shim of an inactive version does not)
 PY_NEWEST ?= $(shell for p in python3.12 python3.13 $$(ls -d $$HOME/.pyenv/versions/3.1[2-9]*/bin/python3 2>/dev/null); do \
 	$$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && { echo $$p; break; }; done)
 STAMP_NEWEST := $(VENV_NEWEST)/.installed
 # of the dev extras, what these tests import
-NEWEST_DEV ?= pytest pytest-timeout transformers tokenizers
+NEWEST_DEV ?= pytest pytest-timeout pytest-xdist transformers tokenizers
 MEGATRON_NEWEST_TESTS ?= tests/unit/test_megatron_versions.py tests/unit/test_checkpoint_specs.py \
 	tests/unit/test_local_layers.py tests/unit/test_policy.py tests/unit/test_optim.py \
 	tests/unit/test_routing_replay.py tests/unit/test_replay_pitfall.py tests/unit/test_packing.py tests/unit/test_packed_rope.py \
@@ -169,7 +176,10 @@ $(STAMP_NEWEST): pyproject.toml
 	$(VENV_NEWEST)/bin/python -m pip install -q -e . $(NEWEST_DEV)
 	touch $(STAMP_NEWEST)
 
+# its venv alone (.ci/run builds it while the fast tier runs: mostly the download of torch's CUDA build)
+venv-newest: $(STAMP_NEWEST)
+
 test-megatron-newest: $(STAMP_NEWEST) $(STAMP)
 	$(VENV_NEWEST)/bin/python -c "import megatron.core, sys; print('megatron-core', megatron.core.__version__, 'on Python', sys.version.split()[0])"
-	$(VENV_NEWEST)/bin/python -m pytest -q -p no:cacheprovider $(MEGATRON_NEWEST_TESTS)
+	$(VENV_NEWEST)/bin/python -m pytest -q -p no:cacheprovider -n $(JOBS) --dist loadfile $(MEGATRON_NEWEST_TESTS)
 	$(BIN)/python -m tests.megatron_losses compare $(BIN)/python $(VENV_NEWEST)/bin/python

@@ -17,8 +17,18 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # a worker of `pytest -n N` (the Makefile's tiers): N workers share N cores, so each runs its
+    # in-process models, and the children it starts, on one intra-op thread. Two threads per worker
+    # oversubscribe the cores and OpenMP's waiting threads spin: the integration tests of signals,
+    # RL end to end and the device boundary took 273 CPU-seconds so, 156 on one thread.
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402 (after the thread count it reads)
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
 if not torch.cuda.is_available():
     # Triton reads this once, at its first import (megatron-core imports triton too): on CPU the

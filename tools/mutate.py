@@ -494,7 +494,7 @@ def tree(rev: str, dest: Path) -> None:
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
 
 
-TIERS = {"fast": "not integration", "integration": "integration"}
+TIERS = {"fast": "not integration", "integration": "integration and not nightly"}
 "The test tiers (conftest.py) as pytest marker expressions, in the order a mutant meets them."
 
 

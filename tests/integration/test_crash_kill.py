@@ -16,6 +16,11 @@ state (a file created or truncated, half of a tensor file): nothing of the proce
   staging directory's owner file was removed (right before its rename) left the complete staging
   directory, a whole model's size, beside the destination for an hour, and the set-aside old
   export for good.
+
+Each test runs in two sizes: ``states`` (the integration tier) kills once in each state the folder
+passes through (:func:`state_writes`: nothing made yet, a torn tensor file, and each rename or removal
+that commits a whole entry), 5 of each command's 12 writes; ``every`` (``make test-nightly``)
+kills at every write, 6.8 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -88,6 +93,67 @@ def _span(writes: list[str], mark: str) -> list[int]:
     return list(range(first + 1, last + 2))
 
 
+TENSOR_WRITES = ("torch.save ", "safetensors.torch.save_file ")
+COMMITS = ("os.rename ", "os.replace ", "shutil.rmtree ")
+
+
+def state_writes(writes: list[str], numbers: list[int]) -> list[int]:
+    """Of ``numbers`` (1-based, into ``writes``), one kill per state the folder passes through: the
+    first write (nothing made yet), the first tensor write (a torn tensor file in the staging folder),
+    and each rename, replace or removal of a whole entry (its source not inside a hidden staging
+    folder: the commit, ``latest``, setting the old one aside, the prune). A kill at any other write
+    leaves one of these states: a staging folder missing more or fewer of its files."""
+
+    def source(w: str) -> Path:
+        return Path(w.split(" ", 1)[1].split(" -> ")[0])
+
+    tensor = next(n for n in numbers if writes[n - 1].startswith(TENSOR_WRITES))
+    commits = [
+        n
+        for n in numbers
+        if writes[n - 1].startswith(COMMITS) and not source(writes[n - 1]).parent.name.startswith(".")
+    ]
+    return sorted({numbers[0], tensor, *commits})
+
+
+SIZES = ["states", pytest.param("every", marks=pytest.mark.nightly)]
+"The integration tier's kills (:func:`state_writes`) and the nightly's (every write)."
+
+
+def _kills(writes: list[str], numbers: list[int], size: str) -> list[int]:
+    return state_writes(writes, numbers) if size == "states" else numbers
+
+
+def test_the_state_writes_are_the_folder_s_transitions():
+    """The writes a train's checkpoint and an export make (as counted on this tree), and the kills
+    the integration tier picks of them."""
+    ckpt = "/r/checkpoints/"
+    train = [
+        f"os.mkdir {ckpt}.tmp-0002-rl -> 511",
+        f"torch.save {ckpt}.tmp-0002-rl/common.pt",
+        f"open {ckpt}.tmp-0002-rl/.metadata.tmp (wb)",
+        f"os.rename {ckpt}.tmp-0002-rl/.metadata.tmp -> {ckpt}.tmp-0002-rl/.metadata",
+        f"torch.save {ckpt}.tmp-0002-rl/rng-0.pt",
+        f"open {ckpt}.tmp-0002-rl/.meta.json.tmp-1 (w)",
+        f"os.replace {ckpt}.tmp-0002-rl/.meta.json.tmp-1 -> {ckpt}.tmp-0002-rl/meta.json",
+        f"os.replace {ckpt}.tmp-0002-rl -> {ckpt}0002-rl",
+        f"open {ckpt}.latest.tmp-1 (w)",
+        f"os.replace {ckpt}.latest.tmp-1 -> {ckpt}latest",
+        f"shutil.rmtree {ckpt}0001-sft",
+    ]
+    assert state_writes(["open /r/metrics.jsonl (a)", *train], list(range(2, 13))) == [2, 3, 9, 11, 12]
+    export = [
+        "os.mkdir /e/.out.tmp-1 -> 511",
+        "safetensors.torch.save_file /e/.out.tmp-1/part-1.safetensors",
+        "os.rename /e/.out.tmp-1/part-1.safetensors -> /e/.out.tmp-1/model.safetensors",
+        "open /e/.out.tmp-1/config.json (w)",
+        "os.rename /e/out -> /e/.out.old-1",
+        "os.rename /e/.out.tmp-1 -> /e/out",
+        "shutil.rmtree /e/.out.old-1",
+    ]
+    assert state_writes(export, list(range(1, 8))) == [1, 2, 5, 6, 7]
+
+
 def _rl_rows(folder: Path) -> dict[int, dict]:
     return {
         r["step"]: {k: v for k, v in r.items() if k not in CLOCK and not k.startswith("time/")}
@@ -95,7 +161,8 @@ def _rl_rows(folder: Path) -> dict[int, dict]:
     }
 
 
-def test_a_train_killed_at_any_write_of_a_checkpoint_resumes_to_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("size", SIZES)
+def test_a_train_killed_at_any_write_of_a_checkpoint_resumes_to_the_uninterrupted_run(tmp_path, size):
     from moe_rl.megatron.checkpoint import find_checkpoint, verify_checkpoint
 
     ref = moe_rl("train", str(_recipe(tmp_path, "ref")))
@@ -104,7 +171,7 @@ def test_a_train_killed_at_any_write_of_a_checkpoint_resumes_to_the_uninterrupte
     writes = _counted(tmp_path, "train", str(_recipe(tmp_path, "count")))
     span = _span(writes, "rl-step-000002")
     assert any("latest" in writes[n - 1] for n in span) and any("rmtree" in writes[n - 1] for n in span), span
-    for n in span:
+    for n in _kills(writes, span, size):
         recipe, folder = _recipe(tmp_path, f"kill{n}"), tmp_path / f"kill{n}"
         killed = moe_rl("train", str(recipe), fault=f"{n}:kill")
         assert killed.returncode == -signal.SIGKILL, (n, writes[n - 1], killed.stderr[-2000:])
@@ -133,7 +200,8 @@ def export_run(tmp_path):
     return recipe, tmp_path / "out"
 
 
-def test_an_export_killed_at_any_write_leaves_the_old_export_or_the_new_one(tmp_path, export_run):
+@pytest.mark.parametrize("size", SIZES)
+def test_an_export_killed_at_any_write_leaves_the_old_export_or_the_new_one(tmp_path, export_run, size):
     recipe, out = export_run
     old = snapshot(out)
     args = ("export", str(recipe), str(out), "--overwrite")
@@ -144,7 +212,7 @@ def test_an_export_killed_at_any_write_leaves_the_old_export_or_the_new_one(tmp_
     assert any("safetensors" in writes[n - 1] for n in mine) and any(
         ".out.old-" in writes[n - 1] for n in mine
     )
-    for n in mine:
+    for n in _kills(writes, mine, size):
         _put(out, old)
         killed = moe_rl(*args, fault=f"{n}:kill")
         assert killed.returncode == -signal.SIGKILL, (n, writes[n - 1], killed.stderr[-2000:])
