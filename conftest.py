@@ -2,7 +2,8 @@
 runs (``tiny_policy``, ``tiny_run``), CUDA skips, and the fast tier's rule.
 
 Tiers by cost: ``make test-fast`` is ``pytest -m "not integration" tests/unit tests/badinput``,
-``make test-integration`` is ``pytest -m integration tests``. Every test under
+``make test-integration`` is ``pytest -m "integration and not nightly" tests``, ``make test-nightly``
+the ``nightly`` marker's exhaustive loops; each on pytest-xdist workers (the Makefile's ``JOBS``). Every test under
 :data:`INTEGRATION` carries the ``integration`` marker (added here); a test of a fast folder that
 must start a child process carries it by hand (``@pytest.mark.integration``). A fast test starts no
 child process: one that runs a moe-rl command, a fresh interpreter, torchrun or a server fails,
