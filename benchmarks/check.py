@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 BASELINES = HERE / "baselines.yaml"
 NEEDS = {
     "cuda": lambda: __import__("torch").cuda.is_available(),
-    "trl": lambda: (HERE / ".venv-trl" / "bin" / "python").exists(),
+    "trl": lambda: (HERE.parent / ".venv-trl" / "bin" / "python").exists(),
 }
 "What a benchmark or a figure may need (``needs:``), and whether this machine has it."
 

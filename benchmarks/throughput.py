@@ -113,7 +113,7 @@ PRESETS = {
 """Probes: ``flip_probe_sequences`` is TrainConfig's default (3), as a user's run has it."""
 LAYOUTS = {"ep2": dict(expert_parallel=2, data_parallel=2), "tp2": dict(tensor_parallel=2),
            "dp2": dict(data_parallel=2)}
-TRL_VENV = ROOT / "benchmarks" / ".venv-trl"
+TRL_VENV = ROOT / ".venv-trl"
 NOTES = [
     "On a machine shared with other jobs, compare CPU seconds (tokens_per_cpu_s, ratio_cpu): wall "
     "seconds include time other processes held the cores (cpu_utilisation = CPU s / wall s of a step).",
@@ -534,7 +534,7 @@ def worker(args) -> None:
 def run_trl(
     model: str, export_dir: str, recipe: Recipe, p: dict, threads: int, tmp: Path, device: str
 ) -> dict:
-    """The TRL peer in benchmarks/.venv-trl on the exported policy; its JSON (or an error)."""
+    """The TRL peer in .venv-trl on the exported policy; its JSON (or an error)."""
     from moe_rl.config import to_dict
 
     out = tmp / f"trl-{model}-{threads}t.json"
@@ -708,9 +708,7 @@ def main(argv=None) -> dict:
             res["trl_whole_machine"] = {"peer": peer, "moe_rl": "dp2 (2 processes)", "vs": vs}
             print(f"[throughput] TRL tiny at {2 * args.threads} threads {peer.get('error', '')}", flush=True)
     if not want_trl:
-        res["trl_skipped"] = (
-            "--no-trl" if args.no_trl else "no benchmarks/.venv-trl: bash benchmarks/trl_env.sh"
-        )
+        res["trl_skipped"] = "--no-trl" if args.no_trl else "no .venv-trl: bash benchmarks/trl_env.sh"
     res["wall_s"], res["loadavg_1m_end"] = clock.seconds(), os.getloadavg()[0]
     res["headline"] = headline(res)
     write_json(path, res, newline=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The TRL peer's own environment, benchmarks/.venv-trl (git-ignored), used only by
+# The TRL peer's own environment, .venv-trl at the checkout's root beside .venv (git-ignored), used only by
 # benchmarks/trl_peer.py, which benchmarks/throughput.py runs as a subprocess.
 #
 #   bash benchmarks/trl_env.sh            # create or complete it (idempotent)
@@ -11,7 +11,7 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-VENV="${VENV:-$HERE/.venv-trl}"
+VENV="${VENV:-$(dirname "$HERE")/.venv-trl}"
 PY="${PY:-python3}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 # requests: trl 1.13.0 imports it (its vLLM client) without declaring it

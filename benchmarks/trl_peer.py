@@ -1,9 +1,9 @@
 """The TRL peer of benchmarks/throughput.py: GSPO RL steps with Hugging Face TRL's GRPOTrainer.
 
-Runs inside benchmarks/.venv-trl (``bash benchmarks/trl_env.sh``), never in the main venv;
+Runs inside .venv-trl (``bash benchmarks/trl_env.sh``), never in the main venv;
 benchmarks/throughput.py starts it as a subprocess and reads the JSON it writes:
 
-    benchmarks/.venv-trl/bin/python benchmarks/trl_peer.py --model DIR --out peer.json \
+    .venv-trl/bin/python benchmarks/trl_peer.py --model DIR --out peer.json \
         --task '{"name": "arithmetic", ...}' --prompts-per-step 8 --group-size 8 \
         --minibatches 4 --max-new-tokens 48 --warmup 1 --steps 3 --threads 1
 

@@ -88,15 +88,8 @@ def cited() -> dict[str, list[str]]:
     hits: dict[str, list[str]] = defaultdict(list)
     for where in CITERS:
         base = ROOT / where
-        files = (  # not under a hidden folder: benchmarks/.venv-trl (TRL's venv) is 1.5 GB of others' files
-            [base]
-            if base.is_file()
-            else [
-                p
-                for p in base.rglob("*")
-                if p.suffix in {".md", ".py", ".yaml"}
-                and not any(part.startswith(".") for part in p.relative_to(base).parts[:-1])
-            ]
+        files = (
+            [base] if base.is_file() else [p for p in base.rglob("*") if p.suffix in {".md", ".py", ".yaml"}]
         )
         for f in files:
             if any(k in f.parents for k in kept) or not f.is_file():

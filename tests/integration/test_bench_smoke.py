@@ -1,6 +1,6 @@
 """benchmarks/throughput.py, smoke preset: every phase of every combo measured, JSON + PNG written.
 
-The TRL part runs only where ``benchmarks/.venv-trl`` exists (``bash benchmarks/trl_env.sh``).
+The TRL part runs only where ``.venv-trl`` exists (``bash benchmarks/trl_env.sh``).
 Each test runs the benchmark as a subprocess: it sets the process's torch threads.
 """
 
@@ -80,8 +80,8 @@ def test_smoke_preset_measures_every_phase(tmp_path):
 
 
 @pytest.mark.skipif(
-    not (ROOT / "benchmarks" / ".venv-trl" / "bin" / "python").exists(),
-    reason="no benchmarks/.venv-trl (bash benchmarks/trl_env.sh)",
+    not (ROOT / ".venv-trl" / "bin" / "python").exists(),
+    reason="no .venv-trl (bash benchmarks/trl_env.sh)",
 )
 def test_smoke_preset_with_the_trl_peer(tmp_path):
     res = _run(tmp_path / "smoke_trl.json", "--models", "tiny")

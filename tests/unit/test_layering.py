@@ -132,8 +132,7 @@ def under(module: str, prefixes: tuple[str, ...]) -> bool:
 
 def modules(packages: dict[str, Path]) -> dict[str, Path]:
     """Dotted module name -> file, for every ``.py`` file of ``packages`` (``__init__`` is the package)
-    outside hidden folders (a benchmark's own virtual environment, ``benchmarks/.venv-trl``, is none
-    of the project's code)."""
+    outside hidden folders (a virtual environment or a cache there is none of the project's code)."""
     found = {}
     for name, root in packages.items():
         for path in sorted(root.rglob("*.py")):
