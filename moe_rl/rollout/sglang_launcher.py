@@ -23,10 +23,8 @@ whose id is the PID we started: SIGTERM, then SIGKILL after a grace period. Neve
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -36,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_rl.dist import free_port, host_port
+from moe_rl.rollout.session_process import SessionProcess
 from moe_rl.rollout.sglang_client import (
     SGLangClient,
     SGLangError,
@@ -225,7 +224,7 @@ def _log_tail(path: Path | None, n: int = 40) -> str:
     return "\n".join(lines[-n:])
 
 
-class SGLangLauncher:
+class SGLangLauncher(SessionProcess):
     """Owns one server process: ``start()`` waits on /health_generate, ``stop()`` ends it by PID."""
 
     def __init__(
@@ -241,8 +240,6 @@ class SGLangLauncher:
         self.port = cfg.port or free_port(cfg.host)
         self.log_path = Path(log_path) if log_path else Path.cwd() / f"sglang-{self.port}.log"
         self.startup_timeout_s, self.poll_s = startup_timeout_s, poll_s
-        self.proc: subprocess.Popen | None = None
-        self._log = None
 
     @property
     def url(self) -> str:
@@ -283,16 +280,7 @@ class SGLangLauncher:
                 check_sglang_version(None)  # raises: not installed
             check_sglang_version(version)
         cmd = build_command(self.cfg, self.port)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        env = {**server_environ(), **self.cfg.env(), **(self.env or {})}
-        logger.info("launching %s (log %s)", " ".join(cmd), self.log_path)
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        # its own session (a Ctrl-C in the terminal does not reach it): it ends with this process,
-        # however that ends short of a kill (an exception, sys.exit), not left serving on its port
-        atexit.register(self._stop_at_exit, os.getpid())
+        self._launch(cmd, self.log_path, env={**server_environ(), **self.cfg.env(), **(self.env or {})})
         try:
             return self.wait_ready()
         except BaseException:
@@ -334,38 +322,6 @@ class SGLangLauncher:
                 pass
             probe_s = min(2 * probe_s, 30.0)
             time.sleep(self.poll_s)
-
-    def _stop_at_exit(self, owner: int) -> None:
-        """:meth:`stop` as the launching process ends (not in a forked child that inherited it)."""
-        if os.getpid() == owner:
-            self.stop()
-
-    def stop(self, grace_s: float = 30.0) -> int | None:
-        """SIGTERM the server's process group (id = its PID), SIGKILL after ``grace_s``."""
-        proc, self.proc = self.proc, None
-        atexit.unregister(self._stop_at_exit)
-        code = None
-        if proc is not None:
-            code = proc.poll()
-            if code is None:
-                self._signal(proc.pid, signal.SIGTERM)
-                try:
-                    code = proc.wait(grace_s)
-                except subprocess.TimeoutExpired:
-                    logger.warning("server pid %d ignored SIGTERM for %.0f s; killing", proc.pid, grace_s)
-                    self._signal(proc.pid, signal.SIGKILL)
-                    code = proc.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        return code
-
-    @staticmethod
-    def _signal(pid: int, sig: int) -> None:
-        try:
-            os.killpg(pid, sig)  # the group we created with start_new_session; its id is our PID
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def __enter__(self) -> SGLangLauncher:
         self.start()

@@ -11,16 +11,13 @@ The process runs in its own session and is stopped by its process-group id (its 
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from moe_rl.dist import free_port, host_port
+from moe_rl.rollout.session_process import SessionProcess
 from moe_rl.rollout.sglang_client import SGLangClient, SGLangError
 
 logger = logging.getLogger(__name__)
@@ -55,8 +52,11 @@ def router_command(
     return cmd
 
 
-class SGLangRouterLauncher:
+class SGLangRouterLauncher(SessionProcess):
     """Owns one sglang-router process: ``start()`` waits for /health, ``stop()`` ends it by PID."""
+
+    kind = "sglang-router"
+    stop_grace_s = 10.0
 
     def __init__(
         self,
@@ -74,8 +74,6 @@ class SGLangRouterLauncher:
         self.policy, self.api_key, self.startup_timeout_s = policy, api_key, startup_timeout_s
         self.request_timeout_s = request_timeout_s
         self.log_path = Path(log_path) if log_path else Path.cwd() / f"sglang-router-{self.port}.log"
-        self.proc: subprocess.Popen | None = None
-        self._log = None
 
     @property
     def url(self) -> str:
@@ -91,13 +89,7 @@ class SGLangRouterLauncher:
             api_key=self.api_key,
             request_timeout_s=self.request_timeout_s,
         )
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        logger.info("launching %s (log %s)", " ".join(cmd), self.log_path)
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        # its own session (a Ctrl-C in the terminal does not reach it): it ends with this process,
-        # however that ends short of a kill (an exception, sys.exit), not left serving on its port
-        atexit.register(self._stop_at_exit, os.getpid())
+        self._launch(cmd, self.log_path)
         try:
             return self._wait_ready()
         except BaseException:
@@ -124,37 +116,6 @@ class SGLangRouterLauncher:
         if not self.log_path.exists():
             return "(no log)"
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def _stop_at_exit(self, owner: int) -> None:
-        """:meth:`stop` as the launching process ends (not in a forked child that inherited it)."""
-        if os.getpid() == owner:
-            self.stop()
-
-    def stop(self, grace_s: float = 10.0) -> int | None:
-        """SIGTERM the router's process group (id = its PID), SIGKILL after ``grace_s``."""
-        proc, self.proc = self.proc, None
-        atexit.unregister(self._stop_at_exit)
-        code = None
-        if proc is not None:
-            code = proc.poll()
-            if code is None:
-                _killpg(proc.pid, signal.SIGTERM)
-                try:
-                    code = proc.wait(grace_s)
-                except subprocess.TimeoutExpired:
-                    _killpg(proc.pid, signal.SIGKILL)
-                    code = proc.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        return code
-
-
-def _killpg(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)  # the group start_new_session made; its id is the PID we started
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class Fleet:
