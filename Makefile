@@ -28,7 +28,8 @@ demo: $(STAMP)
 # (pytest-xdist, one file per worker at a time, one intra-op thread each: conftest.py); JOBS=0 runs
 # in this process.
 JOBS ?= $(shell nproc)
-PYTEST = $(BIN)/python -m pytest -q --durations=15 -n $(JOBS) --dist loadfile
+XDIST = -n $(JOBS) --dist loadfile
+PYTEST = $(BIN)/python -m pytest -q --durations=15 $(XDIST)
 test: test-fast test-integration test-studies
 
 test-fast: $(STAMP)
@@ -181,5 +182,5 @@ venv-newest: $(STAMP_NEWEST)
 
 test-megatron-newest: $(STAMP_NEWEST) $(STAMP)
 	$(VENV_NEWEST)/bin/python -c "import megatron.core, sys; print('megatron-core', megatron.core.__version__, 'on Python', sys.version.split()[0])"
-	$(VENV_NEWEST)/bin/python -m pytest -q -p no:cacheprovider -n $(JOBS) --dist loadfile $(MEGATRON_NEWEST_TESTS)
+	$(VENV_NEWEST)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) $(MEGATRON_NEWEST_TESTS)
 	$(BIN)/python -m tests.megatron_losses compare $(BIN)/python $(VENV_NEWEST)/bin/python

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
+XDIST_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+if XDIST_WORKER:
     # a worker of `pytest -n N` (the Makefile's tiers): N workers share N cores, so each runs its
     # in-process models, and the children it starts, on one intra-op thread. Two threads per worker
     # oversubscribe the cores and OpenMP's waiting threads spin: the integration tests of signals,
@@ -28,8 +29,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 import torch  # noqa: E402 (after the thread count it reads)
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)
+if XDIST_WORKER:
+    torch.set_num_threads(1)  # in case torch was imported before this file
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
 if not torch.cuda.is_available():
     # Triton reads this once, at its first import (megatron-core imports triton too): on CPU the
