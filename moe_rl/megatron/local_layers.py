@@ -138,19 +138,16 @@ class SDPAttention(DotProductAttention):
         t, heads, hn = query.shape
         gqa = key.shape[1] != heads
         bounds = getattr(params, "host_bounds", None) or params.cu_seqlens_q.tolist()  # no device read
-        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, heads, t, hn]
-        outs = []
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            outs.append(
-                F.scaled_dot_product_attention(
-                    q[:, :, lo:hi],
-                    k[:, :, lo:hi],
-                    v[:, :, lo:hi],
-                    is_causal=hi - lo > 1,
-                    scale=self.softmax_scale,
-                    enable_gqa=gqa,
-                )
-            )
+        sizes = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+        # split, not slices: the backward joins the segments' gradients in one cat, where a slice's
+        # backward writes its segment into a zero tensor of the whole pack, once per segment
+        q, k, v = (x.transpose(0, 1).unsqueeze(0).split(sizes, dim=2) for x in (query, key, value))
+        outs = [
+            F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=qs.shape[2] > 1, scale=self.softmax_scale, enable_gqa=gqa
+            )  # [1, heads, segment, hn]
+            for qs, ks, vs in zip(q, k, v)
+        ]
         return torch.cat(outs, dim=2)[0].transpose(0, 1).reshape(t, heads * hn)
 
 

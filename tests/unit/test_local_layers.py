@@ -379,3 +379,56 @@ def test_fused_weighted_swiglu_computes_the_unfused_values(parallel_info, tiny_m
             results.append((y, *torch.autograd.grad((y * w).sum(), [x, probs, experts.linear_fc1.weight])))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_packed_attention_backward_does_not_grow_with_segments(parallel_info, tiny_model_cfg):
+    """The CPU pack path's backward hands each segment's query/key/value gradient back in one
+    concatenation, not one pack-sized zero tensor per segment and slice (``slice_backward``: a
+    zero-fill of the whole pack per segment and its add, O(segments x pack) memory traffic): but for
+    each segment's own attention backward, it dispatches the same ops for 2 and 12 segments of one
+    pack, and its gradients are those of attention run on each segment alone."""
+    import torch.nn.functional as F
+
+    from moe_rl.megatron.local_layers import SDPAttention
+    from moe_rl.megatron.packing import pack_rows
+    from tests.ops import CountOps
+
+    att = next(m for m in _pair(tiny_model_cfg)[0].modules() if isinstance(m, SDPAttention))
+    cfg, counted = tiny_model_cfg, {}
+    for lens in ([20, 28], [4] * 12):
+        pack = pack_rows(torch.zeros(len(lens), 29, dtype=torch.long), torch.tensor(lens))
+        g = torch.Generator().manual_seed(len(lens))
+        q = torch.randn(pack.p, cfg.num_attention_heads, cfg.head_dim, generator=g, requires_grad=True)
+        k, v = (
+            torch.randn(pack.p, cfg.num_query_groups, cfg.head_dim, generator=g, requires_grad=True)
+            for _ in range(2)
+        )
+        out = att._packed(q, k, v, pack.packed_seq_params("cpu"))
+        with CountOps() as ops:
+            out.square().sum().backward()
+        # each segment's attention backward, and its view of the output's gradient (cat's backward)
+        per_segment = (
+            "aten._scaled_dot_product_flash_attention_for_cpu_backward",
+            "aten.detach",
+            "aten.slice",
+        )
+        counted[len(lens)] = {op: n for op, n in ops.count.items() if op not in per_segment}
+        grads = [x.grad for x in (q, k, v)]
+        for x in (q, k, v):
+            x.grad = None
+        bounds = pack.packed_seq_params("cpu").cu_seqlens_q.tolist()
+        ref = torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    *(x[lo:hi].transpose(0, 1) for x in (q, k, v)),
+                    is_causal=True,
+                    scale=att.softmax_scale,
+                    enable_gqa=True,
+                ).transpose(0, 1)
+                for lo, hi in zip(bounds[:-1], bounds[1:])
+            ]
+        )
+        ref.square().sum().backward()
+        for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert counted[2] == counted[12], counted
