@@ -54,6 +54,9 @@ def install_route_choice(policy) -> None:
       the top-k of the noisy key, with the gate weights gathered from the clean scores as megatron
       gathers them for replayed experts. Replayed experts (REPLAY_FORWARD / REPLAY_BACKWARD) are
       used exactly, whatever the noise;
+    - under REPLAY_FORWARD with a row mask on the router's replay instance (``natural_rows_R``, set
+      by a :class:`RoutingSession` given ``replay_rows``), uses the router's own choice on the rows
+      it flags and the replayed experts on the others, gates gathered from the scores for both;
     - hands the router's own choice, noise included, to every listener in
       ``policy.route_listeners`` as ``(layer, indices [R, K], scores [R, E])``; under replay that
       choice is computed for them and not used. ``scores`` are those megatron-core takes the top-k
@@ -81,9 +84,22 @@ def install_route_choice(policy) -> None:
                     f"has moe_router_score_function={score_function}, group_topk={group_topk}: set "
                     "train.route_noise=0 and rollout.route_noise=0"
                 )
+
+            def own_topk():  # the router's own choice: top-k of the scores, or of the noisy key
+                if noise.active:
+                    return noise.topk(selection_key(scores, pre_softmax=pre_softmax), topk)
+                return default_compute_topk(scores, topk, num_groups, group_topk)[1]
+
             own = None
-            if noise.active and action not in replayed:
-                own = noise.topk(selection_key(scores, pre_softmax=pre_softmax), topk)
+            mixed = (
+                getattr(rr, "natural_rows_R", None) if action is RouterReplayAction.REPLAY_FORWARD else None
+            )
+            if mixed is not None:  # some rows replayed, the others their own choice (replay_rows)
+                own = own_topk()
+                idx = torch.where(mixed.to(scores.device)[:, None], own, rr.target_topk_idx.to(scores.device))
+                out = scores.gather(1, idx), idx
+            elif noise.active and action not in replayed:
+                own = own_topk()
                 if action is RouterReplayAction.RECORD:
                     rr.record_indices(own)
                 out = scores.gather(1, own), own
@@ -91,12 +107,7 @@ def install_route_choice(policy) -> None:
                 out = default(scores, topk, num_groups, group_topk, default_compute_topk)
                 own = None if action in replayed else out[1]
             if policy.route_listeners:
-                if own is None:  # replayed: the router's own choice, computed for the listeners
-                    own = (
-                        noise.topk(selection_key(scores, pre_softmax=pre_softmax), topk)
-                        if noise.active
-                        else default_compute_topk(scores, topk, num_groups, group_topk)[1]
-                    )
+                own = own_topk() if own is None else own  # replayed: computed for the listeners
                 for listen in list(policy.route_listeners):
                     listen(layer, own, scores)
             return out
@@ -166,6 +177,12 @@ class RoutingSession:
     ``entropy``: also keep the entropy of every router's softmax over the experts, per token, of
     the first forward (:meth:`router_entropy_BSL`; softmax routers only).
 
+    ``replay_rows`` (REPLAY, no gradients): bool ``[B]``, the rows whose ``routes_BSLK`` are replayed;
+    the other rows route as under NATURAL (their entries of ``routes_BSLK`` are not read). One
+    forward then serves both a natural and a replayed pass of the same tokens (the routing share's
+    probe); the gates of every row are the router's scores at the experts used, as megatron-core
+    gathers them for replayed experts and as its top-k returns them for its own.
+
     ``noise``: the selection noise of the routers' own choices in the session's forwards
     (:mod:`moe_rl.routing.noise`; None: that of the forwards around it, none outside every
     :func:`routed_with`), a value its caller owns (the trainer's per RL step,
@@ -179,6 +196,7 @@ class RoutingSession:
         *,
         routes_BSLK: torch.Tensor | None = None,
         gates_BSLK: torch.Tensor | None = None,
+        replay_rows: torch.Tensor | None = None,
         pack: PackedRows | None = None,
         stop_after_routes: bool = False,
         capture_gates: bool = False,
@@ -189,6 +207,12 @@ class RoutingSession:
             raise ValueError("RouterAction.REPLAY needs routes_BSLK (the experts to replay)")
         if gates_BSLK is not None and action is not RouterAction.REPLAY:
             raise ValueError("gates_BSLK are replayed with the routes: they need RouterAction.REPLAY")
+        if replay_rows is not None and (action is not RouterAction.REPLAY or gates_BSLK is not None):
+            raise ValueError(
+                "replay_rows chooses the replayed rows of RouterAction.REPLAY (without gates_BSLK)"
+            )
+        if replay_rows is not None and tuple(replay_rows.shape) != tuple(routes_BSLK.shape[:1]):
+            raise ValueError(f"replay_rows needs one flag per row of routes_BSLK {tuple(routes_BSLK.shape)}")
         if stop_after_routes and action is not RouterAction.NATURAL:
             raise ValueError("stop_after_routes is for natural-routing captures (RouterAction.NATURAL)")
         if capture_gates and (action is not RouterAction.NATURAL or stop_after_routes):
@@ -197,6 +221,7 @@ class RoutingSession:
         self.action = action
         self.routes_BSLK = routes_BSLK
         self.gates_BSLK = gates_BSLK
+        self.replay_rows = replay_rows
         self.pack = pack
         self.stop_after_routes = stop_after_routes
         self.capture_gates = capture_gates
@@ -267,6 +292,11 @@ class RoutingSession:
                 rows = self._local_rows(self.routes_BSLK, i).to(torch.int64)
                 rr.set_target_indices(sanitize_routes(rows, self.topk).to(router.weight.device))
                 rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+                if self.replay_rows is not None:  # per router row: its own choice where not replayed
+                    flags = self.replay_rows.to(torch.int64)[:, None, None, None].expand(
+                        self.routes_BSLK.shape
+                    )
+                    rr.natural_rows_R = self._local_rows(flags, i)[:, 0] == 0  # padding: natural
             self._wrap(i, router)
         return self
 
@@ -327,6 +357,8 @@ class RoutingSession:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         self._capturing = False
+        if self.replay_rows is not None:
+            raise RuntimeError("a session with replay_rows is for forwards without gradients")
         if self.action is RouterAction.REPLAY:
             for router in self.policy.routers:
                 router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
@@ -340,6 +372,7 @@ class RoutingSession:
             hook.remove()
         self._hooks.clear()
         for router in self.policy.routers:
+            router.router_replay.natural_rows_R = None
             router.router_replay.clear_router_replay_action()
             if self.action is not RouterAction.RECORD:
                 router.router_replay.clear_indices()

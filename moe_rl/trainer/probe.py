@@ -62,9 +62,10 @@ class FlipProbe(StepHook):
 class RoutingShareProbe(StepHook):
     """How much of the ratios' movement routing carries, after the last update of each RL step.
 
-    Its natural forward also yields the probe rows' natural routes after that update, which it leaves
-    on the batch (``RLBatch.probe_after``) for the flip probe, registered after it, to take instead
-    of a forward of its own.
+    Both are one forward of the probe rows twice over (the first copy natural, the second replayed:
+    ``RoutingSession(replay_rows=...)``), which also yields the probe rows' natural routes after that
+    update; it leaves them on the batch (``RLBatch.probe_after``) for the flip probe, registered after
+    it, to take instead of a forward of its own.
 
     On the probe rows, log rho = log pi_theta - log pi_old per response token, with pi_theta's
     forward routed naturally and again with pi_old's natural routes replayed (the routes of the
@@ -90,23 +91,35 @@ class RoutingShareProbe(StepHook):
         n = probe_rows(run, batch.tokens_BT.shape[0])
         if n == 0:
             return
-        tokens_BT, lens_B, mask_BT = batch.tokens_BT[:n], batch.lens_B[:n], batch.mask_BT[:n].bool()
-        pack = packed(run, tokens_BT, lens_B)
-        temperature = run.recipe.train.temperature
-        sums = []
-        # the flip probe's forward of these rows after this update, when it would be this one (one pack)
-        share_routes = len(micro_batches(run, lens_B, 0, n)) == 1
-        for routes in (None, batch.old_routes_BSLK[:n]):
-            action = RouterAction.NATURAL if routes is None else RouterAction.REPLAY
-            session = RoutingSession(run.policy, action, routes_BSLK=routes, pack=pack, noise=run.route_noise)
+        # one forward of the rows twice over: the first copy routed naturally, the second with
+        # pi_old's routes replayed (RoutingSession's replay_rows), one pass over the weights
+        tokens_BT, lens_B = batch.tokens_BT[:n].repeat(2, 1), batch.lens_B[:n].repeat(2)
+        routes_BSLK = torch.cat([torch.zeros_like(batch.old_routes_BSLK[:n]), batch.old_routes_BSLK[:n]])
+        replayed_B = torch.arange(2 * n) >= n
+        logp, natural = [], []
+        for rows in micro_batches(run, lens_B, 0, 2 * n):
+            pack = packed(run, tokens_BT[rows], lens_B[rows])
+            session = RoutingSession(
+                run.policy,
+                RouterAction.REPLAY,
+                routes_BSLK=routes_BSLK[rows],
+                replay_rows=replayed_B[rows],
+                pack=pack,
+                noise=run.route_noise,
+            )
             with torch.no_grad(), session:
-                logp_BT = run.policy.logprobs(tokens_BT, temperature=temperature, pack=pack).logp_BT
-            if routes is None and share_routes:
-                batch.probe_after = (
-                    run.optimizer.step_count,
-                    session.natural_BSLK(n, tokens_BT.shape[1] - 1),
+                logp.append(
+                    run.policy.logprobs(
+                        tokens_BT[rows], temperature=run.recipe.train.temperature, pack=pack
+                    ).logp_BT
                 )
-            x = (logp_BT.double() - batch.old_logp_BT[:n].double())[mask_BT]
+            natural.append(session.natural_BSLK(rows.stop - rows.start, tokens_BT.shape[1] - 1))
+        # the natural copy's routes: the flip probe's "after" of this update
+        batch.probe_after = (run.optimizer.step_count, torch.cat(natural)[:n])
+        logp_BT, mask_BT = torch.cat(logp), batch.mask_BT[:n].bool()
+        sums = []
+        for part in (logp_BT[:n], logp_BT[n:]):  # natural, replayed
+            x = (part.double() - batch.old_logp_BT[:n].double())[mask_BT]
             sums.append(torch.stack([x.new_tensor(float(x.numel())), x.sum(), (x * x).sum()]))
         self.sums = dist.all_reduce(torch.stack(sums), run.info.dp_group)
 

@@ -137,3 +137,72 @@ def test_session_always_resets_even_when_the_step_raises(parallel_info, tiny_mod
 def test_sanitize_padding_rows():
     r = torch.tensor([[3, 1], [0, 0], [2, 2], [0, 1]])
     assert sanitize_routes(r, 2).tolist() == [[3, 1], [0, 1], [0, 1], [0, 1]]
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_replay_rows_replays_those_rows_and_routes_the_others_naturally(
+    parallel_info, tiny_model_cfg, packing
+):
+    """One forward of the rows twice over, the first copy routed naturally and the second with
+    recorded routes replayed (``replay_rows``, what the routing share's probe runs): the experts the
+    dispatcher uses, the log-probs and the captured natural routes of each copy are those of a
+    natural forward and of a replayed forward of the rows alone."""
+    policy = _policy(parallel_info, tiny_model_cfg)
+    b, s = 3, 12
+    tok = torch.randint(0, 64, (b, s + 1), generator=torch.Generator().manual_seed(4))
+    lens = torch.tensor([12, 7, 10])
+    with torch.no_grad(), RoutingSession(policy, RouterAction.RECORD) as rs:
+        policy.logprobs(tok)
+    rec = rs.recorded_BSLK(b, s)
+    _perturb(policy, 0.5)
+
+    def forward(rows_tok, rows_lens, **kw):
+        pack = policy.pack(rows_tok, rows_lens) if packing else None
+        used, hooks = _used_experts(policy)
+        try:
+            with torch.no_grad(), RoutingSession(policy, pack=pack, **kw) as session:
+                logp = policy.logprobs(rows_tok, pack=pack).logp_BT
+        finally:
+            for h in hooks:
+                h.remove()
+        return logp, used, session.natural_BSLK(rows_tok.shape[0], s)
+
+    nat_logp, nat_used, nat_routes = forward(tok, lens, action=RouterAction.NATURAL)
+    rep_logp, rep_used, _ = forward(tok, lens, action=RouterAction.REPLAY, routes_BSLK=rec)
+    valid = torch.arange(s)[None] < lens[:, None]
+    assert not torch.equal(nat_routes[valid], rec[valid])  # the perturbed routers choose other experts
+    both = torch.cat([torch.zeros_like(rec), rec])  # the natural copy's entries are never read
+    flags = torch.tensor([False] * b + [True] * b)
+    logp, used, routes = forward(
+        torch.cat([tok, tok]),
+        torch.cat([lens, lens]),
+        action=RouterAction.REPLAY,
+        routes_BSLK=both,
+        replay_rows=flags,
+    )
+    torch.testing.assert_close(logp[:b][:, :s][valid], nat_logp[:, :s][valid], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logp[b:][:, :s][valid], rep_logp[:, :s][valid], atol=1e-5, rtol=0)
+    assert torch.equal(routes[:b][valid], nat_routes[valid])
+    if not packing:  # router rows are sequence-major: row = position * rows + row index
+        for layer, (m, m_nat, m_rep) in enumerate(zip(used, nat_used, rep_used)):
+            m = m.view(s, 2 * b, -1)
+            assert torch.equal(m[:, :b], m_nat.view(s, b, -1)), layer
+            assert torch.equal(m[:, b:], m_rep.view(s, b, -1)), layer
+            assert torch.equal(m_rep, _map(rec, layer, 4))
+
+
+def test_replay_rows_is_refused_where_it_cannot_mean_anything(parallel_info, tiny_model_cfg):
+    policy = _policy(parallel_info, tiny_model_cfg)
+    rec = torch.zeros(2, 8, 2, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="replay_rows"):
+        RoutingSession(policy, RouterAction.NATURAL, replay_rows=torch.tensor([True, False]))
+    with pytest.raises(ValueError, match="one flag per row"):
+        RoutingSession(policy, RouterAction.REPLAY, routes_BSLK=rec, replay_rows=torch.tensor([True]))
+    tok = torch.randint(0, 64, (2, 9))
+    with RoutingSession(
+        policy, RouterAction.REPLAY, routes_BSLK=rec, replay_rows=torch.tensor([True, False])
+    ) as rs:
+        out = policy.logprobs(tok).logp_BT
+        with pytest.raises(RuntimeError, match="without gradients"):
+            rs.backward(out.sum())
+    assert all(getattr(r.router_replay, "natural_rows_R", None) is None for r in policy.routers)

@@ -129,26 +129,47 @@ def test_derive_reconfigures_a_copy_and_leaves_the_run_as_it_was(tmp_path, paral
 def test_the_flip_probe_takes_the_routing_shares_forward_after_the_last_update(
     tmp_path, parallel_info, varied_rewards, monkeypatch
 ):
-    """After the last update the routing share's natural forward of the probe rows already holds their
-    natural routes: the flip probe runs forwards after the other updates only (its rates, held to an
-    independent reference by the test above, are unchanged)."""
+    """After the last update the routing share's one forward of the probe rows (natural and replayed
+    copies together) already holds their natural routes: the flip probe runs forwards after the other
+    updates only (its rates, held to an independent reference by the test above, are unchanged), and
+    the probes run one forward of the model per update."""
     from moe_rl.trainer import probe
 
     calls = []
     real = probe.natural_routes
     monkeypatch.setattr(probe, "natural_routes", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    class ProbeForwards(StepTimer):  # the model's forwards while the probe phase is open
+        def __init__(self):
+            super().__init__()
+            self.probing, self.forwards = False, 0
+
+        def on_enter(self, phase):
+            self.probing = phase == "probe"
+
+        def on_exit(self, phase):
+            self.probing = False
+
     recipe = tiny(tmp_path, train={"stages": ["rl"], "minibatches": 2})
     the_run = Run(recipe)
     try:
         the_run.ensure_engine()
         the_run.make_optimizer("rl")
-        res = rl_step(the_run, 0, StepTimer())
+        timer = ProbeForwards()
+        counting = the_run.policy.model.register_forward_pre_hook(
+            lambda *_: setattr(timer, "forwards", timer.forwards + timer.probing)
+        )
+        try:
+            res = rl_step(the_run, 0, timer)
+        finally:
+            counting.remove()
         assert "ratio/routing_share" in res.metrics or "ratio/log_rho_var_natural" in res.metrics
         assert "flip/step/rate" in res.metrics
         before_reused = res.batch.probe_before_BSLK is not None
         assert (
             len(calls) == (0 if before_reused else 1) + 1
         )  # update 0 probed by its own forward, update 1 shared
+        assert timer.forwards == len(calls) + 1, timer.forwards  # + the routing share's one forward
     finally:
         the_run.close()
 
