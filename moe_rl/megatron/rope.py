@@ -9,7 +9,8 @@ launched ~35,000 kernels and kept the GPU busy 8% of the time, most of them thes
 
 :func:`apply_rotary_pos_emb` computes the same thing in one pass: each packed position's index
 within its own sequence (a ``searchsorted`` over the boundaries, on the device, no host sync),
-one gather of the RoPE table, one rotation of the whole pack. It stands in for megatron-core's
+one gather of the RoPE table, one rotation of the whole pack; the table's cosine and sine are taken
+once per forward (every layer's query and key share them), not twice per layer. It stands in for megatron-core's
 function where that one's attention module calls it (:func:`install`) and hands every case it
 does not cover back to megatron-core unchanged: fused RoPE (transformer-engine), context
 parallelism, multi-latent attention, ``bshd`` (no ``cu_seqlens``). For the cases it covers its
@@ -28,6 +29,8 @@ _STOCK = None
 #: layer's query and key of one forward share the table and the boundaries, so one gather serves
 #: them all.
 _LAST: tuple | None = None
+#: the cosine and sine of the last table rotated with: (table, its version, mscale, dtype) -> (cos, sin).
+_TRIG: tuple | None = None
 
 
 def packed_positions(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
@@ -83,9 +86,27 @@ def apply_rotary_pos_emb(
         return _STOCK(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **kwargs)
     n = t.shape[0]
     table = freqs if freqs.shape[0] == n else packed_freqs(freqs, cu_seqlens, n)
-    return _apply_rotary_pos_emb_bshd(
-        t.unsqueeze(1), table, rotary_interleaved=config.rotary_interleaved, mscale=mscale
-    ).squeeze(1)
+    if config.rotary_interleaved or table.shape[-1] != t.shape[-1] or table.requires_grad:
+        return _apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1), table, rotary_interleaved=config.rotary_interleaved, mscale=mscale
+        ).squeeze(1)
+    # megatron-core's _apply_rotary_pos_emb_bshd for a rotation over the whole head (no pass-through
+    # part, not interleaved), its cosine and sine taken once per table
+    cos, sin = table_trig(table, mscale, t.dtype)
+    x1, x2 = torch.chunk(t, 2, dim=-1)
+    return t * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def table_trig(table: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos(table) * mscale`` and ``sin(table) * mscale`` in ``dtype``, ``[n, 1, d]``, as megatron-core
+    computes them for every rotation; computed once for the last table (a forward's layers share it)."""
+    global _TRIG
+    key = (table._version, mscale, dtype)
+    if _TRIG is not None and _TRIG[0] is table and _TRIG[1] == key:
+        return _TRIG[2]
+    trig = tuple((f(table) * mscale).to(dtype).squeeze(1) for f in (torch.cos, torch.sin))
+    _TRIG = (table, key, trig)
+    return trig
 
 
 def install() -> bool:

@@ -94,3 +94,15 @@ def test_packed_forward_never_slices_the_rope_table(policy):
     sliced = [s for s in ops.shapes["aten.slice"] if s == table_shape]
     assert not sliced, f"{len(sliced)} slices of the RoPE table {table_shape}: RoPE ran sequence by sequence"
     assert ops.count["aten.searchsorted"] == 1  # one table gather per forward, shared by every layer
+
+
+def test_packed_forward_takes_the_tables_cosine_and_sine_once(policy):
+    """Every layer's query and key rotate with one cosine and one sine of the pack's table, in the
+    forward and in the backward (megatron-core takes both for every rotation: 2 per layer)."""
+    from tests.unit.test_packing import batch
+
+    tok, lens_B = batch()
+    pack = policy.pack(tok, lens_B)
+    with CountOps() as ops:
+        policy.logprobs(tok, pack=pack).logp_BT.sum().backward()
+    assert ops.count["aten.cos"] == ops.count["aten.sin"] == 1, (ops.count["aten.cos"], ops.count["aten.sin"])
