@@ -292,7 +292,17 @@ def bench_step(run: Run, step: int, mem: PeakMemory) -> dict:
     if replayed:
         run.engine.step = step
     timer = PhaseMeter(mem)
-    batch = rl_step(run, step, timer).batch
+    probe_positions = [0]
+
+    def count_probe_positions(module, args, kwargs):  # the input positions of the probes' forwards
+        if timer.phase == "probe":
+            probe_positions[0] += (kwargs["input_ids"] if "input_ids" in kwargs else args[0]).numel()
+
+    counting = run.policy.model.register_forward_pre_hook(count_probe_positions, with_kwargs=True)
+    try:
+        batch = rl_step(run, step, timer).batch
+    finally:
+        counting.remove()
     with timer.record("sync_hf"):
         source = PolicyHFSource(run.policy)
         source.load_hf_tensors(source.hf_tensors())
@@ -310,6 +320,8 @@ def bench_step(run: Run, step: int, mem: PeakMemory) -> dict:
     # what a padded [B, T - 1] forward computes; packing (train.packing) computes only `positions`
     rec["padded_positions"] = total(torch.tensor(float(batch.valid_BS.numel())))
     rec["sequences"] = total(torch.tensor(float(batch.tokens_BT.shape[0])))
+    # what the flip probes and the routing share feed the model (a routes-only forward counted whole)
+    rec["probe_positions"] = total(torch.tensor(float(probe_positions[0])))
     return rec
 
 
@@ -425,7 +437,7 @@ def summarize(steps: list[dict]) -> dict:
     """Median seconds, tokens/s (wall and CPU) and peak memory per phase over the timed steps."""
     med = statistics.median
     out = {"steps": len(steps), "tokens": med([s["tokens"] for s in steps]), "phases": {}}
-    for k in ("positions", "sequences", "padded_positions"):
+    for k in ("positions", "sequences", "padded_positions", "probe_positions"):
         out[k] = med([s[k] for s in steps])
     out["padding_share"] = 1.0 - out["positions"] / out["padded_positions"]
     for p in PHASES:

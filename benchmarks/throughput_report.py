@@ -156,7 +156,11 @@ def headline(res: dict) -> dict:
     seconds over its matmul floor. own_gemms_small: the small step's own GEMMs, each timed alone
     at its shapes (warm and cache-flushed), over that floor and under the step
     (:func:`own_gemms_vs_floor`). padding_share_removed: the share of a padded batch's input
-    positions that packing does not compute (gspo/none rollouts of each model).
+    positions that packing does not compute (gspo/none rollouts of each model). probe_work_share:
+    the probes' share of the step's forward work counted in input positions (small model,
+    gspo/none): the positions their forwards feed the model over those plus the step's own five
+    forwards of every position (:func:`step_floor`); the probe_frac a step would show if every
+    position of every forward cost the same CPU time.
     """
     models, trl = res.get("models", {}), res.get("trl", {})
 
@@ -166,6 +170,13 @@ def headline(res: dict) -> dict:
 
     def probe(c):
         return statistics.median(paired_probe_fracs(c["cpu_s_per_step"]))
+
+    def probe_work(c):
+        return (
+            c["probe_positions"] / (5 * c["positions"] + c["probe_positions"])
+            if "probe_positions" in c
+            else None
+        )
 
     def replay(name, mode):
         paired = paired_replay_by_combo(models[name]["combos"])
@@ -184,6 +195,7 @@ def headline(res: dict) -> dict:
         "floor_multiple_tiny": models.get("tiny", {}).get("floor", {}).get("moe_rl_step_s_over_floor"),
         "floor_multiple_small": models.get("small", {}).get("floor", {}).get("moe_rl_step_s_over_floor"),
         "own_gemms_small": models[small]["floor"].get("own_gemms") if small else None,
+        "probe_work_share": probe_work(models[small]["combos"]["gspo/none"]) if small else None,
         "padding_share_removed": {n: m["combos"]["gspo/none"]["padding_share"] for n, m in models.items()},
         "loadavg_1m": [res.get("loadavg_1m_start"), res.get("loadavg_1m_end")],
         "measure": "CPU seconds at 1 thread (wall seconds swing with the machine's load)",

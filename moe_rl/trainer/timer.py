@@ -57,6 +57,11 @@ class StepTimer:
             self.on_exit(phase)
 
     @property
+    def phase(self) -> str | None:
+        """The innermost phase open now (None between phases)."""
+        return self._open[-1][0] if self._open else None
+
+    @property
     def seconds(self) -> dict[str, float]:
         """Exclusive wall seconds per phase."""
         return {p: t["s"] for p, t in self.totals.items()}

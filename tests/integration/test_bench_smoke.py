@@ -36,9 +36,11 @@ def test_smoke_preset_measures_every_phase(tmp_path):
     assert res["preset"] == "smoke" and res["threads"] == 1 and res["trl_skipped"] == "--no-trl"
     assert set(res["models"]) == {"tiny", "small"}
     head = res["headline"]
-    for k in ("probe_frac", "replay_overhead", "floor_multiple_small"):
+    for k in ("probe_frac", "replay_overhead", "floor_multiple_small", "probe_work_share"):
         assert isinstance(head[k], float) and math.isfinite(head[k]), k
-    assert 0 < head["probe_frac"] < 1 and head["floor_multiple_small"] > 1
+    assert (
+        0 < head["probe_frac"] < 1 and head["floor_multiple_small"] > 1 and 0 < head["probe_work_share"] < 1
+    )
     assert head["own_gemms_small"] == res["models"]["small"]["floor"]["own_gemms"]
     assert head["moe_rl_over_trl_tiny"] is None and head["moe_rl_over_trl_small"] is None  # --no-trl
     for model, share in head["padding_share_removed"].items():
