@@ -5,21 +5,21 @@ Without transformer-engine (CPU, or a GPU without the package) megatron-core bui
 per-call sizes: the first materialises GQA's repeated keys/values (``repeat_interleave``
 copies the whole KV cache on every decode step) and runs an unfused baddbmm / mask /
 softmax / bmm; the second runs each expert through megatron's linear wrappers, ~10 ops
-per expert per layer. The subclasses below keep their parents' parameters, names,
-sharded state dicts and constructor (so checkpoints, HF mapping, routing replay and the
-optimizer see the same model) and change only ``forward``:
+per expert per layer. The modules below keep the stock ones' constructors and checkpoint
+entries (so checkpoints, HF mapping, routing replay and the optimizer see the same model):
 
 - :class:`SDPAttention`: ``torch.nn.functional.scaled_dot_product_attention`` with
   ``enable_gqa`` (no repeated keys) and the parent's masking rule (causal when
   ``sq > 1``, none for a one-token decode step against a KV cache), on torch's flash,
   memory-efficient or math kernels, never cuDNN's (:data:`SDPA_BACKENDS`);
-- :class:`GroupedExperts`: the dispatcher's expert-sorted tokens through each local expert in one
-  ``F.linear`` per projection on the expert's own weights (no per-forward stacked copy: on CPU
-  the copy cost more than the matmuls); :meth:`GroupedExperts.grouped` runs the same math by
-  ``torch._grouped_mm`` on stacked weights: on CUDA the training forward's
-  (:meth:`GroupedExperts.stacked_views`, whose backward needs no per-expert copy), the lean
-  decoder's input-major snapshot (:meth:`GroupedExperts.stacked_weights`); probabilities
-  applied after the GLU and before ``linear_fc2``, in the same dtypes as megatron's MLP.
+- :class:`GroupedExperts`: every local expert's projection as one stacked parameter (megatron-core's
+  grouped-GEMM experts' shape of state) and the dispatcher's expert-sorted tokens through them in
+  one ``torch._grouped_mm`` per projection over transposed views of the stacks (no copy; gradients
+  land in the stacks), on CPU as on CUDA (:meth:`GroupedExperts.grouped`); the lean decoder calls
+  the same method with its own snapshot of the weights (:meth:`GroupedExperts.input_major`), and a
+  per-expert loop serves where this torch has no grouped GEMM for the device and dtype;
+  probabilities applied after the GLU and before ``linear_fc2``, in the same dtypes as megatron's
+  MLP.
 
 ``tests/unit/test_local_layers.py`` checks both against the stock modules (values and
 gradients of every parameter) on the same weights.
