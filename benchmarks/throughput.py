@@ -101,16 +101,17 @@ each layer leaves them."""
 WORLD_COMBOS = (("gspo", "none", "recompute"), ("gspo", "r2", "recompute"), ("gspo", "r3", "recompute"))
 PRESETS = {
     "smoke": dict(models=MICRO, warmup=1, repeats=1, world=(), world_combos=(("gspo", "none", "recompute"),),
-                  trl_models=("tiny",), train=dict(prompts_per_step=2, group_size=4, minibatches=2,
+                  trl_models=("tiny",), trl_rounds=1, train=dict(prompts_per_step=2, group_size=4, minibatches=2,
                                                    max_new_tokens=8, flip_probe_sequences=3)),
     "cpu": dict(models=MODELS, warmup=1, repeats=3, world=("dp2", "ep2", "tp2"), world_combos=WORLD_COMBOS,
-                trl_models=("tiny", "small"), train=dict(prompts_per_step=8, group_size=8, minibatches=4,
+                trl_models=("tiny", "small"), trl_rounds=5, train=dict(prompts_per_step=8, group_size=8, minibatches=4,
                                                          max_new_tokens=48, flip_probe_sequences=3)),
     "gpu": dict(models=MODELS, warmup=2, repeats=5, world=("dp2", "ep2", "tp2"), world_combos=WORLD_COMBOS,
-                trl_models=("tiny", "small"), train=dict(prompts_per_step=32, group_size=8, minibatches=4,
+                trl_models=("tiny", "small"), trl_rounds=3, train=dict(prompts_per_step=32, group_size=8, minibatches=4,
                                                          max_new_tokens=256, flip_probe_sequences=3)),
 }
-"""Probes: ``flip_probe_sequences`` is TrainConfig's default (3), as a user's run has it."""
+"""Probes: ``flip_probe_sequences`` is TrainConfig's default (3), as a user's run has it. trl_rounds:
+paired rounds of moe-rl's gspo/none step and TRL's, measured back to back (:func:`trl_rounds`)."""
 LAYOUTS = {"ep2": dict(expert_parallel=2, data_parallel=2), "tp2": dict(tensor_parallel=2),
            "dp2": dict(data_parallel=2)}
 TRL_VENV = ROOT / ".venv-trl"
@@ -543,6 +544,44 @@ def worker(args) -> None:
         write_json(Path(args.out), res, indent=None)
 
 
+def trl_rounds(res: dict, p: dict, threads: int, tmp: Path, device: str) -> None:
+    """``p["trl_rounds"]`` paired rounds per TRL model, into ``res["trl"][model]["rounds"]``: moe-rl's
+    gspo/none step (a fresh run of the same recipe: the weights TRL starts from) and TRL's peer,
+    back to back, in alternating order (moe-rl first in even rounds), each ``warmup + repeats``
+    steps. The machine drifts over minutes (the same TRL step has moved 11% between runs); a round's
+    ratio compares two measurements seconds apart, and the rounds give the ratio's spread."""
+    for r in range(p.get("trl_rounds", 0)):
+        for name in p["trl_models"]:
+            if name not in res["models"] or "median" not in res["trl"].get(name, {}).get("peer", {}):
+                continue
+            recipe = build_recipe(p["models"][name], p["train"], out_dir=str(tmp / f"round{r}-{name}"))
+            got = {}
+            for side in ("moe_rl", "trl") if r % 2 == 0 else ("trl", "moe_rl"):
+                if side == "moe_rl":
+                    combo = [("gspo", "none", "recompute")]
+                    d = measure(recipe, combo, warmup=p["warmup"], repeats=p["repeats"])
+                    got[side] = d["combos"]["gspo/none"]
+                else:
+                    got[side] = run_trl(name, str(tmp / f"hf-{name}"), recipe, p, threads, tmp, device)
+            peer = got["trl"]
+            row = {"first": "moe_rl" if r % 2 == 0 else "trl", "error": peer.get("error")}
+            if "median" in peer:
+                ours = got["moe_rl"]
+                vs = trl_ratio(ours, peer)
+                row.update(
+                    ratio_cpu=vs["ratio_cpu"],
+                    ratio_cpu_without_flip_probe=vs["ratio_cpu_without_flip_probe"],
+                    moe_rl_cpu_s_per_step=ours["cpu_s_per_step"],
+                    moe_rl_tokens=ours["tokens"],
+                    probe_positions=ours["probe_positions"],
+                    positions=ours["positions"],
+                    trl_step_cpu_s=[s["step_cpu_s"] for s in peer["steps"]],
+                    trl_tokens=peer["median"]["tokens"],
+                )
+            res["trl"][name].setdefault("rounds", []).append(row)
+            print(f"[throughput] round {r + 1} {name}: {row.get('ratio_cpu')}", flush=True)
+
+
 def run_trl(
     model: str, export_dir: str, recipe: Recipe, p: dict, threads: int, tmp: Path, device: str
 ) -> dict:
@@ -550,6 +589,7 @@ def run_trl(
     from moe_rl.config import to_dict
 
     out = tmp / f"trl-{model}-{threads}t.json"
+    out.unlink(missing_ok=True)  # a round's peer writes the same path: never read an earlier one's
     t = recipe.train
     flags = _flags(
         model=export_dir,
@@ -614,6 +654,7 @@ def _header(args, p: dict, device: str) -> dict:
             **p["train"],
             "warmup_steps": p["warmup"],
             "timed_steps": p["repeats"],
+            "trl_rounds": p.get("trl_rounds", 0),
             "algos": ALGOS,
             "routings": ROUTINGS,
             "world_combos": p["world_combos"],
@@ -711,6 +752,8 @@ def main(argv=None) -> dict:
                 f"[throughput] TRL {name}: {res['trl'][name]['wall_s']:.0f} s {peer.get('error', '')}",
                 flush=True,
             )
+        if want_trl:
+            trl_rounds(res, p, args.threads, tmp, device)
         if want_trl and "dp2" in res["world"] and "combos" in res["world"]["dp2"] and "tiny" in res["models"]:
             # the whole machine: moe-rl DP=2 (2 processes x --threads) vs TRL at 2 x --threads
             recipe = build_recipe(p["models"]["tiny"], p["train"])

@@ -147,9 +147,13 @@ def headline(res: dict) -> dict:
     """The figures issue 17 asks for, from one run (None where the run did not measure them).
 
     moe_rl_over_trl_*: tokens per CPU second of the whole step (flip probes on, GSPO, routing
-    none) over TRL's, same model, weights, prompts, G and batch, 1 thread each. probe_frac: the
-    flip probes' share of the step's CPU seconds (small model, gspo/none, median over its timed
-    steps of the per-step share; the max over every combo and model beside it). replay_overhead:
+    none) over TRL's, same model, weights, prompts, G and batch, 1 thread each: the median over
+    the paired rounds where the run has them (``trl_rounds`` of benchmarks/throughput.py; else the
+    one comparison of the run), ``moe_rl_over_trl_range`` the rounds' lowest and highest (for 5
+    rounds, a 94% interval for the median). probe_frac: the flip probes' share of the step's CPU
+    seconds (small model, gspo/none, median of the per-step shares of the run's timed steps and of
+    its rounds', ``probe_frac_range`` their lowest and highest; ``probe_frac_max`` the highest
+    median over every combo and model of the run). replay_overhead:
     the CPU seconds R2 / R3 add to the phases they change, over the step's CPU seconds under
     routing none, paired by step index (:func:`paired_replay_overheads`; small model; median over
     the algorithms' steps; the larger of the two modes). floor_multiple_*: the step's CPU
@@ -164,12 +168,24 @@ def headline(res: dict) -> dict:
     """
     models, trl = res.get("models", {}), res.get("trl", {})
 
+    def round_ratios(name):
+        return [r["ratio_cpu"] for r in trl.get(name, {}).get("rounds", []) if r.get("ratio_cpu")]
+
     def ratio(name):
+        if round_ratios(name):
+            return statistics.median(round_ratios(name))
         vs = trl.get(name, {}).get("vs")
         return vs["ratio_cpu"] if vs else None
 
     def probe(c):
         return statistics.median(paired_probe_fracs(c["cpu_s_per_step"]))
+
+    def probe_fracs(name):  # the run's timed steps and every round's
+        pooled = paired_probe_fracs(models[name]["combos"]["gspo/none"]["cpu_s_per_step"])
+        for r in trl.get(name, {}).get("rounds", []):
+            if "moe_rl_cpu_s_per_step" in r:
+                pooled += paired_probe_fracs(r["moe_rl_cpu_s_per_step"])
+        return pooled
 
     def probe_work(c):
         return (
@@ -187,7 +203,12 @@ def headline(res: dict) -> dict:
     out = {
         "moe_rl_over_trl_tiny": ratio("tiny"),
         "moe_rl_over_trl_small": ratio("small"),
-        "probe_frac": probe(models[small]["combos"]["gspo/none"]) if small else None,
+        "moe_rl_over_trl_range": {
+            n: [min(round_ratios(n)), max(round_ratios(n))] for n in trl if round_ratios(n)
+        },
+        "trl_rounds": {n: len(round_ratios(n)) for n in trl},
+        "probe_frac": statistics.median(probe_fracs(small)) if small else None,
+        "probe_frac_range": [min(probe_fracs(small)), max(probe_fracs(small))] if small else None,
         "probe_frac_max": max(
             (probe(c) for m in models.values() for c in m["combos"].values()), default=None
         ),

@@ -97,6 +97,15 @@ def test_smoke_preset_with_the_trl_peer(tmp_path):
     for p in ("rollout_s", "old_logprob_s", "train_s", "step_s", "tokens"):
         assert _positive(peer["median"][p]), p
     assert _positive(vs["ratio_wall"]) and _positive(vs["ratio_cpu"])
+    # the paired rounds: moe-rl's step and TRL's back to back; the headline's ratio is their median
+    rounds = t["rounds"]
+    assert len(rounds) == res["headline"]["trl_rounds"]["tiny"] == 1 and rounds[0]["first"] == "moe_rl"
+    assert (
+        _positive(rounds[0]["ratio_cpu"])
+        and len(rounds[0]["trl_step_cpu_s"]) == res["settings"]["timed_steps"]
+    )
+    assert res["headline"]["moe_rl_over_trl_tiny"] == rounds[0]["ratio_cpu"]
+    assert res["headline"]["moe_rl_over_trl_range"]["tiny"] == [rounds[0]["ratio_cpu"]] * 2
 
 
 def test_step_time_rl_measures_every_phase_of_every_routing(tmp_path):
