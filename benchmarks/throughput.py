@@ -525,6 +525,31 @@ def run_world(layout: str, preset: str, threads: int, tmp: Path, rollouts: str |
     return data
 
 
+def run_round(model: str, preset: str, threads: int, tmp: Path) -> dict:
+    """moe-rl's side of a paired round (:func:`trl_rounds`): this file in a fresh process measuring
+    ``model``'s gspo/none step, as the TRL peer runs in one; its combo record (or an error)."""
+    out = tmp / f"round-{model}.json"
+    out.unlink(missing_ok=True)
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        *_flags(round=model, preset=preset, threads=threads, out=out),
+    ]
+    res = subprocess.run(cmd, cwd=ROOT, env=_env(threads), capture_output=True, text=True)
+    if res.returncode != 0 or not out.exists():
+        return {"error": f"exit {res.returncode}", "stderr_tail": res.stderr[-3000:]}
+    return json.loads(out.read_text())
+
+
+def round_worker(args) -> None:
+    """The process of :func:`run_round`: a fresh run of ``args.round``'s recipe, gspo/none."""
+    p = PRESETS[args.preset]
+    run_dir = tempfile.mkdtemp(prefix="round_", dir=Path(args.out).parent)  # removed with the caller's folder
+    recipe = build_recipe(p["models"][args.round], p["train"], out_dir=run_dir)
+    res = measure(recipe, [("gspo", "none", "recompute")], warmup=p["warmup"], repeats=p["repeats"])
+    write_json(Path(args.out), res["combos"]["gspo/none"], indent=None)
+
+
 def worker(args) -> None:
     """One rank of a world-size run: the tiny model at ``args.worker``'s layout."""
     p = PRESETS[args.preset]
@@ -544,28 +569,31 @@ def worker(args) -> None:
         write_json(Path(args.out), res, indent=None)
 
 
-def trl_rounds(res: dict, p: dict, threads: int, tmp: Path, device: str) -> None:
+def trl_rounds(res: dict, p: dict, preset: str, threads: int, tmp: Path, device: str) -> None:
     """``p["trl_rounds"]`` paired rounds per TRL model, into ``res["trl"][model]["rounds"]``: moe-rl's
-    gspo/none step (a fresh run of the same recipe: the weights TRL starts from) and TRL's peer,
-    back to back, in alternating order (moe-rl first in even rounds), each ``warmup + repeats``
-    steps. The machine drifts over minutes (the same TRL step has moved 11% between runs); a round's
-    ratio compares two measurements seconds apart, and the rounds give the ratio's spread."""
+    gspo/none step (a fresh run of the same recipe, the weights TRL starts from, in a fresh process
+    as TRL's peer runs in one: :func:`run_round`) and TRL's peer, back to back, in alternating
+    order (moe-rl first in even rounds), each ``warmup + repeats`` steps. The machine drifts over
+    minutes (the same TRL step has moved 11% between runs, and a process that has built and run
+    many policies steps a few % slower than a fresh one); a round's ratio compares two fresh
+    processes seconds apart, and the rounds give the ratio's spread."""
     for r in range(p.get("trl_rounds", 0)):
         for name in p["trl_models"]:
             if name not in res["models"] or "median" not in res["trl"].get(name, {}).get("peer", {}):
                 continue
-            recipe = build_recipe(p["models"][name], p["train"], out_dir=str(tmp / f"round{r}-{name}"))
+            recipe = build_recipe(p["models"][name], p["train"])
             got = {}
             for side in ("moe_rl", "trl") if r % 2 == 0 else ("trl", "moe_rl"):
                 if side == "moe_rl":
-                    combo = [("gspo", "none", "recompute")]
-                    d = measure(recipe, combo, warmup=p["warmup"], repeats=p["repeats"])
-                    got[side] = d["combos"]["gspo/none"]
+                    got[side] = run_round(name, preset, threads, tmp)
                 else:
                     got[side] = run_trl(name, str(tmp / f"hf-{name}"), recipe, p, threads, tmp, device)
             peer = got["trl"]
-            row = {"first": "moe_rl" if r % 2 == 0 else "trl", "error": peer.get("error")}
-            if "median" in peer:
+            row = {
+                "first": "moe_rl" if r % 2 == 0 else "trl",
+                "error": peer.get("error") or got["moe_rl"].get("error"),
+            }
+            if "median" in peer and "phases" in got["moe_rl"]:
                 ours = got["moe_rl"]
                 vs = trl_ratio(ours, peer)
                 row.update(
@@ -632,6 +660,7 @@ def _parse(argv):
     )
     ap.add_argument("--worker", choices=sorted(LAYOUTS), help=argparse.SUPPRESS)
     ap.add_argument("--rollouts", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--round", choices=sorted(MODELS), help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -682,6 +711,9 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     if args.worker:
         worker(args)
+        return {}
+    if args.round:
+        round_worker(args)
         return {}
     from benchmarks.common import result_path
 
@@ -753,7 +785,7 @@ def main(argv=None) -> dict:
                 flush=True,
             )
         if want_trl:
-            trl_rounds(res, p, args.threads, tmp, device)
+            trl_rounds(res, p, args.preset, args.threads, tmp, device)
         if want_trl and "dp2" in res["world"] and "combos" in res["world"]["dp2"] and "tiny" in res["models"]:
             # the whole machine: moe-rl DP=2 (2 processes x --threads) vs TRL at 2 x --threads
             recipe = build_recipe(p["models"]["tiny"], p["train"])
