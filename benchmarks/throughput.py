@@ -30,7 +30,8 @@ Peak memory per phase: CPU: peak RSS (Linux VmHWM, reset before each phase by wr
 
 Every algorithm (grpo, gspo, gspo_token) x routing mode (none, r2, r3) runs interleaved on one
 policy, each repeat at the same step index (the same prompts and sampling seeds), so replay and
-probe overheads are ratios measured in the same run. World size: ``torchrun --nproc-per-node 2``
+probe overheads are ratios measured in the same run. Against TRL the headline reads paired rounds
+(:func:`trl_rounds`): moe-rl's GSPO step and TRL's, each in a fresh process, back to back. World size: ``torchrun --nproc-per-node 2``
 runs this file as a worker with DP=2 (each rank its own lean-decoder engine and half the
 prompts; gradients all-reduced), EP=2 (DP=2, experts split; the lean decoder all-gathers
 them once per rollout; full steps) and TP=2: the embedded engine refuses
