@@ -1,7 +1,7 @@
 """docs/recipes.md: every recipe field, its default and meaning, written from the config classes.
 
 The meaning is the field's one-line docstring (the string after it in ``moe_rl/config.py``,
-``moe_rl/tasks/config.py``, ``moe_rl/sglang_config.py``), the default is the dataclass's, and the
+``moe_rl/train_config.py``, ``moe_rl/tasks/config.py``, ``moe_rl/sglang_config.py``), the default is the dataclass's, and the
 link is the doc that explains the field (one its docstring names, ``docs/x.md#part``; else
 :data:`FIELD_DOCS`; else its section's :data:`SECTION_DOCS`). A section whose field is itself a config class (``task.jsonl``,
 ``rollout.sglang``) gets its own table.

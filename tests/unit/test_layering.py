@@ -13,7 +13,7 @@ this test passed rules d and e on both. ``ANNOTATIONS_COUNT = False`` gives the 
 
 The rules:
 
-a. ``moe_rl.config``, ``configlib``, ``losses``, ``routing`` and ``tasks`` never import the
+a. ``moe_rl.config``, ``configlib``, ``train_config``, ``losses``, ``routing`` and ``tasks`` never import the
    trainer, an engine (``rollout``, ``serve``), ``lab``, ``moe_rl.megatron`` or megatron-core;
 b. megatron-core (``megatron.*``) is imported only under ``moe_rl/megatron/``;
 c. ``moe_rl.trainer`` never imports ``moe_rl.lab`` or ``benchmarks``;
@@ -93,8 +93,15 @@ class Rule:
 
 RULES = [
     Rule(
-        "a: config, configlib, losses, routing and tasks import no trainer, engine, lab or megatron",
-        ("moe_rl.config", "moe_rl.configlib", "moe_rl.losses", "moe_rl.routing", "moe_rl.tasks"),
+        "a: config, configlib, train_config, losses, routing and tasks import no trainer, engine, lab or megatron",
+        (
+            "moe_rl.config",
+            "moe_rl.configlib",
+            "moe_rl.train_config",
+            "moe_rl.losses",
+            "moe_rl.routing",
+            "moe_rl.tasks",
+        ),
         ("moe_rl.trainer", "moe_rl.rollout", "moe_rl.serve", "moe_rl.lab", "moe_rl.megatron", "megatron"),
     ),
     Rule(
