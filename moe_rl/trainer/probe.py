@@ -62,10 +62,10 @@ class FlipProbe(StepHook):
 class RoutingShareProbe(StepHook):
     """How much of the ratios' movement routing carries, after the last update of each RL step.
 
-    Both are one forward of the probe rows twice over (the first copy natural, the second replayed:
-    ``RoutingSession(replay_rows=...)``), which also yields the probe rows' natural routes after that
-    update; it leaves them on the batch (``RLBatch.probe_after``) for the flip probe, registered after
-    it, to take instead of a forward of its own.
+    The natural and the replayed pass are one forward of the probe rows twice over (the first copy
+    natural, the second replayed: ``RoutingSession(replay_rows=...)``), which also yields the probe
+    rows' natural routes after that update; it leaves them on the batch (``RLBatch.probe_after``)
+    for the flip probe, registered after it, to take instead of a forward of its own.
 
     On the probe rows, log rho = log pi_theta - log pi_old per response token, with pi_theta's
     forward routed naturally and again with pi_old's natural routes replayed (the routes of the
