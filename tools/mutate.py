@@ -294,7 +294,7 @@ MUTANTS = (
         "device=rollouts.tokens_BT.device)[None, :] >= rollouts.prompt_lens_B[:, None]).float()",
         ("tests/unit/test_ragged_e2e.py", "tests/integration/test_rl_e2e.py", "tests/unit/test_wiring.py"),
     ),
-    # -- issue 48: a fault at a write (tests/unit/test_crash_writes.py, tests/integration/test_crash_kill*.py)
+    # -- issue 48: a fault at a write (tests/unit/test_crash_writes.py, tests/integration/test_crash_kill.py)
     Mutant(
         "a result JSON, recipe.yaml, meta.json or latest written in place: a full disk leaves it empty",
         "moe_rl/files.py",
@@ -347,7 +347,7 @@ MUTANTS = (
         "moe_rl/megatron/hf.py",
         "with atomic_dir(out) as tmp:",
         'with (out.mkdir(parents=True, exist_ok=True) or __import__("contextlib").nullcontext(out)) as tmp:',
-        ("tests/unit/test_crash_writes.py", "tests/integration/test_crash_kill_export.py"),
+        ("tests/unit/test_crash_writes.py", "tests/integration/test_crash_kill.py"),
     ),
     Mutant(
         "an export killed between its two renames leaves its target set aside for good (the next export "
@@ -355,7 +355,7 @@ MUTANTS = (
         "moe_rl/hf_io.py",
         "if aside and not out.exists() and not out.is_symlink() and not _owner_alive(aside[-1]):",
         "if False:",
-        ("tests/integration/test_crash_kill_export.py",),
+        ("tests/integration/test_crash_kill.py",),
     ),
     # -- issue 48: resume equals uninterrupted (tests/unit/test_resume_knobs.py) ----------------
     Mutant(

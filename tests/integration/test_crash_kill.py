@@ -10,8 +10,12 @@ state (a file created or truncated, half of a tensor file): nothing of the proce
   tensor files, meta.json, the rename, ``latest``, the prune); then ``--resume`` runs to the end
   and every RL row equals an uninterrupted run's;
 - ``moe-rl export --overwrite`` over an earlier export: a kill at each of its writes into the
-  destination's folder (tests/integration/test_crash_kill_export.py, a file of its own so that the
-  two kill loops run on two pytest-xdist workers).
+  destination's folder leaves the destination holding the old export or the complete new one (or,
+  killed between its two renames, the old one set aside beside it, whole); the next export lands
+  and leaves nothing beside it. The bug it found, seen failing before the fix: a kill after the
+  staging directory's owner file was removed (right before its rename) left the complete staging
+  directory, a whole model's size, beside the destination for an hour, and the set-aside old
+  export for good.
 
 Each test runs in two sizes: ``states`` (the integration tier) kills once in each state the folder
 passes through (:func:`state_writes`: nothing made yet, a torn tensor file, and each rename or removal
@@ -31,7 +35,7 @@ import pytest
 import yaml
 
 from moe_rl.trainer.metrics import read_metrics
-from tests.crash import ENV, child_command
+from tests.crash import ENV, child_command, snapshot
 from tests.tiny import TINY_RL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,3 +184,54 @@ def test_a_train_killed_at_any_write_of_a_checkpoint_resumes_to_the_uninterrupte
         assert res.returncode == 0, (n, writes[n - 1], res.stderr[-3000:])
         assert _rl_rows(folder) == want, (n, writes[n - 1])
         assert not list((folder / "checkpoints").glob(".tmp-*")), n
+
+
+@pytest.fixture
+def export_run(tmp_path):
+    """A trained tiny run (its recipe) and an earlier export of its first checkpoint at ``out``."""
+    recipe = _recipe(tmp_path, "run", keep=10, every=1)
+    res = moe_rl("train", str(recipe))
+    assert res.returncode == 0, res.stderr[-3000:]
+    from moe_rl.megatron.checkpoint import checkpoint_dirs
+
+    first = checkpoint_dirs(tmp_path / "run" / "checkpoints")[0]
+    res = moe_rl("export", str(recipe), str(tmp_path / "out"), "--checkpoint", str(first))
+    assert res.returncode == 0, res.stderr[-3000:]
+    return recipe, tmp_path / "out"
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_an_export_killed_at_any_write_leaves_the_old_export_or_the_new_one(tmp_path, export_run, size):
+    recipe, out = export_run
+    old = snapshot(out)
+    args = ("export", str(recipe), str(out), "--overwrite")
+    writes = _counted(tmp_path, *args)
+    new = snapshot(out)
+    assert new != old
+    mine = [n for n, w in enumerate(writes, 1) if f"/{out.name}" in w or f"/.{out.name}." in w]
+    assert any("safetensors" in writes[n - 1] for n in mine) and any(
+        ".out.old-" in writes[n - 1] for n in mine
+    )
+    for n in _kills(writes, mine, size):
+        _put(out, old)
+        killed = moe_rl(*args, fault=f"{n}:kill")
+        assert killed.returncode == -signal.SIGKILL, (n, writes[n - 1], killed.stderr[-2000:])
+        beside = sorted(p.name for p in out.parent.iterdir() if p.name.startswith(".out."))
+        if out.exists():
+            assert snapshot(out) in (old, new), (n, writes[n - 1])
+        else:  # killed between its renames: the old export set aside, whole
+            aside = [b for b in beside if b.startswith(".out.old-")]
+            assert len(aside) == 1 and snapshot(out.parent / aside[0]) == old, (n, writes[n - 1], beside)
+        res = moe_rl(*args)
+        assert res.returncode == 0, (n, writes[n - 1], res.stderr[-3000:])
+        assert snapshot(out) == new, (n, writes[n - 1])
+        assert not [p for p in out.parent.iterdir() if p.name.startswith(".out.")], (n, writes[n - 1])
+
+
+def _put(out: Path, files: dict[str, bytes]) -> None:
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    for rel, data in files.items():
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(data)
