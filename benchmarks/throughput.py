@@ -503,6 +503,15 @@ def _flags(**kw) -> list[str]:
     return [x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
+def _child_json(cmd: list[str], out: Path, threads: int) -> dict:
+    """Run ``cmd`` (a child writing its JSON to ``out``) at ``threads``; that JSON, or an error."""
+    out.unlink(missing_ok=True)  # a path written again (a round, a peer): never read an earlier one's
+    res = subprocess.run(cmd, cwd=ROOT, env=_env(threads), capture_output=True, text=True)
+    if res.returncode != 0 or not out.exists():
+        return {"error": f"exit {res.returncode}", "stderr_tail": res.stderr[-3000:]}
+    return json.loads(out.read_text())
+
+
 def run_world(layout: str, preset: str, threads: int, tmp: Path, rollouts: str | None) -> dict:
     """``torchrun --nproc-per-node 2`` this file as a worker at ``layout``; its JSON (or an error)."""
     out = tmp / f"world-{layout}.json"
@@ -518,11 +527,9 @@ def run_world(layout: str, preset: str, threads: int, tmp: Path, rollouts: str |
     if layout == "tp2":
         cmd += ["--rollouts", rollouts]
     clock = Clock()
-    res = subprocess.run(cmd, cwd=ROOT, env=_env(threads), capture_output=True, text=True)
-    if res.returncode != 0 or not out.exists():
-        return {"error": f"exit {res.returncode}", "stderr_tail": res.stderr[-3000:]}
-    data = json.loads(out.read_text())
-    data["wall_s"] = clock.seconds()
+    data = _child_json(cmd, out, threads)
+    if "error" not in data:
+        data["wall_s"] = clock.seconds()
     return data
 
 
@@ -530,16 +537,8 @@ def run_round(model: str, preset: str, threads: int, tmp: Path) -> dict:
     """moe-rl's side of a paired round (:func:`trl_rounds`): this file in a fresh process measuring
     ``model``'s gspo/none step, as the TRL peer runs in one; its combo record (or an error)."""
     out = tmp / f"round-{model}.json"
-    out.unlink(missing_ok=True)
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        *_flags(round=model, preset=preset, threads=threads, out=out),
-    ]
-    res = subprocess.run(cmd, cwd=ROOT, env=_env(threads), capture_output=True, text=True)
-    if res.returncode != 0 or not out.exists():
-        return {"error": f"exit {res.returncode}", "stderr_tail": res.stderr[-3000:]}
-    return json.loads(out.read_text())
+    flags = _flags(round=model, preset=preset, threads=threads, out=out)
+    return _child_json([sys.executable, str(Path(__file__).resolve()), *flags], out, threads)
 
 
 def round_worker(args) -> None:
@@ -602,8 +601,6 @@ def trl_rounds(res: dict, p: dict, preset: str, threads: int, tmp: Path, device:
                     ratio_cpu_without_flip_probe=vs["ratio_cpu_without_flip_probe"],
                     moe_rl_cpu_s_per_step=ours["cpu_s_per_step"],
                     moe_rl_tokens=ours["tokens"],
-                    probe_positions=ours["probe_positions"],
-                    positions=ours["positions"],
                     trl_step_cpu_s=[s["step_cpu_s"] for s in peer["steps"]],
                     trl_tokens=peer["median"]["tokens"],
                 )
@@ -618,7 +615,6 @@ def run_trl(
     from moe_rl.config import to_dict
 
     out = tmp / f"trl-{model}-{threads}t.json"
-    out.unlink(missing_ok=True)  # a round's peer writes the same path: never read an earlier one's
     t = recipe.train
     flags = _flags(
         model=export_dir,
@@ -636,11 +632,9 @@ def run_trl(
         seed=t.seed,
         device=device,
     )
-    cmd = [str(TRL_VENV / "bin" / "python"), str(ROOT / "benchmarks" / "trl_peer.py"), *flags]
-    res = subprocess.run(cmd, cwd=ROOT, env=_env(threads), capture_output=True, text=True)
-    if res.returncode != 0 or not out.exists():
-        return {"error": f"exit {res.returncode}", "stderr_tail": res.stderr[-3000:]}
-    return json.loads(out.read_text())
+    return _child_json(
+        [str(TRL_VENV / "bin" / "python"), str(ROOT / "benchmarks" / "trl_peer.py"), *flags], out, threads
+    )
 
 
 def _parse(argv):

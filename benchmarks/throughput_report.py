@@ -70,6 +70,11 @@ def forward_flops_per_position(dims: dict, vocab: int, context: float) -> float:
     return layers * per_layer + 2 * h * vocab
 
 
+STEP_FORWARDS = 5
+"""Forwards of every position in one RL step: the rollout's, pi_old's, and training's forward and
+backward (3x)."""
+
+
 def step_floor(combo: dict, dims: dict, vocab: int, peak: dict, peer_median: dict | None) -> dict:
     """The step's matmul work at the measured matmul peak: the fastest any framework could run it.
 
@@ -80,7 +85,7 @@ def step_floor(combo: dict, dims: dict, vocab: int, peak: dict, peer_median: dic
     positions = combo["positions"]
     seqs = combo.get("sequences") or 1
     per = forward_flops_per_position(dims, vocab, context=0.5 * positions / seqs)
-    flops = 5 * positions * per
+    flops = STEP_FORWARDS * positions * per
     floor_s = flops / peak["flops_per_s"]
     out = {
         "positions": positions,
@@ -189,7 +194,7 @@ def headline(res: dict) -> dict:
 
     def probe_work(c):
         return (
-            c["probe_positions"] / (5 * c["positions"] + c["probe_positions"])
+            c["probe_positions"] / (STEP_FORWARDS * c["positions"] + c["probe_positions"])
             if "probe_positions" in c
             else None
         )
