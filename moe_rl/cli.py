@@ -391,25 +391,8 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = ArgParser(prog="moe-rl", description=__doc__)
-    p.add_argument("-v", "--verbose", action="store_true")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train", help="run a recipe's stages (sft, rl)")
-    t.add_argument("recipe")
-    t.add_argument("overrides", nargs="*", help="section.field=value")
-    t.add_argument("--resume", action="store_true", help="continue from the run's newest intact checkpoint")
-    t.add_argument(
-        "--fresh",
-        action="store_true",
-        help="start over in a train.out_dir holding an earlier run's checkpoints: they are kept "
-        "(never pruned), new ones are numbered after them, metrics.jsonl continues",
-    )
-    t.set_defaults(fn=cmd_train)
-    c = sub.add_parser("check", help="validate a recipe and print it resolved")
-    c.add_argument("recipe")
-    c.add_argument("overrides", nargs="*")
-    c.set_defaults(fn=cmd_check)
+def _add_export(sub) -> None:
+    """``moe-rl export``."""
     e = sub.add_parser("export", help="write the policy as a Hugging Face Qwen3-MoE checkpoint")
     e.add_argument("recipe")
     e.add_argument("out")
@@ -438,6 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace an existing file, non-empty folder or run directory at OUT (never the checkpoint exported)",
     )
     e.set_defaults(fn=cmd_export)
+
+
+def _add_demo(sub) -> None:
+    """``moe-rl demo``."""
     d = sub.add_parser(
         "demo",
         help="GRPO, GRPO + R2 and the chaos null on countdown with a fast router, 3 seeds each (moe-rl "
@@ -459,6 +446,29 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--fresh", action="store_true", help="as moe-rl compare --fresh")
     d.add_argument("overrides", nargs="*")
     d.set_defaults(fn=cmd_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgParser(prog="moe-rl", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="run a recipe's stages (sft, rl)")
+    t.add_argument("recipe")
+    t.add_argument("overrides", nargs="*", help="section.field=value")
+    t.add_argument("--resume", action="store_true", help="continue from the run's newest intact checkpoint")
+    t.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over in a train.out_dir holding an earlier run's checkpoints: they are kept "
+        "(never pruned), new ones are numbered after them, metrics.jsonl continues",
+    )
+    t.set_defaults(fn=cmd_train)
+    c = sub.add_parser("check", help="validate a recipe and print it resolved")
+    c.add_argument("recipe")
+    c.add_argument("overrides", nargs="*")
+    c.set_defaults(fn=cmd_check)
+    _add_export(sub)
+    _add_demo(sub)
     sub.add_parser(
         "compare",
         help="arms side by side on a recipe, N seeds each, from one SFT start; seed-paired table and "
