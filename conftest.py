@@ -29,6 +29,8 @@ if XDIST_WORKER:
 
 import torch  # noqa: E402 (after the thread count it reads)
 
+import moe_rl.megatron  # noqa: E402,F401 (before megatron-core: its import-time compile deferred)
+
 if XDIST_WORKER:
     torch.set_num_threads(1)  # in case torch was imported before this file
 os.environ.setdefault("PYTHONWARNINGS", "ignore")

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from moe_rl.config import ModelConfig, ParallelConfig
 from moe_rl.megatron import rope
+from moe_rl.megatron.deferred_compile import compile_here
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def fusions(cfg: ModelConfig, par: ParallelConfig) -> dict[str, tuple[bool, str]
     permute = ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_unpermute")
     permute_fused = cuda and te and _have("megatron.core.transformer.moe.moe_utils", *permute)
     apex_wgrad = cuda and _have("fused_weight_gradient_mlp_cuda")
-    compiled = cuda and _have("triton")
+    compiled = compile_here()
     from moe_rl.megatron.local_layers import grouped_mm_ok
 
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
