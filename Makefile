@@ -162,7 +162,7 @@ PY_NEWEST ?= $(shell for p in python3.12 python3.13 $$(ls -d $$HOME/.pyenv/versi
 STAMP_NEWEST := $(VENV_NEWEST)/.installed
 # of the dev extras, what these tests import
 NEWEST_DEV ?= pytest pytest-timeout pytest-xdist transformers tokenizers
-MEGATRON_NEWEST_TESTS ?= tests/unit/test_megatron_versions.py tests/unit/test_checkpoint_specs.py \
+MEGATRON_NEWEST_TESTS ?= tests/unit/test_megatron_versions.py tests/unit/test_deferred_compile.py tests/unit/test_checkpoint_specs.py \
 	tests/unit/test_local_layers.py tests/unit/test_policy.py tests/unit/test_optim.py \
 	tests/unit/test_routing_replay.py tests/unit/test_replay_pitfall.py tests/unit/test_packing.py tests/unit/test_packed_rope.py \
 	tests/unit/test_hf.py tests/unit/test_decode.py tests/unit/test_dispatch.py tests/unit/test_checkpoint_old_layout.py \
