@@ -57,15 +57,15 @@ def deferred(compile_fn: Callable) -> Callable:
             return lambda f: fuser(f, **options)
         if not (inspect.isfunction(fn) and (fn.__module__ or "").startswith("megatron.")):
             return compile_fn(fn, **options)
-        chosen: list[Callable] = []
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            if not chosen:
-                chosen.append(compile_fn(fn, **options) if compile_here() else fn)
-            return chosen[0](*args, **kwargs)
+            if call.chosen is None:
+                call.chosen = compile_fn(fn, **options) if compile_here() else fn
+            return call.chosen(*args, **kwargs)
 
         call.deferred_compile = compile_fn
+        call.chosen = None  # what runs, from the first call: the compiled function or fn itself
         return call
 
     fuser.deferred_compile = compile_fn

@@ -66,3 +66,18 @@ def test_fused_cuda_adam_steps_as_foreach(parallel_info):
         results.append([p.detach().float().clone() for p in policy.model.parameters()])
     for a, b in zip(*results):
         assert (a - b).norm() <= 1e-2 * b.norm() + 1e-6
+
+
+def test_megatron_s_deferred_compile_compiles_on_a_gpu(parallel_info):
+    """megatron-core's import-time ``torch.compile`` is deferred to the first call
+    (moe_rl/megatron/deferred_compile.py); on a GPU with Triton that call compiles: the routers'
+    ``_apply_expert_bias`` runs compiled after a forward, as megatron-core would run it."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from moe_rl.megatron.deferred_compile import compile_here
+
+    bias = TopKRouter._apply_expert_bias
+    assert compile_here() and bias.deferred_compile is torch.compile
+    policy = _policy(parallel_info)
+    policy.logits(torch.randint(0, policy.cfg.vocab_size, (2, 17)))
+    assert bias.chosen is not None and bias.chosen is not bias.__wrapped__

@@ -39,12 +39,14 @@ def test_megatron_s_function_is_compiled_at_its_first_call_only_where_compile_ma
     double = deferred_compile.deferred(fake_compile)(fn)
     with_options = deferred_compile.deferred(fake_compile)(mode="max-autotune")(fn)
     assert compiled == [] and double.__name__ == "double" and double.__doc__ == "Twice x, plus y."
+    assert double.chosen is None
     first, second, third = double(3, y=1), double(4), with_options(1)
     if here:
         assert compiled == [(fn, {}), (fn, {"mode": "max-autotune"})]
         assert (first, second, third) == (("compiled", 7), ("compiled", 8), ("compiled", 2))
+        assert double.chosen is not fn
     else:
-        assert compiled == [] and (first, second, third) == (7, 8, 2)
+        assert compiled == [] and (first, second, third) == (7, 8, 2) and double.chosen is fn
 
 
 def test_anything_but_megatron_s_functions_is_compiled_at_once():
@@ -89,13 +91,16 @@ def test_the_hook_runs_a_megatron_module_s_import_inside_the_block(monkeypatch, 
     assert probe_mod.f(torch.tensor(1)).item() == 2  # no CUDA here: runs as written
 
 
-def test_this_process_s_megatron_took_the_deferred_compile():
+def test_this_process_s_megatron_took_the_deferred_compile(tiny_policy):
     """conftest.py imports moe_rl.megatron before megatron-core: the routers' compiled methods (and
     0.19's compiled inference top-k) are the deferred wrappers, and a forward runs them as written."""
     import megatron.core.jit
     from megatron.core.transformer.moe import router
 
     assert megatron.core.jit.jit_fuser.deferred_compile is torch.compile
-    assert router.TopKRouter._apply_expert_bias.deferred_compile is torch.compile
+    bias = router.TopKRouter._apply_expert_bias
+    assert bias.deferred_compile is torch.compile
     if hasattr(router, "InferenceTopKRouter"):
         assert router.InferenceTopKRouter._compiled_topk_routing.deferred_compile is torch.compile
+    tiny_policy.logits(torch.randint(0, 50, (2, 9)))
+    assert bias.chosen is bias.__wrapped__  # no CUDA here: megatron-core's function as written
