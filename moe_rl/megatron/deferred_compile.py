@@ -13,10 +13,10 @@ call. The kernels megatron-core compiles are Triton's: compiled on CUDA with Tri
 ``disable_jit_fuser`` makes it. Values are the function's either way.
 
 :func:`install` (run by importing :mod:`moe_rl.megatron`, which every module that imports
-megatron-core here is part of) adds an import hook: while a module of megatron-core runs its import,
-``torch.compile`` applied to one of megatron-core's functions returns :func:`deferred`'s wrapper
-(``jit_fuser``, bound to ``torch.compile`` then, keeps it); anything else gets ``torch.compile``
-itself. Modules of megatron-core imported before :mod:`moe_rl.megatron` keep the ``torch.compile``
+megatron-core here is part of; this module imports no third-party package, torch included) adds an
+import hook: while a module of megatron-core runs its import, ``torch.compile`` applied to one of
+megatron-core's functions returns :func:`deferred`'s wrapper (``jit_fuser``, bound to
+``torch.compile`` then, keeps it); anything else gets ``torch.compile`` itself. Modules of megatron-core imported before :mod:`moe_rl.megatron` keep the ``torch.compile``
 they applied (the same values, the import's cost already paid).
 """
 
@@ -30,14 +30,14 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator
 
-import torch
-
 PACKAGE = "megatron.core"
 
 
 @functools.cache
 def compile_here() -> bool:
     """Whether megatron-core's ``torch.compile`` makes a kernel here: CUDA and an importable Triton."""
+    import torch
+
     if not torch.cuda.is_available():
         return False
     try:
@@ -75,6 +75,8 @@ def deferred(compile_fn: Callable) -> Callable:
 @contextlib.contextmanager
 def compile_deferred() -> Iterator[None]:
     """``torch.compile`` as :func:`deferred` makes it, for the block (nested blocks share it)."""
+    import torch
+
     real = torch.compile
     if hasattr(real, "deferred_compile"):
         yield

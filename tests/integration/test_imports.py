@@ -35,12 +35,13 @@ def test_megatron_is_imported_only_under_moe_rl_megatron():
 
 
 def test_the_python_api_is_reachable_from_the_package_and_stays_cheap():
-    """``import moe_rl`` gives the notebook API (each name loaded on first use), still without torch."""
+    """``import moe_rl`` gives the notebook API (each name loaded on first use), still without torch;
+    so does ``moe_rl.megatron``'s own import (its deferred-compile hook)."""
     import subprocess
     import sys
 
     code = (
-        "import sys, moe_rl\n"
+        "import sys, moe_rl, moe_rl.megatron\n"
         "assert 'torch' not in sys.modules\n"
         "r = moe_rl.load_recipe('recipes/tiny.yaml', ['optim.lr=3e-4'])\n"
         "assert isinstance(r, moe_rl.Recipe) and r.optim.lr == 3e-4\n"
