@@ -10,10 +10,10 @@ launched ~35,000 kernels and kept the GPU busy 8% of the time, most of them thes
 :func:`apply_rotary_pos_emb` computes the same thing in one pass: each packed position's index
 within its own sequence (a ``searchsorted`` over the boundaries, on the device, no host sync),
 one gather of the RoPE table, one rotation of the whole pack; the table's cosine and sine are taken
-once per forward (every layer's query and key share them), not twice per layer. It stands in for megatron-core's
-function where that one's attention module calls it (:func:`install`) and hands every case it
-does not cover back to megatron-core unchanged: fused RoPE (transformer-engine), context
-parallelism, multi-latent attention, ``bshd`` (no ``cu_seqlens``). For the cases it covers its
+once per forward (every layer's query and key share them), not twice per layer. It stands in for
+megatron-core's function where that one's attention module calls it (:func:`install`) and hands
+every case it does not cover back to megatron-core unchanged: fused RoPE (transformer-engine),
+context parallelism, multi-latent attention, ``bshd`` (no ``cu_seqlens``). For the cases it covers its
 values are megatron-core's own (``tests/unit/test_packed_rope.py`` holds it to the stock function
 of the installed megatron-core, values and gradients, and holds its op count independent of the
 number of sequences).
@@ -25,12 +25,22 @@ import torch
 
 #: megatron-core's own function, as its attention module imported it (set by :func:`install`).
 _STOCK = None
-#: the last pack's per-position table: (freqs, cu_seqlens, its version, n) -> gathered freqs. Every
-#: layer's query and key of one forward share the table and the boundaries, so one gather serves
-#: them all.
-_LAST: tuple | None = None
-#: the cosine and sine of the last table rotated with: (table, its version, mscale, dtype) -> (cos, sin).
-_TRIG: tuple | None = None
+#: per-forward values every layer's query and key share, each kept for the last tensors it was
+#: computed from (:func:`_last`): ``"freqs"``, the pack's per-position table (one gather for the
+#: forward); ``"trig"``, that table's cosine and sine (one of each for the forward).
+_LAST: dict[str, tuple] = {}
+
+
+def _last(slot: str, owners: tuple[torch.Tensor, ...], key: tuple, compute):
+    """``compute()``, or its value for the same ``owners`` (by identity, each at the same
+    ``_version``) and ``key`` when ``slot`` last computed it."""
+    key = (*(t._version for t in owners), *key)
+    hit = _LAST.get(slot)
+    if hit is not None and hit[1] == key and all(a is b for a, b in zip(hit[0], owners)):
+        return hit[2]
+    out = compute()
+    _LAST[slot] = (owners, key, out)
+    return out
 
 
 def packed_positions(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
@@ -45,13 +55,9 @@ def packed_positions(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
 def packed_freqs(freqs: torch.Tensor, cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
     """The RoPE table ``freqs [max_s, 1, 1, d]`` at every packed position: ``[n, 1, 1, d]``, each
     sequence's positions from 0 (megatron-core's ``thd`` rule without context parallelism)."""
-    global _LAST
-    key = (cu_seqlens._version, n)
-    if _LAST is not None and _LAST[0] is freqs and _LAST[1] is cu_seqlens and _LAST[2] == key:
-        return _LAST[3]
-    out = freqs[packed_positions(cu_seqlens, n).to(freqs.device)]
-    _LAST = (freqs, cu_seqlens, key, out)
-    return out
+    return _last(
+        "freqs", (freqs, cu_seqlens), (n,), lambda: freqs[packed_positions(cu_seqlens, n).to(freqs.device)]
+    )
 
 
 def _one_pass_ok(t, freqs, config, cu_seqlens, cp_group, mla_rotary_interleaved) -> bool:
@@ -100,13 +106,12 @@ def apply_rotary_pos_emb(
 def table_trig(table: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos(table) * mscale`` and ``sin(table) * mscale`` in ``dtype``, ``[n, 1, d]``, as megatron-core
     computes them for every rotation; computed once for the last table (a forward's layers share it)."""
-    global _TRIG
-    key = (table._version, mscale, dtype)
-    if _TRIG is not None and _TRIG[0] is table and _TRIG[1] == key:
-        return _TRIG[2]
-    trig = tuple((f(table) * mscale).to(dtype).squeeze(1) for f in (torch.cos, torch.sin))
-    _TRIG = (table, key, trig)
-    return trig
+    return _last(
+        "trig",
+        (table,),
+        (mscale, dtype),
+        lambda: tuple((f(table) * mscale).to(dtype).squeeze(1) for f in (torch.cos, torch.sin)),
+    )
 
 
 def install() -> bool:
