@@ -112,8 +112,3 @@ def install() -> None:
     """Add the import hook (idempotent)."""
     if not any(isinstance(f, _MegatronImports) for f in sys.meta_path):
         sys.meta_path.insert(0, _MegatronImports())
-
-
-def remove() -> None:
-    """Take the import hook out of ``sys.meta_path``."""
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _MegatronImports)]
