@@ -31,8 +31,8 @@ Peak memory per phase: CPU: peak RSS (Linux VmHWM, reset before each phase by wr
 Every algorithm (grpo, gspo, gspo_token) x routing mode (none, r2, r3) runs interleaved on one
 policy, each repeat at the same step index (the same prompts and sampling seeds), so replay and
 probe overheads are ratios measured in the same run. Against TRL the headline reads paired rounds
-(:func:`trl_rounds`): moe-rl's GSPO step and TRL's, each in a fresh process, back to back. World size: ``torchrun --nproc-per-node 2``
-runs this file as a worker with DP=2 (each rank its own lean-decoder engine and half the
+(:func:`trl_rounds`): moe-rl's GSPO step and TRL's, each in a fresh process, back to back. World
+size: ``torchrun --nproc-per-node 2`` runs this file as a worker with DP=2 (each rank its own lean-decoder engine and half the
 prompts; gradients all-reduced), EP=2 (DP=2, experts split; the lean decoder all-gathers
 them once per rollout; full steps) and TP=2: the embedded engine refuses
 TP > 1, so the TP=2 worker replays the rollouts that the world-1 run generated at the same step
@@ -42,6 +42,7 @@ TP > 1, so the TP=2 worker replays the rollouts that the world-1 run generated a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -582,17 +583,16 @@ def trl_rounds(res: dict, p: dict, preset: str, threads: int, tmp: Path, device:
             if name not in res["models"] or "median" not in res["trl"].get(name, {}).get("peer", {}):
                 continue
             recipe = build_recipe(p["models"][name], p["train"])
-            got = {}
-            for side in ("moe_rl", "trl") if r % 2 == 0 else ("trl", "moe_rl"):
-                if side == "moe_rl":
-                    got[side] = run_round(name, preset, threads, tmp)
-                else:
-                    got[side] = run_trl(name, str(tmp / f"hf-{name}"), recipe, p, threads, tmp, device)
-            peer = got["trl"]
-            row = {
-                "first": "moe_rl" if r % 2 == 0 else "trl",
-                "error": peer.get("error") or got["moe_rl"].get("error"),
+            sides = {
+                "moe_rl": functools.partial(run_round, name, preset, threads, tmp),
+                "trl": functools.partial(
+                    run_trl, name, str(tmp / f"hf-{name}"), recipe, p, threads, tmp, device
+                ),
             }
+            order = list(sides) if r % 2 == 0 else list(sides)[::-1]
+            got = {side: sides[side]() for side in order}
+            peer = got["trl"]
+            row = {"first": order[0], "error": peer.get("error") or got["moe_rl"].get("error")}
             if "median" in peer and "phases" in got["moe_rl"]:
                 ours = got["moe_rl"]
                 vs = trl_ratio(ours, peer)

@@ -173,12 +173,11 @@ def headline(res: dict) -> dict:
     """
     models, trl = res.get("models", {}), res.get("trl", {})
 
-    def round_ratios(name):
-        return [r["ratio_cpu"] for r in trl.get(name, {}).get("rounds", []) if r.get("ratio_cpu")]
+    rounds = {n: [r["ratio_cpu"] for r in t.get("rounds", []) if r.get("ratio_cpu")] for n, t in trl.items()}
 
     def ratio(name):
-        if round_ratios(name):
-            return statistics.median(round_ratios(name))
+        if rounds.get(name):
+            return statistics.median(rounds[name])
         vs = trl.get(name, {}).get("vs")
         return vs["ratio_cpu"] if vs else None
 
@@ -205,15 +204,14 @@ def headline(res: dict) -> dict:
         return statistics.median(r) if r else None
 
     small = "small" if "small" in models else None
+    fracs = probe_fracs(small) if small else []
     out = {
         "moe_rl_over_trl_tiny": ratio("tiny"),
         "moe_rl_over_trl_small": ratio("small"),
-        "moe_rl_over_trl_range": {
-            n: [min(round_ratios(n)), max(round_ratios(n))] for n in trl if round_ratios(n)
-        },
-        "trl_rounds": {n: len(round_ratios(n)) for n in trl},
-        "probe_frac": statistics.median(probe_fracs(small)) if small else None,
-        "probe_frac_range": [min(probe_fracs(small)), max(probe_fracs(small))] if small else None,
+        "moe_rl_over_trl_range": {n: [min(r), max(r)] for n, r in rounds.items() if r},
+        "trl_rounds": {n: len(r) for n, r in rounds.items()},
+        "probe_frac": statistics.median(fracs) if fracs else None,
+        "probe_frac_range": [min(fracs), max(fracs)] if fracs else None,
         "probe_frac_max": max(
             (probe(c) for m in models.values() for c in m["combos"].values()), default=None
         ),
