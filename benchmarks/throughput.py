@@ -31,7 +31,8 @@ Peak memory per phase: CPU: peak RSS (Linux VmHWM, reset before each phase by wr
 Every algorithm (grpo, gspo, gspo_token) x routing mode (none, r2, r3) runs interleaved on one
 policy, each repeat at the same step index (the same prompts and sampling seeds), so replay and
 probe overheads are ratios measured in the same run. Against TRL the headline reads paired rounds
-(:func:`trl_rounds`): moe-rl's GSPO step and TRL's, each in a fresh process, back to back. World
+(:func:`trl_rounds`): moe-rl's GSPO step and TRL's, each in a fresh process, back to back, each
+round on a prompt stream of its own (:func:`round_task_seed`). World
 size: ``torchrun --nproc-per-node 2`` runs this file as a worker with DP=2 (each rank its own lean-decoder engine and half the
 prompts; gradients all-reduced), EP=2 (DP=2, experts split; the lean decoder all-gathers
 them once per rollout; full steps) and TP=2: the embedded engine refuses
@@ -345,7 +346,15 @@ def reduce_over_ranks(rec: dict) -> dict:
 
 
 # -- a model preset: every combo, interleaved --------------------------------------------------
-def build_recipe(model: dict, train: dict, parallel: dict | None = None, out_dir: str = "/tmp/moe_rl_tp"):
+def build_recipe(
+    model: dict,
+    train: dict,
+    parallel: dict | None = None,
+    out_dir: str = "/tmp/moe_rl_tp",
+    task_seed: int | None = None,
+):
+    """The benchmark's recipe: recipes/demo/base.yaml with ``model``, ``train`` and ``parallel``
+    overrides; ``task_seed``: another prompt stream (``task.seed``) than the recipe's own."""
     from moe_rl.config import load_recipe, recipe_from_dict, to_dict
 
     data = to_dict(load_recipe(ROOT / "recipes/demo/base.yaml"))
@@ -353,7 +362,18 @@ def build_recipe(model: dict, train: dict, parallel: dict | None = None, out_dir
     data["train"].update(train, stages=["rl"], out_dir=out_dir, eval_every=0)
     data["optim"].update(lr=1e-5)
     data["parallel"].update(parallel or {})
+    if task_seed is not None:
+        data["task"].update(seed=task_seed)
     return recipe_from_dict(data)
+
+
+def round_task_seed(r: int) -> int:
+    """Round ``r``'s prompt stream (``task.seed``) for both of its sides: a fresh one per round,
+    never the in-run measurement's (the recipe's own, 0). With one stream every round timed the
+    same three prompt draws, and a figure that depends on which prompts a step draws (the probe
+    rows are the first group's: 1.13x the batch's mean length in those three steps, 0.74-1.24x
+    over a dozen) was that draw's, not the trainer's."""
+    return r + 1
 
 
 def combo_name(algo: str, routing: str, old: str) -> str:
@@ -453,6 +473,7 @@ def summarize(steps: list[dict]) -> dict:
             d["delta_mib"] = d["peak_mib"] - d["start_mib"]
         out["phases"][p] = d
     out["wall_s_per_step"] = [s["step"]["s"] for s in steps]
+    out["positions_per_step"] = {k: [s[k] for s in steps] for k in ("positions", "probe_positions")}
     out["cpu_s_per_step"] = {p: [s[p]["cpu_s"] for s in steps] for p in PHASES if p in steps[0]}
     out["cpu_utilisation"] = out["phases"]["step"]["cpu_s"] / out["phases"]["step"]["s"]
     return out
@@ -534,11 +555,12 @@ def run_world(layout: str, preset: str, threads: int, tmp: Path, rollouts: str |
     return data
 
 
-def run_round(model: str, preset: str, threads: int, tmp: Path) -> dict:
+def run_round(model: str, preset: str, threads: int, tmp: Path, task_seed: int) -> dict:
     """moe-rl's side of a paired round (:func:`trl_rounds`): this file in a fresh process measuring
-    ``model``'s gspo/none step, as the TRL peer runs in one; its combo record (or an error)."""
+    ``model``'s gspo/none step on the prompt stream ``task_seed``, as the TRL peer runs in one; its
+    combo record (with the ``task_seed`` its run sampled from) or an error."""
     out = tmp / f"round-{model}.json"
-    flags = _flags(round=model, preset=preset, threads=threads, out=out)
+    flags = _flags(round=model, preset=preset, threads=threads, out=out, task_seed=task_seed)
     return _child_json([sys.executable, str(Path(__file__).resolve()), *flags], out, threads)
 
 
@@ -546,9 +568,9 @@ def round_worker(args) -> None:
     """The process of :func:`run_round`: a fresh run of ``args.round``'s recipe, gspo/none."""
     p = PRESETS[args.preset]
     run_dir = tempfile.mkdtemp(prefix="round_", dir=Path(args.out).parent)  # removed with the caller's folder
-    recipe = build_recipe(p["models"][args.round], p["train"], out_dir=run_dir)
+    recipe = build_recipe(p["models"][args.round], p["train"], out_dir=run_dir, task_seed=args.task_seed)
     res = measure(recipe, [("gspo", "none", "recompute")], warmup=p["warmup"], repeats=p["repeats"])
-    write_json(Path(args.out), res["combos"]["gspo/none"], indent=None)
+    write_json(Path(args.out), {**res["combos"]["gspo/none"], "task_seed": recipe.task.seed}, indent=None)
 
 
 def worker(args) -> None:
@@ -577,14 +599,17 @@ def trl_rounds(res: dict, p: dict, preset: str, threads: int, tmp: Path, device:
     order (moe-rl first in even rounds), each ``warmup + repeats`` steps. The machine drifts over
     minutes (the same TRL step has moved 11% between runs, and a process that has built and run
     many policies steps a few % slower than a fresh one); a round's ratio compares two fresh
-    processes seconds apart, and the rounds give the ratio's spread."""
+    processes seconds apart, and the rounds give the ratio's spread. Each round draws its own
+    prompt stream (:func:`round_task_seed`), the same for both of its sides (each side reports the
+    stream it sampled: a round whose sides differ is an error, not a ratio)."""
     for r in range(p.get("trl_rounds", 0)):
+        seed = round_task_seed(r)
         for name in p["trl_models"]:
             if name not in res["models"] or "median" not in res["trl"].get(name, {}).get("peer", {}):
                 continue
-            recipe = build_recipe(p["models"][name], p["train"])
+            recipe = build_recipe(p["models"][name], p["train"], task_seed=seed)
             sides = {
-                "moe_rl": functools.partial(run_round, name, preset, threads, tmp),
+                "moe_rl": functools.partial(run_round, name, preset, threads, tmp, seed),
                 "trl": functools.partial(
                     run_trl, name, str(tmp / f"hf-{name}"), recipe, p, threads, tmp, device
                 ),
@@ -592,8 +617,17 @@ def trl_rounds(res: dict, p: dict, preset: str, threads: int, tmp: Path, device:
             order = list(sides) if r % 2 == 0 else list(sides)[::-1]
             got = {side: sides[side]() for side in order}
             peer = got["trl"]
-            row = {"first": order[0], "error": peer.get("error") or got["moe_rl"].get("error")}
-            if "median" in peer and "phases" in got["moe_rl"]:
+            row = {
+                "first": order[0],
+                "task_seed": seed,
+                "error": peer.get("error") or got["moe_rl"].get("error"),
+            }
+            streams = {side: got[side].get("task_seed") for side in sides if "error" not in got[side]}
+            if not row["error"] and set(streams.values()) != {seed}:
+                row["error"] = (
+                    f"round {r} sampled prompt streams {streams}, not task.seed={seed} on both sides"
+                )
+            if not row["error"] and "median" in peer and "phases" in got["moe_rl"]:
                 ours = got["moe_rl"]
                 vs = trl_ratio(ours, peer)
                 row.update(
@@ -601,6 +635,7 @@ def trl_rounds(res: dict, p: dict, preset: str, threads: int, tmp: Path, device:
                     ratio_cpu_without_flip_probe=vs["ratio_cpu_without_flip_probe"],
                     moe_rl_cpu_s_per_step=ours["cpu_s_per_step"],
                     moe_rl_tokens=ours["tokens"],
+                    moe_rl_positions_per_step=ours["positions_per_step"],
                     trl_step_cpu_s=[s["step_cpu_s"] for s in peer["steps"]],
                     trl_tokens=peer["median"]["tokens"],
                 )
@@ -656,6 +691,7 @@ def _parse(argv):
     ap.add_argument("--worker", choices=sorted(LAYOUTS), help=argparse.SUPPRESS)
     ap.add_argument("--rollouts", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--round", choices=sorted(MODELS), help=argparse.SUPPRESS)
+    ap.add_argument("--task-seed", type=int, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 

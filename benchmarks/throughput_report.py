@@ -153,9 +153,10 @@ def headline(res: dict) -> dict:
 
     moe_rl_over_trl_*: tokens per CPU second of the whole step (flip probes on, GSPO, routing
     none) over TRL's, same model, weights, prompts, G and batch, 1 thread each: the median over
-    the paired rounds where the run has them (``trl_rounds`` of benchmarks/throughput.py; else the
-    one comparison of the run), ``moe_rl_over_trl_range`` the rounds' lowest and highest (for 5
-    rounds, a 94% interval for the median). probe_frac: the flip probes' share of the step's CPU
+    the paired rounds where the run has them (``trl_rounds`` of benchmarks/throughput.py, each on a
+    prompt stream of its own; else the one comparison of the run), ``moe_rl_over_trl_range`` the
+    rounds' lowest and highest (for 5 rounds, a 94% interval for the median). probe_frac: the flip
+    probes' (and the routing share's) share of the step's CPU
     seconds (small model, gspo/none, median of the per-step shares of the run's timed steps and of
     its rounds', ``probe_frac_range`` their lowest and highest; ``probe_frac_max`` the highest
     median over every combo and model of the run). replay_overhead:
@@ -169,7 +170,9 @@ def headline(res: dict) -> dict:
     the probes' share of the step's forward work counted in input positions (small model,
     gspo/none): the positions their forwards feed the model over those plus the step's own five
     forwards of every position (:func:`step_floor`); the probe_frac a step would show if every
-    position of every forward cost the same CPU time.
+    position of every forward cost the same CPU time; per step, pooled and summarised as
+    probe_frac (``probe_work_share_range``). The probe rows are the batch's first, so both shares
+    follow how long the first prompt group's rows are in the steps timed.
     """
     models, trl = res.get("models", {}), res.get("trl", {})
 
@@ -191,12 +194,21 @@ def headline(res: dict) -> dict:
                 pooled += paired_probe_fracs(r["moe_rl_cpu_s_per_step"])
         return pooled
 
-    def probe_work(c):
-        return (
-            c["probe_positions"] / (STEP_FORWARDS * c["positions"] + c["probe_positions"])
-            if "probe_positions" in c
-            else None
-        )
+    def probe_works(name):  # per step, pooled as probe_fracs (medians where a run kept no steps)
+        c = models[name]["combos"]["gspo/none"]
+        if "probe_positions" not in c:
+            return []
+        kept = [c.get("positions_per_step", {k: [c[k]] for k in ("positions", "probe_positions")})]
+        kept += [
+            r["moe_rl_positions_per_step"]
+            for r in trl.get(name, {}).get("rounds", [])
+            if "moe_rl_positions_per_step" in r
+        ]
+        return [
+            pr / (STEP_FORWARDS * po + pr)
+            for k in kept
+            for po, pr in zip(k["positions"], k["probe_positions"], strict=True)
+        ]
 
     def replay(name, mode):
         paired = paired_replay_by_combo(models[name]["combos"])
@@ -205,6 +217,7 @@ def headline(res: dict) -> dict:
 
     small = "small" if "small" in models else None
     fracs = probe_fracs(small) if small else []
+    works = probe_works(small) if small else []
     out = {
         "moe_rl_over_trl_tiny": ratio("tiny"),
         "moe_rl_over_trl_small": ratio("small"),
@@ -219,7 +232,8 @@ def headline(res: dict) -> dict:
         "floor_multiple_tiny": models.get("tiny", {}).get("floor", {}).get("moe_rl_step_s_over_floor"),
         "floor_multiple_small": models.get("small", {}).get("floor", {}).get("moe_rl_step_s_over_floor"),
         "own_gemms_small": models[small]["floor"].get("own_gemms") if small else None,
-        "probe_work_share": probe_work(models[small]["combos"]["gspo/none"]) if small else None,
+        "probe_work_share": statistics.median(works) if works else None,
+        "probe_work_share_range": [min(works), max(works)] if works else None,
         "padding_share_removed": {n: m["combos"]["gspo/none"]["padding_share"] for n, m in models.items()},
         "loadavg_1m": [res.get("loadavg_1m_start"), res.get("loadavg_1m_end")],
         "measure": "CPU seconds at 1 thread (wall seconds swing with the machine's load)",

@@ -19,7 +19,7 @@ tokenizer). One moe-rl RL step maps onto TRL's knobs as
 - GSPO: ``importance_sampling_level="sequence"``, ``loss_type="grpo"`` (TRL's own advice for
   the paper's per-sequence objective), ``epsilon=3e-4``, ``epsilon_high=4e-4``, ``beta=0``.
 
-Prompts are the moe-rl task's own ``task.sample(step, P, seed)`` for steps 0, 1, ... (the
+Prompts are the moe-rl task's own ``task.sample(step, P, task.seed)`` for steps 0, 1, ... (the
 dataset is not shuffled, so TRL's generation batch k holds moe-rl's step k prompts), each
 written as ``<bos>`` + text (token for token what moe-rl feeds its engine); the reward is
 the task's ``reward``. One RL step is timed from the end of the previous cycle of M
@@ -73,7 +73,8 @@ def _parse(argv):
 
 
 def _dataset(task_json: dict, prompts_per_step: int, steps: int, bos: str):
-    """moe-rl's prompts of steps 0..steps-1 in order, and the task that scores them."""
+    """moe-rl's prompts of steps 0..steps-1 of the task's prompt stream (``task.seed``) in order,
+    the task that scores them, and that stream's seed."""
     from datasets import Dataset
 
     from moe_rl.config import build_dataclass
@@ -87,7 +88,7 @@ def _dataset(task_json: dict, prompts_per_step: int, steps: int, bos: str):
             key = f"{step}:{i}"
             prompts[key] = p
             rows.append({"prompt": bos + p.text, "key": key})
-    return Dataset.from_list(rows), task, prompts
+    return Dataset.from_list(rows), task, prompts, task_cfg.seed
 
 
 def _trainer_class(base):
@@ -195,7 +196,7 @@ def main(argv=None) -> dict:
     total = args.warmup + args.steps
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    data, task, prompts = _dataset(json.loads(args.task), args.prompts_per_step, total, tok.bos_token)
+    data, task, prompts, stream = _dataset(json.loads(args.task), args.prompts_per_step, total, tok.bos_token)
 
     def reward(completions, key, **kw):
         return [task.reward(prompts[k], c) for c, k in zip(completions, key)]
@@ -286,6 +287,7 @@ def main(argv=None) -> dict:
             "bf16": cfg.bf16,
             "use_vllm": cfg.use_vllm,
         },
+        "task_seed": stream,  # the prompt stream _dataset sampled (task.seed)
         "warmup_steps": args.warmup,
         "steps": timed,
         "median": {k: _median([t[k] for t in timed]) for k in keys},
