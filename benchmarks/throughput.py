@@ -32,7 +32,7 @@ Every algorithm (grpo, gspo, gspo_token) x routing mode (none, r2, r3) runs inte
 policy, each repeat at the same step index (the same prompts and sampling seeds), so replay and
 probe overheads are ratios measured in the same run. Against TRL the headline reads paired rounds
 (:func:`trl_rounds`): moe-rl's GSPO step and TRL's, each in a fresh process, back to back, each
-round on a prompt stream of its own (:func:`round_task_seed`). World
+round on prompts and sampling seeds of its own (:func:`round_draw`). World
 size: ``torchrun --nproc-per-node 2`` runs this file as a worker with DP=2 (each rank its own lean-decoder engine and half the
 prompts; gradients all-reduced), EP=2 (DP=2, experts split; the lean decoder all-gathers
 them once per rollout; full steps) and TP=2: the embedded engine refuses
@@ -351,10 +351,11 @@ def build_recipe(
     train: dict,
     parallel: dict | None = None,
     out_dir: str = "/tmp/moe_rl_tp",
-    task_seed: int | None = None,
+    draw: int = 0,
 ):
     """The benchmark's recipe: recipes/demo/base.yaml with ``model``, ``train`` and ``parallel``
-    overrides; ``task_seed``: another prompt stream (``task.seed``) than the recipe's own."""
+    overrides. ``draw`` d > 0: the d-th other prompt and sampling stream, ``task.seed`` + d and
+    ``train.seed`` + d (the weights, drawn from ``model.seed``, stay the same)."""
     from moe_rl.config import load_recipe, recipe_from_dict, to_dict
 
     data = to_dict(load_recipe(ROOT / "recipes/demo/base.yaml"))
@@ -362,18 +363,24 @@ def build_recipe(
     data["train"].update(train, stages=["rl"], out_dir=out_dir, eval_every=0)
     data["optim"].update(lr=1e-5)
     data["parallel"].update(parallel or {})
-    if task_seed is not None:
-        data["task"].update(seed=task_seed)
+    data["task"]["seed"] += draw
+    data["train"]["seed"] += draw
     return recipe_from_dict(data)
 
 
-def round_task_seed(r: int) -> int:
-    """Round ``r``'s prompt stream (``task.seed``) for both of its sides: a fresh one per round,
-    never the in-run measurement's (the recipe's own, 0). With one stream every round timed the
-    same three prompt draws, and a figure that depends on which prompts a step draws (the probe
-    rows are the first group's: 1.13x the batch's mean length in those three steps, 0.74-1.24x
-    over a dozen) was that draw's, not the trainer's."""
+def round_draw(r: int) -> int:
+    """Round ``r``'s prompts and sampling (:func:`build_recipe`'s ``draw``) for both of its sides:
+    fresh ones per round, never the in-run measurement's (draw 0). With one stream every round
+    timed the same three steps' prompts and sampling noise, and a figure that depends on what a
+    step draws (the probe rows are the first group's: 1.13x the batch's mean row length in those
+    three steps; fresh prompts alone left it there, the responses' lengths following the sampling
+    noise more than the prompts) was that draw's, not the trainer's."""
     return r + 1
+
+
+def streams(recipe: Recipe) -> dict:
+    """What a side of a round sampled: its prompt stream and its sampling seed."""
+    return {"task_seed": recipe.task.seed, "train_seed": recipe.train.seed}
 
 
 def combo_name(algo: str, routing: str, old: str) -> str:
@@ -555,12 +562,12 @@ def run_world(layout: str, preset: str, threads: int, tmp: Path, rollouts: str |
     return data
 
 
-def run_round(model: str, preset: str, threads: int, tmp: Path, task_seed: int) -> dict:
+def run_round(model: str, preset: str, threads: int, tmp: Path, draw: int) -> dict:
     """moe-rl's side of a paired round (:func:`trl_rounds`): this file in a fresh process measuring
-    ``model``'s gspo/none step on the prompt stream ``task_seed``, as the TRL peer runs in one; its
-    combo record (with the ``task_seed`` its run sampled from) or an error."""
+    ``model``'s gspo/none step at ``draw`` (:func:`build_recipe`), as the TRL peer runs in one; its
+    combo record (with the :func:`streams` its run sampled) or an error."""
     out = tmp / f"round-{model}.json"
-    flags = _flags(round=model, preset=preset, threads=threads, out=out, task_seed=task_seed)
+    flags = _flags(round=model, preset=preset, threads=threads, out=out, draw=draw)
     return _child_json([sys.executable, str(Path(__file__).resolve()), *flags], out, threads)
 
 
@@ -568,9 +575,9 @@ def round_worker(args) -> None:
     """The process of :func:`run_round`: a fresh run of ``args.round``'s recipe, gspo/none."""
     p = PRESETS[args.preset]
     run_dir = tempfile.mkdtemp(prefix="round_", dir=Path(args.out).parent)  # removed with the caller's folder
-    recipe = build_recipe(p["models"][args.round], p["train"], out_dir=run_dir, task_seed=args.task_seed)
+    recipe = build_recipe(p["models"][args.round], p["train"], out_dir=run_dir, draw=args.draw)
     res = measure(recipe, [("gspo", "none", "recompute")], warmup=p["warmup"], repeats=p["repeats"])
-    write_json(Path(args.out), {**res["combos"]["gspo/none"], "task_seed": recipe.task.seed}, indent=None)
+    write_json(Path(args.out), {**res["combos"]["gspo/none"], **streams(recipe)}, indent=None)
 
 
 def worker(args) -> None:
@@ -600,16 +607,16 @@ def trl_rounds(res: dict, p: dict, preset: str, threads: int, tmp: Path, device:
     minutes (the same TRL step has moved 11% between runs, and a process that has built and run
     many policies steps a few % slower than a fresh one); a round's ratio compares two fresh
     processes seconds apart, and the rounds give the ratio's spread. Each round draws its own
-    prompt stream (:func:`round_task_seed`), the same for both of its sides (each side reports the
-    stream it sampled: a round whose sides differ is an error, not a ratio)."""
+    prompts and sampling seed (:func:`round_draw`), the same for both of its sides (each side
+    reports what it sampled, :func:`streams`: a round whose sides differ is an error, not a ratio)."""
     for r in range(p.get("trl_rounds", 0)):
-        seed = round_task_seed(r)
+        draw = round_draw(r)
         for name in p["trl_models"]:
             if name not in res["models"] or "median" not in res["trl"].get(name, {}).get("peer", {}):
                 continue
-            recipe = build_recipe(p["models"][name], p["train"], task_seed=seed)
+            recipe = build_recipe(p["models"][name], p["train"], draw=draw)
             sides = {
-                "moe_rl": functools.partial(run_round, name, preset, threads, tmp, seed),
+                "moe_rl": functools.partial(run_round, name, preset, threads, tmp, draw),
                 "trl": functools.partial(
                     run_trl, name, str(tmp / f"hf-{name}"), recipe, p, threads, tmp, device
                 ),
@@ -617,16 +624,16 @@ def trl_rounds(res: dict, p: dict, preset: str, threads: int, tmp: Path, device:
             order = list(sides) if r % 2 == 0 else list(sides)[::-1]
             got = {side: sides[side]() for side in order}
             peer = got["trl"]
+            want = streams(recipe)
             row = {
                 "first": order[0],
-                "task_seed": seed,
+                "draw": draw,
+                **want,
                 "error": peer.get("error") or got["moe_rl"].get("error"),
             }
-            streams = {side: got[side].get("task_seed") for side in sides if "error" not in got[side]}
-            if not row["error"] and set(streams.values()) != {seed}:
-                row["error"] = (
-                    f"round {r} sampled prompt streams {streams}, not task.seed={seed} on both sides"
-                )
+            sampled = {side: {k: got[side].get(k) for k in want} for side in sides}
+            if not row["error"] and any(v != want for v in sampled.values()):
+                row["error"] = f"round {r} sampled {sampled}, not {want} on both sides"
             if not row["error"] and "median" in peer and "phases" in got["moe_rl"]:
                 ours = got["moe_rl"]
                 vs = trl_ratio(ours, peer)
@@ -691,7 +698,7 @@ def _parse(argv):
     ap.add_argument("--worker", choices=sorted(LAYOUTS), help=argparse.SUPPRESS)
     ap.add_argument("--rollouts", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--round", choices=sorted(MODELS), help=argparse.SUPPRESS)
-    ap.add_argument("--task-seed", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--draw", type=int, default=0, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 

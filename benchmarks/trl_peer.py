@@ -288,6 +288,7 @@ def main(argv=None) -> dict:
             "use_vllm": cfg.use_vllm,
         },
         "task_seed": stream,  # the prompt stream _dataset sampled (task.seed)
+        "train_seed": cfg.seed,  # the trainer's seed: its sampling
         "warmup_steps": args.warmup,
         "steps": timed,
         "median": {k: _median([t[k] for t in timed]) for k in keys},

@@ -100,8 +100,9 @@ def test_smoke_preset_with_the_trl_peer(tmp_path):
     # the paired rounds: moe-rl's step and TRL's back to back; the headline's ratio is their median
     rounds = t["rounds"]
     assert len(rounds) == res["headline"]["trl_rounds"]["tiny"] == 1 and rounds[0]["first"] == "moe_rl"
-    # the run's comparison samples the recipe's prompt stream, each round one of its own on both sides
-    assert peer["task_seed"] == 0 and rounds[0]["task_seed"] == 1 and rounds[0]["error"] is None
+    # the run's comparison samples the recipe's prompts and noise, each round its own on both sides
+    assert (peer["task_seed"], peer["train_seed"]) == (0, 1234) and rounds[0]["error"] is None
+    assert (rounds[0]["task_seed"], rounds[0]["train_seed"]) == (1, 1235)
     assert (
         _positive(rounds[0]["ratio_cpu"])
         and len(rounds[0]["trl_step_cpu_s"]) == res["settings"]["timed_steps"]

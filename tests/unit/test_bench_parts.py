@@ -39,39 +39,42 @@ def test_paired_overheads_difference_only_the_phases_a_mode_changes():
         paired_replay_overheads(none, {k: v[:1] for k, v in other.items()}, "r2")
 
 
-def test_each_trl_round_draws_its_own_prompt_stream_on_both_sides(monkeypatch, tmp_path):
-    """Every paired round samples a fresh prompt stream (``task.seed``), never the in-run
-    measurement's, and the same one on both sides; a side that sampled another is an error, not a
-    ratio. (With one stream every round timed the same three prompt draws.)"""
+def test_each_trl_round_draws_its_own_prompts_and_sampling_on_both_sides(monkeypatch, tmp_path):
+    """Every paired round samples fresh prompts (``task.seed``) and sampling noise (``train.seed``),
+    never the in-run measurement's, the same on both sides; a side that sampled other ones is an
+    error, not a ratio. (With one draw every round timed the same three steps' prompts and noise.)"""
     from benchmarks import throughput as tp
 
     asked = []
 
-    def ours(name, preset, threads, tmp, seed):
-        asked.append(("moe_rl", seed))
-        return {"task_seed": seed}
+    def ours(name, preset, threads, tmp, draw):
+        recipe = tp.build_recipe(tp.PRESETS["smoke"]["models"][name], tp.PRESETS["smoke"]["train"], draw=draw)
+        asked.append(("moe_rl", tp.streams(recipe)))
+        return tp.streams(recipe)
 
     def peer_of(reported):
         def peer(name, export, recipe, p, threads, tmp, device):
-            asked.append(("trl", recipe.task.seed))
-            return {"median": {}, "task_seed": reported(recipe.task.seed)}
+            asked.append(("trl", tp.streams(recipe)))
+            return {"median": {}, **reported(tp.streams(recipe))}
 
         return peer
 
     p = {**tp.PRESETS["smoke"], "trl_rounds": 3, "trl_models": ("tiny",)}
     fresh = lambda: {"models": {"tiny": {}}, "trl": {"tiny": {"peer": {"median": {}}}}}  # noqa: E731
     monkeypatch.setattr(tp, "run_round", ours)
-    monkeypatch.setattr(tp, "run_trl", peer_of(lambda seed: seed))
+    monkeypatch.setattr(tp, "run_trl", peer_of(lambda want: want))
     res = fresh()
     tp.trl_rounds(res, p, "smoke", 1, tmp_path, "cpu")
     rows = res["trl"]["tiny"]["rounds"]
-    seeds = [row["task_seed"] for row in rows]
-    in_run = tp.build_recipe(p["models"]["tiny"], p["train"]).task.seed
-    assert len(set(seeds)) == 3 and in_run not in seeds
-    assert sorted(asked) == sorted([(side, s) for s in seeds for side in ("moe_rl", "trl")])
+    in_run = tp.streams(tp.build_recipe(p["models"]["tiny"], p["train"]))
+    drawn = [{k: row[k] for k in in_run} for row in rows]
+    for k in in_run:  # three rounds, three prompt streams and three sampling seeds, none the run's
+        assert len({d[k] for d in drawn}) == 3 and in_run[k] not in {d[k] for d in drawn}, k
+    assert sorted(map(str, asked)) == sorted(str((side, d)) for d in drawn for side in ("moe_rl", "trl"))
     assert all(row["error"] is None for row in rows)
 
-    monkeypatch.setattr(tp, "run_trl", peer_of(lambda seed: in_run))  # a peer that ignored the stream
-    res = fresh()
-    tp.trl_rounds(res, p, "smoke", 1, tmp_path, "cpu")
-    assert all("prompt streams" in row["error"] for row in res["trl"]["tiny"]["rounds"])
+    for stale in ("task_seed", "train_seed"):  # a peer that ignored the round's prompts or seed
+        monkeypatch.setattr(tp, "run_trl", peer_of(lambda want, k=stale: {**want, k: in_run[k]}))
+        res = fresh()
+        tp.trl_rounds(res, p, "smoke", 1, tmp_path, "cpu")
+        assert all("sampled" in row["error"] for row in res["trl"]["tiny"]["rounds"]), stale
