@@ -155,7 +155,10 @@ def headline(res: dict) -> dict:
     none) over TRL's, same model, weights, prompts, G and batch, 1 thread each: the median over
     the paired rounds where the run has them (``trl_rounds`` of benchmarks/throughput.py, each on a
     prompt stream of its own; else the one comparison of the run), ``moe_rl_over_trl_range`` the
-    rounds' lowest and highest (for 5 rounds, a 94% interval for the median). probe_frac: the flip
+    rounds' lowest and highest (for 5 rounds, a 94% interval for the median),
+    ``moe_rl_over_trl_tokens`` the median of the rounds' response tokens, moe-rl's over TRL's: the
+    two sides sample their own responses, and a side that drew more tokens spreads a step's fixed
+    costs over more of them (1.0: equal work). probe_frac: the flip
     probes' (and the routing share's) share of the step's CPU
     seconds (small model, gspo/none, median of the per-step shares of the run's timed steps and of
     its rounds', ``probe_frac_range`` their lowest and highest; ``probe_frac_max`` the highest
@@ -177,6 +180,10 @@ def headline(res: dict) -> dict:
     models, trl = res.get("models", {}), res.get("trl", {})
 
     rounds = {n: [r["ratio_cpu"] for r in t.get("rounds", []) if r.get("ratio_cpu")] for n, t in trl.items()}
+    token_ratios = {
+        n: [r["moe_rl_tokens"] / r["trl_tokens"] for r in t.get("rounds", []) if r.get("ratio_cpu")]
+        for n, t in trl.items()
+    }
 
     def ratio(name):
         if rounds.get(name):
@@ -222,6 +229,7 @@ def headline(res: dict) -> dict:
         "moe_rl_over_trl_tiny": ratio("tiny"),
         "moe_rl_over_trl_small": ratio("small"),
         "moe_rl_over_trl_range": {n: [min(r), max(r)] for n, r in rounds.items() if r},
+        "moe_rl_over_trl_tokens": {n: statistics.median(r) for n, r in token_ratios.items() if r},
         "trl_rounds": {n: len(r) for n, r in rounds.items()},
         "probe_frac": statistics.median(fracs) if fracs else None,
         "probe_frac_range": [min(fracs), max(fracs)] if fracs else None,

@@ -103,6 +103,8 @@ def test_smoke_preset_with_the_trl_peer(tmp_path):
     # the run's comparison samples the recipe's prompts and noise, each round its own on both sides
     assert (peer["task_seed"], peer["train_seed"]) == (0, 1234) and rounds[0]["error"] is None
     assert (rounds[0]["task_seed"], rounds[0]["train_seed"]) == (1, 1235)
+    tokens = rounds[0]["moe_rl_tokens"] / rounds[0]["trl_tokens"]  # the work each side sampled
+    assert res["headline"]["moe_rl_over_trl_tokens"]["tiny"] == pytest.approx(tokens)
     assert (
         _positive(rounds[0]["ratio_cpu"])
         and len(rounds[0]["trl_step_cpu_s"]) == res["settings"]["timed_steps"]
