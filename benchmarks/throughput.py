@@ -625,12 +625,7 @@ def trl_rounds(res: dict, p: dict, preset: str, threads: int, tmp: Path, device:
             got = {side: sides[side]() for side in order}
             peer = got["trl"]
             want = streams(recipe)
-            row = {
-                "first": order[0],
-                "draw": draw,
-                **want,
-                "error": peer.get("error") or got["moe_rl"].get("error"),
-            }
+            row = {"first": order[0], **want, "error": peer.get("error") or got["moe_rl"].get("error")}
             sampled = {side: {k: got[side].get(k) for k in want} for side in sides}
             if not row["error"] and any(v != want for v in sampled.values()):
                 row["error"] = f"round {r} sampled {sampled}, not {want} on both sides"

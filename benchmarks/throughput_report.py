@@ -179,11 +179,9 @@ def headline(res: dict) -> dict:
     """
     models, trl = res.get("models", {}), res.get("trl", {})
 
-    rounds = {n: [r["ratio_cpu"] for r in t.get("rounds", []) if r.get("ratio_cpu")] for n, t in trl.items()}
-    token_ratios = {
-        n: [r["moe_rl_tokens"] / r["trl_tokens"] for r in t.get("rounds", []) if r.get("ratio_cpu")]
-        for n, t in trl.items()
-    }
+    compared = {n: [r for r in t.get("rounds", []) if r.get("ratio_cpu")] for n, t in trl.items()}
+    rounds = {n: [r["ratio_cpu"] for r in rs] for n, rs in compared.items()}
+    token_ratios = {n: [r["moe_rl_tokens"] / r["trl_tokens"] for r in rs] for n, rs in compared.items()}
 
     def ratio(name):
         if rounds.get(name):
