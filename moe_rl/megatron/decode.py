@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from moe_rl.dist import all_gather_cat
 from moe_rl.megatron.local_layers import GroupedExperts, SDPAttention
+from moe_rl.megatron.rope import rotate, signed_sin
 from moe_rl.megatron.routing import selection_noise
 from moe_rl.routing.noise import selection_key
 
@@ -90,7 +91,8 @@ class Decoder:
         self.scale = model.decoder.layers[0].self_attention.core_attention.softmax_scale
         freqs = model.rotary_pos_emb(cfg.max_seq_len)  # [S, 1, 1, hd], megatron's own table
         self.cos = torch.cos(freqs).reshape(cfg.max_seq_len, self.head_dim)
-        self.sin = torch.sin(freqs).reshape(cfg.max_seq_len, self.head_dim)
+        # the sine as rope.rotate takes it (its first half negated)
+        self.sin_signed = signed_sin(torch.sin(freqs).reshape(cfg.max_seq_len, self.head_dim))
         self.router_fp32 = model.config.moe_router_dtype == "fp32"  # else the router runs in its own dtype
         self._experts: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._routers: list[torch.Tensor] = []
@@ -147,10 +149,11 @@ class Decoder:
             raise ValueError("several tokens per row only for the prefill (start 0)")
         model = self.policy.model
         x = F.embedding(tokens_bn, model.embedding.word_embeddings.weight)  # [b, n, H]
-        cos, sin = self.cos[start : start + n].to(x.dtype), self.sin[start : start + n].to(x.dtype)
+        # [1, n, 1, hd]: every layer's query and key rotate by the same two tables
+        cos, sin_s = (t[None, start : start + n, None].to(x.dtype) for t in (self.cos, self.sin_signed))
         routes = [] if want_routes else None
         for layer_idx, layer in enumerate(model.decoder.layers):
-            x = x + self._attention(layer, layer.input_layernorm(x), cache, layer_idx, start, cos, sin)
+            x = x + self._attention(layer, layer.input_layernorm(x), cache, layer_idx, start, cos, sin_s)
             y, idx, probs = self._moe(layer, layer_idx, layer.pre_mlp_layernorm(x))
             x = x + y
             if routes is not None:
@@ -161,7 +164,7 @@ class Decoder:
         h = model.decoder.final_layernorm(x[:, -1])
         return F.linear(h, self.policy.output_weight()), routes
 
-    def _attention(self, layer, x, cache: KVCache, layer_idx: int, start: int, cos, sin):
+    def _attention(self, layer, x, cache: KVCache, layer_idx: int, start: int, cos, sin_s):
         att = layer.self_attention
         b, n, _ = x.shape
         g, rep, hd = self.groups, self.heads_per_group, self.head_dim  # groups, heads per group, head dim
@@ -170,16 +173,19 @@ class Decoder:
         q = q.reshape(b, n, g * rep, hd)
         if att.q_layernorm is not None:
             q, k = att.q_layernorm(q), att.k_layernorm(k)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)  # [b, n, heads, hd]
+        # megatron's non-interleaved RoPE, as the trainer's packed forward rotates: [b, n, heads, hd]
+        q, k = rotate(q, cos, sin_s), rotate(k, cos, sin_s)
         end = start + n
         cache.k[layer_idx][:, :, start:end] = k.transpose(1, 2)
         cache.v[layer_idx][:, :, start:end] = v.transpose(1, 2)
         keys, values = cache.k[layer_idx][:, :, :end], cache.v[layer_idx][:, :, :end]
         if n == 1:  # one query per row: fold the group's heads into the query dimension
-            qg = q.view(b, g, rep, hd)
-            s = torch.matmul(qg, keys.transpose(2, 3)) * self.scale  # [b, g, rep, T]
+            # (b, g) as one batch dimension of views (the cache's rows are [g, T, hd] blocks):
+            # the batched matmuls torch.matmul would reach through expands and reshapes
+            qg, kg, vg = q.view(b * g, rep, hd), keys.view(b * g, end, hd), values.view(b * g, end, hd)
+            s = torch.bmm(qg, kg.transpose(1, 2)) * self.scale  # [b * g, rep, T]
             p = torch.softmax(s.float(), dim=-1).to(values.dtype)
-            out = torch.matmul(p, values).reshape(b, 1, g * rep * hd)
+            out = torch.bmm(p, vg).view(b, 1, g * rep * hd)
         else:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys, values, is_causal=True, scale=self.scale, enable_gqa=rep > 1
@@ -226,10 +232,3 @@ class Decoder:
                 top, idx = torch.topk(logits, self.topk, dim=-1)
             probs = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
         return idx, probs
-
-
-def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """megatron's non-interleaved rotary embedding of ``t [b, n, heads, d]`` (cos/sin ``[n, d]``)."""
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
-    x1, x2 = torch.chunk(t, 2, dim=-1)
-    return t * c + torch.cat((-x2, x1), dim=-1) * s

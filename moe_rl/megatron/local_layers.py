@@ -323,7 +323,9 @@ class GroupedExperts(MegatronModule):
 
             return weighted_bias_swiglu_impl(h, None, probs.unsqueeze(-1))
         gate, lin = torch.chunk(h, 2, dim=-1)
-        return self._act(gate) * (lin + self._offset) * probs.unsqueeze(-1)
+        if self._offset:  # megatron-core's glu_linear_offset; its default 0 adds nothing: no op for it
+            lin = lin + self._offset
+        return self._act(gate) * lin * probs.unsqueeze(-1)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """``SequentialMLP``'s checkpoint entries: ``<prefix>experts.linear_fc{1,2}.weight``, global

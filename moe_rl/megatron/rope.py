@@ -98,20 +98,36 @@ def apply_rotary_pos_emb(
         ).squeeze(1)
     # megatron-core's _apply_rotary_pos_emb_bshd for a rotation over the whole head (no pass-through
     # part, not interleaved), its cosine and sine taken once per table
-    cos, sin = table_trig(table, mscale, t.dtype)
-    x1, x2 = torch.chunk(t, 2, dim=-1)
-    return t * cos + torch.cat((-x2, x1), dim=-1) * sin
+    cos, sin_signed = table_trig(table, mscale, t.dtype)
+    return rotate(t, cos, sin_signed)
+
+
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """megatron-core's non-interleaved rotation ``t * cos + rotate_half(t) * sin`` over the last
+    dimension, with ``sin_signed`` (:func:`signed_sin`) for ``sin``. ``rotate_half(t)`` is
+    ``cat(-t2, t1)``: ``t`` rolled by half its width with the first half's sign moved into the
+    table. Equal to megatron-core's form to the bit (a sign flip is exact, the sum is the same
+    sum), in four ops where that one takes six (split, neg, cat): fewer kernels per query and key
+    per layer, in the forward and in the backward."""
+    return t * cos + t.roll(t.shape[-1] // 2, -1) * sin_signed
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with the first half of its last dimension negated: :func:`rotate`'s table."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def table_trig(table: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos(table) * mscale`` and ``sin(table) * mscale`` in ``dtype``, ``[n, 1, d]``, as megatron-core
-    computes them for every rotation; computed once for the last table (a forward's layers share it)."""
-    return _last(
-        "trig",
-        (table,),
-        (mscale, dtype),
-        lambda: tuple((f(table) * mscale).to(dtype).squeeze(1) for f in (torch.cos, torch.sin)),
-    )
+    """``cos(table) * mscale`` and ``sin(table) * mscale`` (the latter as :func:`signed_sin`) in
+    ``dtype``, ``[n, 1, d]``, as megatron-core computes them for every rotation; computed once for
+    the last table (a forward's layers share it)."""
+
+    def trig():
+        cos, sin = ((f(table) * mscale).to(dtype).squeeze(1) for f in (torch.cos, torch.sin))
+        return cos, signed_sin(sin)
+
+    return _last("trig", (table,), (mscale, dtype), trig)
 
 
 def install() -> bool:

@@ -126,3 +126,33 @@ def test_unsupported_layouts_fall_back_to_megatron(parallel_info, tiny_model_cfg
     assert "local spec" in unsupported_reason(stock)
     with pytest.raises(ValueError, match="embedded_decoder='fast'"):
         pick_forward(policy, "fast")
+
+
+def _decode_step_ops(parallel_info, cfg, layers: int):
+    """aten ops of one decode step (one token for each of 4 rows, 5 cached) of ``cfg`` at
+    ``layers`` layers, by name."""
+    from moe_rl.megatron.decode import Decoder
+    from tests.ops import CountOps
+
+    dec = Decoder(_policy(parallel_info, replace(cfg, num_layers=layers)))
+    tok = torch.randint(0, cfg.vocab_size, (4, 6), generator=torch.Generator().manual_seed(0))
+    dec.begin()
+    cache = dec.new_cache(4, 8)
+    dec.forward(cache, tok[:, :5], 0)
+    with CountOps() as ops:
+        dec.forward(cache, tok[:, 5:], 5, want_routes=True)
+    return ops.count
+
+
+def test_decode_step_ops_per_layer(parallel_info, tiny_model_cfg):
+    """A decode step's host work per layer (on a GPU, its kernel launches): the RoPE tables are
+    taken once per step for every layer (no per-layer unsqueeze of them), query and key rotate in
+    four ops each (:func:`moe_rl.megatron.rope.rotate`: no split, neg, cat), the folded-GQA
+    attention is two batched matmuls over views of the cache (no broadcasting expands), and the
+    SwiGLU adds no zero offset. This tiny policy's step: 112 ops per layer at 0126d68, 91 now."""
+    one, two = (_decode_step_ops(parallel_info, tiny_model_cfg, n) for n in (1, 2))
+    per_layer = {k: two[k] - one.get(k, 0) for k in two if two[k] != one.get(k, 0)}
+    for op in ("aten.neg", "aten.cat", "aten.expand"):
+        assert op not in per_layer, f"{op}: {per_layer.get(op)} per layer ({per_layer})"
+    assert per_layer["aten.unsqueeze"] == 1, per_layer  # the gate weights' column, none for RoPE
+    assert sum(per_layer.values()) <= 91, (sum(per_layer.values()), per_layer)

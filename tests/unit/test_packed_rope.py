@@ -106,3 +106,23 @@ def test_packed_forward_takes_the_tables_cosine_and_sine_once(policy):
     with CountOps() as ops:
         policy.logprobs(tok, pack=pack).logp_BT.sum().backward()
     assert ops.count["aten.cos"] == ops.count["aten.sin"] == 1, (ops.count["aten.cos"], ops.count["aten.sin"])
+
+
+def test_packed_rotation_is_four_ops_forward_and_back(policy):
+    """Each query and key rotates in four ops (two products, one roll, one sum; megatron-core's
+    form takes six: split, neg, cat, two products, a sum) and its backward in four (two products,
+    a roll, a sum of the two paths): the table's cosine and sine are ready (taken once per
+    forward), so the count is the rotation's own."""
+    installed, _, config, cp, _ = _rope_fns(policy)
+    cu = _cu(SEGMENTS)
+    n = int(cu[-1])
+    table = policy.model.rotary_pos_emb(n)  # the pack's own table: no gather
+    t = torch.randn(n, 4, config.kv_channels, requires_grad=True)
+    installed(t.detach(), table, config, cu_seqlens=cu, cp_group=cp)  # the table's trig, cached
+    with CountOps() as fwd:
+        out = installed(t, table, config, cu_seqlens=cu, cp_group=cp)
+    with CountOps() as bwd:
+        out.backward(torch.ones_like(out))
+    assert sum(fwd.count.values()) == 4, dict(fwd.count)
+    for op in ("aten.split", "aten.split_with_sizes", "aten.neg", "aten.cat"):
+        assert op not in fwd.count and op not in bwd.count, (dict(fwd.count), dict(bwd.count))
