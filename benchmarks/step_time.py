@@ -19,6 +19,18 @@ shared machine (the min is the least disturbed step):
     python -m benchmarks.step_time --rl small [--repeats 3] [--out path.json]
 
 Writes benchmarks/results/step_time-<machine>-rl-<model>-<commit>.json.
+
+``--against REV`` measures a change by its mechanism, paired: this checkout's RL steps against
+commit REV's (a git worktree of it), ``--pairs`` pairs of fresh processes, each side's run the
+``--rl`` measurement above, the side that runs first alternating from pair to pair. Per pair, the
+ratio (this / REV) of each phase's median CPU seconds; the result holds every pair's ratios and
+their median [lowest, highest] (for 4 pairs an 88% interval for the median; 6 pairs 97%). Each
+finished run is kept as it completes (``--work``, a folder named by both commits under the
+system's temp folder by default): a rerun resumes.
+
+    python -m benchmarks.step_time --rl tiny --against 0126d68 --pairs 4
+
+Writes benchmarks/results/step_time-<machine>-rl-<model>-vs-<rev>-<commit>.json and its PNG.
 """
 
 from __future__ import annotations
@@ -31,10 +43,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from benchmarks.common import non_negative_int, positive_int
 from moe_rl.lab.results import write_json
 
+ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {"world1": [], "ep2": ["--ep", "2", "--dp", "2"], "tp2": ["--tp", "2"]}
 
 
@@ -149,6 +163,131 @@ def rl_headline(res: dict) -> dict:
     }
 
 
+SIDES = ("rev", "here")
+
+
+def pair_order(i: int) -> tuple[str, str]:
+    """Which side runs first in pair ``i`` (from 1): REV in odd pairs, this checkout in even ones,
+    so that a drift of the machine over the pairs falls on both sides alike."""
+    return SIDES if i % 2 else SIDES[::-1]
+
+
+def paired_runs(work: Path, pairs: int, run) -> dict[str, list[dict]]:
+    """Every side's ``--rl`` result of pairs 1..``pairs``: ``work/<side>-<i>.json``, made by
+    ``run(side, path)`` where missing (each kept as it completes, so a rerun resumes), in
+    :func:`pair_order`."""
+    for i in range(1, pairs + 1):
+        for side in pair_order(i):
+            path = work / f"{side}-{i}.json"
+            if not path.exists():
+                run(side, path)
+    return {
+        side: [json.loads((work / f"{side}-{i}.json").read_text()) for i in range(1, pairs + 1)]
+        for side in SIDES
+    }
+
+
+def paired_ratios(runs: dict[str, list[dict]]) -> dict:
+    """Per combo and phase: each pair's ratio of median CPU seconds (this checkout / REV), and
+    their median [lowest, highest]."""
+    out = {}
+    for combo in runs["here"][0]["combos"]:
+        out[combo] = {}
+        for phase in RL_PHASES:
+            if phase == "sync":  # a version bump: microseconds, no figure
+                continue
+            ratios = [
+                here["combos"][combo][phase]["median"] / rev["combos"][combo][phase]["median"]
+                for here, rev in zip(runs["here"], runs["rev"])
+            ]
+            out[combo][phase] = {
+                "median": statistics.median(ratios),
+                "range": [min(ratios), max(ratios)],
+                "pairs": ratios,
+            }
+    return out
+
+
+def rl_against(model: str, rev: str, pairs: int, repeats: int, threads: int, work: str | None) -> dict:
+    """The paired A/B of ``--against`` (module docstring)."""
+    from benchmarks.common import commit
+
+    sha = subprocess.run(
+        ["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    here = commit()
+    folder = (
+        Path(work) if work else Path(tempfile.gettempdir()) / "moe_rl_step_ab" / f"{model}-{here}-vs-{sha}"
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    tree = folder / "tree"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(threads)}
+
+    def run(side: str, path: Path) -> None:
+        if side == "rev" and not (tree / ".git").exists():
+            subprocess.run(["git", "worktree", "add", "--detach", str(tree), sha], cwd=ROOT, check=True)
+        flags = ["--rl", model, "--repeats", str(repeats), "--threads", str(threads), "--out", str(path)]
+        print(f"[step_time] {side} ({sha if side == 'rev' else here}) -> {path.name}", flush=True)
+        cmd = [sys.executable, "-m", "benchmarks.step_time", *flags]
+        subprocess.run(
+            cmd, cwd=tree if side == "rev" else ROOT, check=True, env=env, stdout=subprocess.DEVNULL
+        )
+
+    try:
+        runs = paired_runs(folder, pairs, run)
+    finally:
+        if (tree / ".git").exists():
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
+    ratios = paired_ratios(runs)
+    none = ratios["gspo/none"]
+    headline = {f"{p}_ratio": none[p]["median"] for p in none}
+    headline.update({f"{p}_ratio_range": none[p]["range"] for p in none})
+    headline.update(
+        pairs=pairs,
+        against=sha,
+        measure=f"CPU seconds of gspo/none's phases at {threads} thread(s), this checkout / {sha}: median "
+        "over pairs of fresh processes of the ratio of each run's median step",
+    )
+    return {
+        "headline": headline,
+        "model": model,
+        "against": sha,
+        "commit": here,
+        "pairs": pairs,
+        "repeats": repeats,
+        "threads": threads,
+        "first": {i: pair_order(i)[0] for i in range(1, pairs + 1)},
+        "ratios": ratios,
+        "runs": {side: [r["combos"] for r in rs] for side, rs in runs.items()},
+    }
+
+
+def plot_against(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    combos = list(res["ratios"])
+    phases = list(res["ratios"][combos[0]])
+    fig, ax = plt.subplots(figsize=(1.6 * len(phases) + 2, 3.4))
+    width = 0.8 / len(combos)
+    for j, combo in enumerate(combos):
+        med = [res["ratios"][combo][p]["median"] for p in phases]
+        lo = [m - res["ratios"][combo][p]["range"][0] for m, p in zip(med, phases)]
+        hi = [res["ratios"][combo][p]["range"][1] - m for m, p in zip(med, phases)]
+        xs = [i + (j - (len(combos) - 1) / 2) * width for i in range(len(phases))]
+        ax.bar(xs, [m - 1 for m in med], width, bottom=1, yerr=[lo, hi], capsize=3, label=combo)
+    ax.axhline(1, color="k", lw=0.8)
+    ax.set_xticks(range(len(phases)), phases)
+    ax.set_ylabel(f"CPU s, {res['commit']} / {res['against']}")
+    ax.set_title(f"{res['model']}: median [range] of {res['pairs']} paired runs")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> dict:
     from benchmarks.common import result_path
 
@@ -160,7 +299,26 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--repeats", type=positive_int, default=3, help="timed RL steps per combo (--rl)")
     ap.add_argument("--out", default=None, help="JSON path (--rl; default benchmarks/results/...)")
+    ap.add_argument("--against", metavar="REV", help="--rl: this checkout against commit REV, paired")
+    ap.add_argument("--pairs", type=positive_int, default=4, help="--against: pairs of runs")
+    ap.add_argument("--work", default=None, help="--against: folder of the finished runs (resumes)")
     a = ap.parse_args(argv)
+    if a.against and not a.rl:
+        ap.error("--against needs --rl MODEL (the model whose RL steps are compared)")
+    if a.against:
+        res = rl_against(a.rl, a.against, a.pairs, a.repeats, a.threads, a.work)
+        path = result_path("step_time", f"rl-{a.rl}-vs-{res['against']}", a.out)
+        write_json(path, res)
+        plot_against(res, path.with_suffix(".png"))
+        for combo, phases in res["ratios"].items():
+            print(
+                combo,
+                " ".join(
+                    f"{p}={v['median']:.3f} [{v['range'][0]:.3f}, {v['range'][1]:.3f}]"
+                    for p, v in phases.items()
+                ),
+            )
+        return res
     if a.rl:
         res = rl_steps(a.rl, a.repeats, a.threads)
         path = result_path("step_time", f"rl-{a.rl}", a.out)

@@ -1,5 +1,7 @@
 """The benchmarks' parts in process: the paired overheads of throughput_report, the count flags."""
 
+import json
+
 import pytest
 
 
@@ -78,3 +80,32 @@ def test_each_trl_round_draws_its_own_prompts_and_sampling_on_both_sides(monkeyp
         res = fresh()
         tp.trl_rounds(res, p, "smoke", 1, tmp_path, "cpu")
         assert all("sampled" in row["error"] for row in res["trl"]["tiny"]["rounds"]), stale
+
+
+def test_step_time_against_alternates_the_first_side_resumes_and_pairs_the_ratios(tmp_path):
+    """``step_time --against``: the side that runs first alternates over the pairs, a rerun makes
+    only the runs that are missing, and each pair's ratio is this checkout's median over REV's
+    (pairs never mixed)."""
+    from benchmarks.step_time import RL_PHASES, paired_ratios, paired_runs
+
+    calls = []
+
+    def run(side, path):
+        calls.append(path.name)
+        i = int(path.stem.split("-")[1])
+        scale = (0.9 if side == "here" else 1.0) * i  # pair i's machine runs i times slower
+        combos = {"gspo/none": {p: {"median": scale * (k + 1), "min": 0.0} for k, p in enumerate(RL_PHASES)}}
+        path.write_text(json.dumps({"combos": combos}))
+
+    runs = paired_runs(tmp_path, 4, run)
+    assert calls == ["rev-1.json", "here-1.json", "here-2.json", "rev-2.json",
+                     "rev-3.json", "here-3.json", "here-4.json", "rev-4.json"]  # fmt: skip
+    (tmp_path / "here-3.json").unlink()
+    calls.clear()
+    paired_runs(tmp_path, 4, run)
+    assert calls == ["here-3.json"]
+    ratios = paired_ratios(runs)["gspo/none"]
+    assert "sync" not in ratios
+    for phase, r in ratios.items():
+        assert r["pairs"] == pytest.approx([0.9] * 4), phase  # unpaired, the ratios would span 0.225-3.6
+        assert r["median"] == pytest.approx(0.9) and r["range"] == pytest.approx([0.9, 0.9])
