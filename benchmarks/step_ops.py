@@ -149,9 +149,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--out", type=Path, default=None, help="result JSON (default: named by machine and commit)"
     )
+    ap.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="an earlier step_ops result: its headline (and the ones it kept) go into this one's as before_<commit>",
+    )
     args = ap.parse_args(argv)
     rows = [measure(e) for e in EXPERTS]
     res = {"machine": machine(), "commit": commit(), "model": MODEL, "rows": rows, "headline": headline(rows)}
+    if args.before:
+        earlier = json.loads(args.before.read_text())
+        kept = {k: v for k, v in earlier["headline"].items() if k.startswith("before_")}
+        now = {k: v for k, v in earlier["headline"].items() if not k.startswith("before_")}
+        res["headline"].update({f"before_{earlier['commit']}": now, **kept})
     out = args.out or RESULTS / f"step_ops-{res['machine']}-tiny-{res['commit']}.json"
     write_json(out, res)
     plot(res, out.with_suffix(".png"))
