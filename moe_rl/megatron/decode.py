@@ -182,7 +182,11 @@ class Decoder:
         if n == 1:  # one query per row: fold the group's heads into the query dimension
             # (b, g) as one batch dimension of views (the cache's rows are [g, T, hd] blocks):
             # the batched matmuls torch.matmul would reach through expands and reshapes
-            qg, kg, vg = q.view(b * g, rep, hd), keys.view(b * g, end, hd), values.view(b * g, end, hd)
+            qg, kg, vg = (
+                q.reshape(b * g, rep, hd),
+                keys.reshape(b * g, end, hd),
+                values.reshape(b * g, end, hd),
+            )
             s = torch.bmm(qg, kg.transpose(1, 2)) * self.scale  # [b * g, rep, T]
             p = torch.softmax(s.float(), dim=-1).to(values.dtype)
             out = torch.bmm(p, vg).view(b, 1, g * rep * hd)
