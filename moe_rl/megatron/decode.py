@@ -90,9 +90,10 @@ class Decoder:
         self.pre_softmax = not cfg.moe_norm_topk_prob
         self.scale = model.decoder.layers[0].self_attention.core_attention.softmax_scale
         freqs = model.rotary_pos_emb(cfg.max_seq_len)  # [S, 1, 1, hd], megatron's own table
-        self.cos = torch.cos(freqs).reshape(cfg.max_seq_len, self.head_dim)
+        # [S, 1, hd]: position s's row broadcasts over a step's [b, n, heads, hd] queries and keys;
         # the sine as rope.rotate takes it (its first half negated)
-        self.sin_signed = signed_sin(torch.sin(freqs).reshape(cfg.max_seq_len, self.head_dim))
+        self.cos = torch.cos(freqs).reshape(cfg.max_seq_len, 1, self.head_dim)
+        self.sin_signed = signed_sin(torch.sin(freqs).reshape(cfg.max_seq_len, 1, self.head_dim))
         self.router_fp32 = model.config.moe_router_dtype == "fp32"  # else the router runs in its own dtype
         self._experts: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._routers: list[torch.Tensor] = []
@@ -149,8 +150,8 @@ class Decoder:
             raise ValueError("several tokens per row only for the prefill (start 0)")
         model = self.policy.model
         x = F.embedding(tokens_bn, model.embedding.word_embeddings.weight)  # [b, n, H]
-        # [1, n, 1, hd]: every layer's query and key rotate by the same two tables
-        cos, sin_s = (t[None, start : start + n, None].to(x.dtype) for t in (self.cos, self.sin_signed))
+        # every layer's query and key rotate by the same two tables
+        cos, sin_s = self.cos[start : start + n].to(x.dtype), self.sin_signed[start : start + n].to(x.dtype)
         routes = [] if want_routes else None
         for layer_idx, layer in enumerate(model.decoder.layers):
             x = x + self._attention(layer, layer.input_layernorm(x), cache, layer_idx, start, cos, sin_s)
