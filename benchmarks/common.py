@@ -35,6 +35,12 @@ def result_path(bench: str, preset: str, out: str | None = None, suffix: str = "
     return results.result_path(bench, preset, out, suffix, folder=RESULTS)
 
 
+def round_order(sides, r: int) -> list:
+    """The sides of paired round ``r`` (from 0) in the order they run: as given in even rounds,
+    reversed in odd ones, so that a drift of the machine over the rounds falls on every side alike."""
+    return list(sides) if r % 2 == 0 else list(sides)[::-1]
+
+
 def matmul_rate(dev, n: int, dtype, reps: int = 10) -> float:
     """flop/s of an n^3 ``torch.mm`` (CUDA events on CUDA, the wall clock on CPU), mean of ``reps``."""
     import time

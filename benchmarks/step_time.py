@@ -166,18 +166,14 @@ def rl_headline(res: dict) -> dict:
 SIDES = ("rev", "here")
 
 
-def pair_order(i: int) -> tuple[str, str]:
-    """Which side runs first in pair ``i`` (from 1): REV in odd pairs, this checkout in even ones,
-    so that a drift of the machine over the pairs falls on both sides alike."""
-    return SIDES if i % 2 else SIDES[::-1]
-
-
 def paired_runs(work: Path, pairs: int, run) -> dict[str, list[dict]]:
     """Every side's ``--rl`` result of pairs 1..``pairs``: ``work/<side>-<i>.json``, made by
-    ``run(side, path)`` where missing (each kept as it completes, so a rerun resumes), in
-    :func:`pair_order`."""
+    ``run(side, path)`` where missing (each kept as it completes, so a rerun resumes), REV first in
+    odd pairs (:func:`benchmarks.common.round_order`)."""
+    from benchmarks.common import round_order
+
     for i in range(1, pairs + 1):
-        for side in pair_order(i):
+        for side in round_order(SIDES, i - 1):
             path = work / f"{side}-{i}.json"
             if not path.exists():
                 run(side, path)
@@ -256,7 +252,6 @@ def rl_against(model: str, rev: str, pairs: int, repeats: int, threads: int, wor
         "pairs": pairs,
         "repeats": repeats,
         "threads": threads,
-        "first": {i: pair_order(i)[0] for i in range(1, pairs + 1)},
         "ratios": ratios,
         "runs": {side: [r["combos"] for r in rs] for side, rs in runs.items()},
     }

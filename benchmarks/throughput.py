@@ -60,7 +60,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `benchmarks` and `moe_rl` importable
     sys.path.insert(0, str(ROOT))
-from benchmarks.common import TINY_MODEL, positive_int  # noqa: E402
+from benchmarks.common import TINY_MODEL, positive_int, round_order  # noqa: E402
 from benchmarks.throughput_report import (  # noqa: E402
     PHASES,
     headline,
@@ -621,7 +621,7 @@ def trl_rounds(res: dict, p: dict, preset: str, threads: int, tmp: Path, device:
                     run_trl, name, str(tmp / f"hf-{name}"), recipe, p, threads, tmp, device
                 ),
             }
-            order = list(sides) if r % 2 == 0 else list(sides)[::-1]
+            order = round_order(sides, r)
             got = {side: sides[side]() for side in order}
             peer = got["trl"]
             want = streams(recipe)
