@@ -1,14 +1,6 @@
-"""Seconds per training step of the tiny policy at world 1, EP=2 and TP=2 (issue 2's figures).
+"""CPU seconds per phase of whole RL steps, and a change measured paired against another commit.
 
-Tiny policy: hidden 128, 4 layers, 8 experts top-2, fp32; batch 8 x seq 128 random tokens;
-a step is log-prob forward, backward of the mean NLL, gradient sync and AdamW. Median of
-``--steps`` steps after ``--warmup``. Each layout runs in its own torchrun job.
-
-    python -m benchmarks.step_time [--steps 20] [--threads 1]
-
-Writes benchmarks/results/step_time-<machine>-tiny-<commit>.json.
-
-``--rl MODEL`` (tiny, small, or micro: the smoke preset's stand-in) measures instead whole RL
+``--rl MODEL`` (tiny, small, or micro: the smoke preset's stand-in) measures whole RL
 steps of benchmarks/throughput.py's cpu preset in this one process (1 thread by default): the
 trainer's own ``rl_step`` on that model, GSPO under routing none, R2 and R3 interleaved at the
 same step indices, CPU seconds per phase (rollout, old_logprob, train, probe, sync, step) as min
@@ -42,52 +34,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from benchmarks.common import non_negative_int, positive_int
+from benchmarks.common import positive_int
 from moe_rl.lab.results import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYOUTS = {"world1": [], "ep2": ["--ep", "2", "--dp", "2"], "tp2": ["--tp", "2"]}
-
-
-def worker(argv) -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tp", type=positive_int, default=1)
-    ap.add_argument("--ep", type=positive_int, default=1)
-    ap.add_argument("--dp", type=positive_int, default=1)
-    ap.add_argument("--steps", type=positive_int, default=20)
-    ap.add_argument("--warmup", type=non_negative_int, default=3)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args(argv)
-    import torch
-
-    from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
-    from moe_rl.megatron.optim import Optimizer
-    from moe_rl.megatron.parallel import destroy_parallel, init_parallel
-    from moe_rl.megatron.policy import build_policy
-
-    par = ParallelConfig(tensor_parallel=a.tp, expert_parallel=a.ep, data_parallel=a.dp)
-    info = init_parallel(par, seed=0)
-    policy = build_policy(ModelConfig(), par, info)
-    opt = Optimizer(policy.model, OptimConfig(lr=1e-4), info)
-    tokens = torch.randint(0, 104, (8, 129), generator=torch.Generator().manual_seed(0))
-    rows = 8 // info.dp_size
-    mine = tokens[info.dp_rank * rows : (info.dp_rank + 1) * rows]
-    times = []
-    for i in range(a.warmup + a.steps):
-        t0 = time.perf_counter()
-        loss = -policy.logprobs(mine).logp_BT[:, 1:].sum() / (8 * 128)
-        loss.backward()
-        opt.step()
-        torch.distributed.barrier()
-        if i >= a.warmup:
-            times.append(time.perf_counter() - t0)
-    if info.rank == 0:
-        with open(a.out, "w") as f:
-            json.dump({"median_s": statistics.median(times), "min_s": min(times), "steps": len(times)}, f)
-    destroy_parallel()
 
 
 RL_COMBOS = (("gspo", "none"), ("gspo", "r2"), ("gspo", "r3"))
@@ -287,19 +239,19 @@ def main(argv=None) -> dict:
     from benchmarks.common import result_path
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=positive_int, default=20)
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads per process")
     ap.add_argument(
-        "--rl", choices=("micro", "tiny", "small"), help="whole RL steps of this model, per phase"
+        "--rl",
+        required=True,
+        choices=("micro", "tiny", "small"),
+        help="whole RL steps of this model, per phase",
     )
-    ap.add_argument("--repeats", type=positive_int, default=3, help="timed RL steps per combo (--rl)")
-    ap.add_argument("--out", default=None, help="JSON path (--rl; default benchmarks/results/...)")
-    ap.add_argument("--against", metavar="REV", help="--rl: this checkout against commit REV, paired")
+    ap.add_argument("--repeats", type=positive_int, default=3, help="timed RL steps per combo")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...)")
+    ap.add_argument("--against", metavar="REV", help="this checkout against commit REV, paired")
     ap.add_argument("--pairs", type=positive_int, default=4, help="--against: pairs of runs")
     ap.add_argument("--work", default=None, help="--against: folder of the finished runs (resumes)")
     a = ap.parse_args(argv)
-    if a.against and not a.rl:
-        ap.error("--against needs --rl MODEL (the model whose RL steps are compared)")
     if a.against:
         res = rl_against(a.rl, a.against, a.pairs, a.repeats, a.threads, a.work)
         path = result_path("step_time", f"rl-{a.rl}-vs-{res['against']}", a.out)
@@ -314,70 +266,17 @@ def main(argv=None) -> dict:
                 ),
             )
         return res
-    if a.rl:
-        res = rl_steps(a.rl, a.repeats, a.threads)
-        path = result_path("step_time", f"rl-{a.rl}", a.out)
-        write_json(path, res)
-        for name, phases in res["combos"].items():
-            print(name, " ".join(f"{p}={v['min']:.3f}/{v['median']:.3f}" for p, v in phases.items()))
-        print("probe_frac (min/median)", f"{res['probe_frac_min']:.4f}/{res['probe_frac_median']:.4f}")
-        print("replay_overhead min", res["replay_overhead_min"], "median", res["replay_overhead_median"])
-        return res
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(a.threads)}
-    res = {
-        "model": "hidden 128, 4 layers, 8 experts top-2, fp32",
-        "batch": 8,
-        "seq": 128,
-        "threads_per_process": a.threads,
-        "layouts": {},
-    }
-    for name, args in LAYOUTS.items():
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            launch = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc-per-node={1 if not args else 2}",
-            ]
-            subprocess.run(
-                [
-                    *launch,
-                    "-m",
-                    "benchmarks.step_time",
-                    "--worker",
-                    *args,
-                    "--steps",
-                    str(a.steps),
-                    "--out",
-                    f.name,
-                ],
-                check=True,
-                env=env,
-            )
-            res["layouts"][name] = json.load(open(f.name))
-        print(name, res["layouts"][name])
-    code = (
-        "import sys, time; t = time.perf_counter(); import moe_rl, moe_rl.config; "
-        "print(time.perf_counter() - t, 'megatron' in sys.modules)"
-    )
-    secs, megatron = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
-    ).stdout.split()
-    res["import_moe_rl_s"] = float(secs)
-    res["import_moe_rl_loads_megatron"] = megatron == "True"
-    res = {"headline": {f"step_s_{k}": v["median_s"] for k, v in res["layouts"].items()}, **res}
-    path = result_path("step_time", "tiny")
+    res = rl_steps(a.rl, a.repeats, a.threads)
+    path = result_path("step_time", f"rl-{a.rl}", a.out)
     write_json(path, res)
-    print(json.dumps(res, indent=1))
+    for name, phases in res["combos"].items():
+        print(name, " ".join(f"{p}={v['min']:.3f}/{v['median']:.3f}" for p, v in phases.items()))
+    print("probe_frac (min/median)", f"{res['probe_frac_min']:.4f}/{res['probe_frac_median']:.4f}")
+    print("replay_overhead min", res["replay_overhead_min"], "median", res["replay_overhead_median"])
     return res
 
 
-if __name__ == "__main__":
-    if "--worker" in sys.argv:
-        sys.argv.remove("--worker")
-        worker(sys.argv[1:])
-    else:  # one line for a user error, a file error or a stop signal
-        from moe_rl.argparsing import run_main
+if __name__ == "__main__":  # one line for a user error, a file error or a stop signal
+    from moe_rl.argparsing import run_main
 
-        raise SystemExit(run_main(main))
+    raise SystemExit(run_main(main))
