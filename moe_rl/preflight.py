@@ -140,7 +140,8 @@ def check_routes_served(recipe: Recipe) -> None:
     if recipe.rollout.engine != "sglang" or not recipe.algo.routing.wants_engine_routes:
         return
     urls = [u for field, u in attached_urls(recipe) if field != "rollout.sglang.router_url"]
-    from moe_rl.rollout.sglang_client import SGLangClient, SGLangError
+    from moe_rl.rollout.sglang_client import SGLangClient
+    from moe_rl.rollout.sglang_protocol import SGLangError
 
     for url in urls:
         try:
@@ -174,7 +175,8 @@ def check_services(recipe: Recipe, timeout_s: float = 10.0) -> None:
     """Every SGLang server or router the recipe attaches to answers ``/health`` now: an
     :class:`~moe_rl.errors.Unavailable` naming the field and the URL otherwise. For commands that
     would train for minutes (an SFT start) before the RL stage first asks them."""
-    from moe_rl.rollout.sglang_client import SGLangClient, SGLangError
+    from moe_rl.rollout.sglang_client import SGLangClient
+    from moe_rl.rollout.sglang_protocol import SGLangError
 
     cfg = recipe.rollout.sglang
     for field, url in attached_urls(recipe):

@@ -37,9 +37,9 @@ from typing import Any
 import httpx
 import torch
 
-from moe_rl.rollout.sglang_client import (
+from moe_rl.rollout.sglang_client import SGLangClient, raise_for_status
+from moe_rl.rollout.sglang_protocol import (
     GenerateOutput,
-    SGLangClient,
     SGLangError,
     SGLangHTTPError,
     SGLangTimeout,
@@ -47,7 +47,6 @@ from moe_rl.rollout.sglang_client import (
     StaleWeightsError,
     generate_body,
     parse_generate_response,
-    raise_for_status,
     to_sglang_sampling_params,
 )
 from moe_rl.rollout.types import HFStateSource, Rollouts, SamplingParams

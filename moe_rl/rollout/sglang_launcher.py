@@ -35,8 +35,8 @@ from typing import Any
 
 from moe_rl.dist import free_port, host_port
 from moe_rl.rollout.session_process import SessionProcess
-from moe_rl.rollout.sglang_client import (
-    SGLangClient,
+from moe_rl.rollout.sglang_client import SGLangClient
+from moe_rl.rollout.sglang_protocol import (
     SGLangError,
     SGLangHTTPError,
     SGLangUnavailable,

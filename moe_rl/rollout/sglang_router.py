@@ -18,7 +18,8 @@ from pathlib import Path
 
 from moe_rl.dist import free_port, host_port
 from moe_rl.rollout.session_process import SessionProcess
-from moe_rl.rollout.sglang_client import SGLangClient, SGLangError
+from moe_rl.rollout.sglang_client import SGLangClient
+from moe_rl.rollout.sglang_protocol import SGLangError
 
 logger = logging.getLogger(__name__)
 

@@ -22,14 +22,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_rl.rollout.sglang_client import (
-    SGLangBadRequest,
-    SGLangClient,
-    SGLangUnavailable,
-    StaleWeightsError,
-)
+from moe_rl.rollout.sglang_client import SGLangClient
 from moe_rl.rollout.sglang_engine import SGLangEngine
 from moe_rl.rollout.sglang_launcher import SGLangLauncher, SGLangLaunchError, SGLangServerConfig
+from moe_rl.rollout.sglang_protocol import SGLangBadRequest, SGLangUnavailable, StaleWeightsError
 from moe_rl.rollout.types import Rollouts, SamplingParams
 from moe_rl.rollout.weight_sync import DiskWeightSync, DistributedWeightSync, WeightSyncError
 from moe_rl.routing.codec import encode_routes

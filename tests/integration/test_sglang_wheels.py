@@ -20,15 +20,14 @@ from typing import Any
 import httpx
 import pytest
 
-from moe_rl.rollout.sglang_client import (
-    SESSION_ENDPOINT,
+from moe_rl.rollout.sglang_client import SESSION_ENDPOINT, SGLangClient
+from moe_rl.rollout.sglang_engine import SGLangEngine
+from moe_rl.rollout.sglang_protocol import (
     SUPPORTED_SGLANG,
     TESTED_SGLANG,
-    SGLangClient,
     SGLangVersionError,
     check_sglang_version,
 )
-from moe_rl.rollout.sglang_engine import SGLangEngine
 from moe_rl.rollout.types import SamplingParams
 from moe_rl.serve import http as srv_http
 from moe_rl.serve import weights as srv_weights

@@ -107,7 +107,7 @@ def test_unsupported_layouts_fall_back_to_megatron(parallel_info, tiny_model_cfg
 
     from moe_rl.megatron.decode import unsupported_reason
     from moe_rl.megatron.model import build_gpt
-    from moe_rl.rollout.embedded import LeanForward, MegatronForward, pick_forward
+    from moe_rl.rollout.embedded_forward import LeanForward, MegatronForward, pick_forward
 
     policy = _policy(parallel_info, tiny_model_cfg)
     assert unsupported_reason(policy) is None

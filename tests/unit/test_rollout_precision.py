@@ -11,7 +11,8 @@ leaves the trainer's RNG where it was.
 import pytest
 import torch
 
-from moe_rl.rollout.embedded import EmbeddedEngine, rollout_policy
+from moe_rl.rollout.embedded import EmbeddedEngine
+from moe_rl.rollout.embedded_forward import rollout_policy
 from moe_rl.rollout.types import SamplingParams
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")

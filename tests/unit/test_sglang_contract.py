@@ -29,11 +29,13 @@ import pytest
 import torch
 
 from moe_rl.dist import free_port
-from moe_rl.rollout.sglang_client import (
+from moe_rl.rollout.sglang_client import SGLangClient
+from moe_rl.rollout.sglang_engine import SGLangEngine
+from moe_rl.rollout.sglang_launcher import SGLangServerConfig, build_command
+from moe_rl.rollout.sglang_protocol import (
     ROUTES_MISSING,
     RoutesMissing,
     SGLangBadRequest,
-    SGLangClient,
     SGLangError,
     SGLangHTTPError,
     SGLangNotFound,
@@ -42,8 +44,6 @@ from moe_rl.rollout.sglang_client import (
     parse_generate_response,
     to_sglang_sampling_params,
 )
-from moe_rl.rollout.sglang_engine import SGLangEngine
-from moe_rl.rollout.sglang_launcher import SGLangServerConfig, build_command
 from moe_rl.rollout.types import Rollouts, SamplingParams
 from moe_rl.routing.codec import decode_sglang_routes
 from moe_rl.serve import http as srv_http

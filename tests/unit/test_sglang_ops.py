@@ -15,13 +15,7 @@ import torch
 
 from moe_rl.config import ConfigError, recipe_from_dict
 from moe_rl.rollout import factory
-from moe_rl.rollout.sglang_client import (
-    SGLangBadRequest,
-    SGLangClient,
-    SGLangError,
-    SGLangHTTPError,
-    SGLangVersionError,
-)
+from moe_rl.rollout.sglang_client import SGLangClient
 from moe_rl.rollout.sglang_engine import SGLangEngine
 from moe_rl.rollout.sglang_launcher import (
     SGLangLauncher,
@@ -30,6 +24,7 @@ from moe_rl.rollout.sglang_launcher import (
     check_disjoint,
     plan_gpus,
 )
+from moe_rl.rollout.sglang_protocol import SGLangBadRequest, SGLangError, SGLangHTTPError, SGLangVersionError
 from moe_rl.rollout.types import SamplingParams
 from moe_rl.rollout.weight_sync import (
     DiskWeightSync,

@@ -16,7 +16,7 @@ import socket
 from collections.abc import Iterator, Mapping
 
 from moe_rl.dist import host_port
-from moe_rl.rollout.sglang_client import SGLangError
+from moe_rl.rollout.sglang_protocol import SGLangError
 
 logger = logging.getLogger(__name__)
 

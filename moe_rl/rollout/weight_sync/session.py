@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_rl.rollout.sglang_client import SGLangClient, SGLangError
+from moe_rl.rollout.sglang_client import SGLangClient
+from moe_rl.rollout.sglang_protocol import SGLangError
 from moe_rl.rollout.types import HFStateSource
 
 logger = logging.getLogger(__name__)

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_rl.rollout.sglang_client import SGLangClient, SGLangError, StaleWeightsError
+from moe_rl.rollout.sglang_client import SGLangClient
+from moe_rl.rollout.sglang_protocol import SGLangError, StaleWeightsError
 from moe_rl.rollout.types import HFStateSource
 from moe_rl.rollout.weight_sync.session import WeightSyncError, source_tensors
 
