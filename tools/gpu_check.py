@@ -25,7 +25,11 @@ Sections, in order, each timed; a failure is recorded (traceback summary) and th
 - ``moe_1b``: bf16 RL steps of a ~1.06B-parameter Qwen3-MoE-shaped policy (64 experts top-8):
   tokens/s per trainer phase (``time/<phase>``) and the training phase's model-FLOPs utilisation.
 - ``mismatch``: rollout-vs-trainer routing disagreement, the embedded engine's bf16 copy on CUDA
-  kernels against the fp32 trainer, on the shipped SFT start (``studies.mismatch.mismatch.measure``).
+  kernels against the fp32 trainer, on the shipped SFT start (``moe_rl.lab.mismatch.measure``).
+- ``one_update``: design (e)'s GPU arm (``python -m studies.one_update --gpu-arm``, in its own
+  process): GRPO' against GRPO + R3 one update at a time, the trainer in bf16 on CUDA, from the
+  shipped start of design (b)'s cell. It needs 150 s or more: given less (what the 400 s leave), it
+  is ``deferred`` to a call of its own (``--only one_update``), which its record names.
 
 ``--dry-run`` runs the same code on tiny shapes (CPU in CI, well under a minute).
 
@@ -64,7 +68,17 @@ from tools.gpu_colocated import colocated_headline, section_colocated  # noqa: E
 
 ALGOS = ("grpo", "gspo", "gspo_token")
 ROUTINGS = ("none", "r2", "r3")
-SECTIONS = ("device", "tests", "rl_step", "moe_target", "colocated", "moe_1b", "kernels", "mismatch")
+SECTIONS = (
+    "device",
+    "tests",
+    "rl_step",
+    "moe_target",
+    "colocated",
+    "moe_1b",
+    "kernels",
+    "mismatch",
+    "one_update",
+)
 "In the order of issue 'GPU truth': the standing check, then the target-regime MFU, then the rest."
 SECTION_S = {
     "device": 20,
@@ -75,12 +89,16 @@ SECTION_S = {
     "moe_1b": 50,
     "kernels": 40,
     "mismatch": 25,
+    "one_update": 300,
 }
 """Each section's cap in seconds on the GPU (400 in all: `make gpu-check`'s budget, so that the first
 call returns within 8 minutes with the machine's start and the install; the run's remaining budget
 caps each too, so the last sections are the first to wait for the next GPU). In-process sections
 check their cap between items (a mode, a kernel configuration, an RL step), so one long item can run
-past it."""
+past it. ``one_update`` is beyond the 400 s: it takes what the others leave, and runs whole in a
+call of its own (``--only one_update``, docs/gpu_check.md)."""
+SECTION_MIN_S = {"one_update": 150}
+"On the GPU, a section given less than this is skipped, naming the call that runs it."
 DRY_SECTION_S = {
     "device": 10,
     "tests": 40,
@@ -90,6 +108,7 @@ DRY_SECTION_S = {
     "kernels": 30,
     "mismatch": 30,
     "colocated": 20,
+    "one_update": 40,
 }
 
 # -- what the GPU machine lacks (`make gpu-wheels`) --------------------------------------------------
@@ -120,13 +139,15 @@ def requirements(extra: tuple[str, ...] = ()) -> list[str]:
 class Check:
     """Sections run in order within one budget; the JSON is rewritten after each."""
 
-    def __init__(self, out_dir: Path, dry: bool, budget_s: float):
+    def __init__(self, out_dir: Path, dry: bool, budget_s: float, only: list[str] | None = None):
         from benchmarks.common import commit, machine
 
         self.dry, self.t0 = dry, time.perf_counter()
         self.deadline = self.t0 + budget_s
         self.machine, self.commit = machine(), os.environ.get("MOE_RL_COMMIT") or commit()
-        stem = f"gpu_check-{self.machine}{'-dry' if dry else ''}-{self.commit}"
+        part = "".join(f"-{name}" for name in only or ())  # a call of some sections: its own files
+        stem = f"gpu_check-{self.machine}{'-dry' if dry else ''}{part}-{self.commit}"
+        self.extra_files: list[Path] = []  # what a section wrote beside the JSON, copied to $OUT too
         out_dir.mkdir(parents=True, exist_ok=True)
         self.json_path, self.png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
         self.junit_path = out_dir / f"{stem}-pytest.xml"
@@ -149,8 +170,14 @@ class Check:
     def run(self, name: str, fn: Callable[[Check, float], dict]) -> None:
         cap = min((DRY_SECTION_S if self.dry else SECTION_S)[name], self.left())
         rec: dict = {"status": "skipped", "seconds": 0.0}
-        if cap < 5:
-            rec["reason"] = f"budget: {self.left():.0f} s left of the run"
+        least = 5 if self.dry else max(5, SECTION_MIN_S.get(name, 0))
+        if cap < least:
+            rec["reason"] = f"budget: {self.left():.0f} s left of the run, {least} s needed"
+            if name in SECTION_MIN_S:  # waits for a call of its own, which says so
+                rec["status"] = "deferred"
+                rec["reason"] += (
+                    f'; make gpu-check GPU_CHECK_ARGS="--only {name}" GPU_CHECK_S={SECTION_S[name] + 30}'
+                )
         else:
             print(f"== {name} (cap {cap:.0f} s)", flush=True)
             t0 = time.perf_counter()
@@ -184,7 +211,8 @@ class Check:
                 atomic_write(self.json_path, json.dumps(self.doc, indent=1, default=str))
         out = os.environ.get("OUT")
         if out and Path(out).is_dir():
-            for p in (self.json_path, self.png_path, self.junit_path, self.junit_path.with_suffix(".log")):
+            for p in (self.json_path, self.png_path, self.junit_path, self.junit_path.with_suffix(".log"),
+                      *self.extra_files):  # fmt: skip
                 if p.exists():
                     shutil.copyfile(p, Path(out) / p.name)
 
@@ -993,6 +1021,52 @@ def section_mismatch(ck: Check, cap: float) -> dict:
     }
 
 
+# -- g. design (e)'s GPU arm ----------------------------------------------------------------------------
+ONE_UPDATE_START = ROOT / "recipes" / "demo" / "dial_start"
+"Design (b)'s shipped MoE start (7 MiB, in the working tree that travels): the study's own cell."
+ONE_UPDATE_STATES = 12
+"States the GPU arm scores at most in its 300 s (a state run of 24 RL steps first)."
+
+
+def section_one_update(ck: Check, cap: float) -> dict:
+    """``python -m studies.one_update --gpu-arm`` in its own process (a study is run, never imported):
+    GRPO' against GRPO + R3 one update at a time with the trainer in bf16 on CUDA, from the shipped
+    start; its JSON + PNG kept beside this run's as ``one_update_gpu-<machine>-<commit>``."""
+    root = ck.work / "one_update"
+    log = ck.json_path.with_name(ck.json_path.stem + "-one_update.log")
+    cmd = [sys.executable, "-m", "studies.one_update", "--gpu-arm", str(ONE_UPDATE_START), "--root", str(root),
+           "--budget-s", f"{max(cap - 30, 10):.0f}"]  # fmt: skip
+    cmd += (
+        ["--smoke"]
+        if ck.dry
+        else ["--device", "cuda", "--dtype", "bfloat16", "--gpu-states", str(ONE_UPDATE_STATES)]
+    )
+    timed_out = False
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=cap).returncode
+        except subprocess.TimeoutExpired:
+            rc, timed_out = None, True
+    ck.extra_files.append(log)
+    out = {
+        "returncode": rc,
+        "timed_out": timed_out,
+        "log": log.name,
+        "log_tail": log.read_text().splitlines()[-15:],
+    }
+    found = sorted(root.glob("one_update_gpu-*.json"))
+    if rc != 0 or not found:
+        raise CheckFailed(f"studies.one_update --gpu-arm: returncode {rc}, timed out {timed_out}", out)
+    name = ck.json_path.stem.replace("gpu_check", "one_update_gpu", 1)
+    for src in (found[-1], found[-1].with_suffix(".png")):
+        if src.exists():
+            dst = ck.json_path.with_name(name + src.suffix)
+            shutil.copyfile(src, dst)
+            ck.extra_files.append(dst)
+    doc = json.loads(found[-1].read_text())
+    return {**out, "start": "recipes/demo/dial_start", "result": name + ".json", "headline": doc["headline"]}
+
+
 SECTION_FNS = {
     "device": section_device,
     "colocated": section_colocated,
@@ -1002,6 +1076,7 @@ SECTION_FNS = {
     "kernels": section_kernels,
     "moe_1b": section_moe_1b,
     "mismatch": section_mismatch,
+    "one_update": section_one_update,
 }
 
 
@@ -1010,7 +1085,7 @@ def headline(doc: dict) -> dict:
     """The numbers one reads first, from whatever sections finished."""
     s = doc["sections"]
     h: dict = {"sections": {k: {"status": v["status"], "seconds": v.get("seconds")} for k, v in s.items()}}
-    h["all_ok"] = bool(s) and all(v["status"] == "ok" for v in s.values())
+    h["all_ok"] = bool(s) and all(v["status"] in ("ok", "deferred") for v in s.values())
     d = s.get("device", {})
     h["device"] = d.get("name")
     if "matmul" in d:
@@ -1078,6 +1153,12 @@ def headline(doc: dict) -> dict:
             }
             for name, c in f.get("cells", {}).items()
         }
+    o = _result(s.get("one_update"))
+    if o:
+        oh = o.get("headline") or {}
+        h["one_update"] = {
+            k: oh.get(k) for k in ("Delta_R3", "states", "primary_minibatches", "cost_per_state")
+        }
     return h
 
 
@@ -1100,7 +1181,7 @@ def plot(doc: dict, path: Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(14, 9))
     ax = axes[0][0]
     names = list(s)
-    colors = {"ok": "tab:green", "error": "tab:red", "skipped": "tab:gray"}
+    colors = {"ok": "tab:green", "error": "tab:red", "skipped": "tab:gray", "deferred": "tab:gray"}
     ax.barh(names, [s[n].get("seconds") or 0 for n in names], color=[colors[s[n]["status"]] for n in names])
     ax.invert_yaxis()
     ax.set(title="seconds per section (green ok, red error, grey skipped)", xlabel="s")
@@ -1176,7 +1257,7 @@ def main(argv=None) -> dict | None:
 
     warnings.filterwarnings("ignore")
     budget = args.budget_s or (120.0 if args.dry_run else 400.0)
-    ck = Check(args.out, args.dry_run, budget)
+    ck = Check(args.out, args.dry_run, budget, args.only)
     print(f"gpu_check: {ck.json_path} (budget {budget:.0f} s)", flush=True)
     import signal
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from moe_rl.argparsing import ArgParser, one_line_errors
-from studies.one_update import driver
+from studies.one_update import driver, gpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,7 +18,12 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--calibrate", action="store_true", help="calibrate the engine's routing noise")
     mode.add_argument("--states", action="store_true", help="make the states (no scoring), then stop")
     mode.add_argument("--report", action="store_true", help="analyse what is scored")
-    p.add_argument("--smoke", action="store_true", help="the whole study at a tiny size, into --root")
+    mode.add_argument(
+        "--gpu-arm", metavar="START", help="the GPU arm (gpu.py) from the SFT start START, into --root"
+    )
+    p.add_argument(
+        "--smoke", action="store_true", help="a tiny size: the whole study, or the GPU arm one state"
+    )
     p.add_argument("--root", type=Path, default=None, help=f"runs folder (default {driver.ROOT})")
     p.add_argument(
         "--out", type=Path, default=None, help="result file (default: studies/one_update/results/)"
@@ -26,10 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the trainer runs")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the trainer's dtype")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
+    p.add_argument("--budget-s", type=float, default=540.0, help="--gpu-arm: its whole budget (default 540)")
+    p.add_argument(
+        "--gpu-states", type=int, default=30, help="--gpu-arm: states to score at most (default 30)"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="tracebacks with errors")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    return one_line_errors(lambda: driver.command(args), args.verbose)
+    return one_line_errors(lambda: (gpu.command if args.gpu_arm else driver.command)(args), args.verbose)
 
 
 if __name__ == "__main__":

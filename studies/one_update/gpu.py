@@ -3,18 +3,21 @@ trainer in bf16 on CUDA, where the engine's and the trainer's kernels really dif
 noise: B' comes from the embedded engine as it is, so R3 replays routes the engine chose under its
 own numerics).
 
-:func:`gpu_check` is the one call ``make gpu-check`` makes (the lead wires it into
-benchmarks/gpu_check.py): from a carried SFT start (HF safetensors or a checkpoint, < 64 MiB: e.g.
-the 12-layer, 64-expert top-8 policy SFT'd on CPU), a GRPO state run on the GPU saves a state every
-``every`` steps; each is scored (GRPO' and GRPO + R3 at ``minibatches``, V drawn from pi_s) until
-the budget is spent; the result is a JSON + PNG under ``out`` whose ``headline`` holds Delta_R3 with
-its 95% interval and exact p, and the cost per state. On CPU it runs at a smoke size
-(studies/one_update/test_driver.py).
+:func:`gpu_check` is what ``make gpu-check``'s ``one_update`` section runs, as ``python -m
+studies.one_update --gpu-arm recipes/demo/dial_start --device cuda --dtype bfloat16`` in a process
+of its own (tools/gpu_check.py; docs/gpu_check.md says how to call it). From a carried SFT start (HF
+safetensors or a checkpoint, < 64 MiB: design (b)'s shipped start, 7 MiB), a GRPO state run on the
+GPU saves a state every ``every`` steps; each is scored (GRPO' and GRPO + R3 at ``minibatches``, V
+drawn from pi_s) until the budget is spent; the result is a JSON + PNG under ``out`` whose
+``headline`` holds Delta_R3 with its 95% interval and exact p, and the cost per state. On CPU it
+runs at a smoke size (studies/one_update/test_driver.py, and ``--smoke``: ``make gpu-check``'s dry
+run).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import time
 from pathlib import Path
@@ -25,6 +28,12 @@ log = logging.getLogger(__name__)
 
 GPU_SEED = 510
 "The GPU arm's state run's replicate seed (fresh: used nowhere else)."
+DRY = dict(states_wanted=1, every=1, minibatches=2, v_per_prompt=2)
+"""``--smoke`` (``make gpu-check``'s dry run, on a CPU): one state of the shipped start's cell, scored
+at M = 2 on 2 samples a prompt, its RL steps of :data:`DRY_TRAIN`."""
+DRY_TRAIN = dict(
+    prompts_per_step=2, group_size=2, minibatches=2, max_new_tokens=16, eval_every=0, flip_probe_sequences=2
+)
 
 
 def gpu_check(
@@ -85,3 +94,31 @@ def gpu_check(
 
     path = out / f"one_update_gpu-{machine()}-{commit()}.json"
     return report.write(records, {"gpu": cfg}, path, meta)["headline"]
+
+
+def dry_cell_base() -> dict:
+    """Design (b)'s cell base (the shipped start's model and task) with :data:`DRY_TRAIN`'s batch."""
+    base = copy.deepcopy(states.cell_plan(driver.load_plan())["cell_base"])
+    base["train"] = {**base["train"], **DRY_TRAIN}
+    return base
+
+
+def command(args) -> int:
+    """``python -m studies.one_update --gpu-arm START``: :func:`gpu_check` from START into ``--root``
+    (default ``runs/one_update/gpu``) within ``--budget-s``, ``--gpu-states`` states; ``--smoke``: the
+    :data:`DRY` sizes. The headline is printed; the JSON + PNG are in ``--root``."""
+    import torch
+
+    from moe_rl.errors import UserError
+    from moe_rl.lab.runner import ensure_parallel
+
+    start = Path(args.gpu_arm)
+    if not start.exists():
+        raise UserError(f"--gpu-arm {start}: no such SFT start (an HF safetensors folder or a checkpoint)")
+    torch.set_num_threads(args.threads)
+    ensure_parallel()
+    sizes = dict(DRY, cell_base=dry_cell_base()) if args.smoke else dict(states_wanted=args.gpu_states)
+    root = args.root or driver.ROOT / "gpu"
+    h = gpu_check(start, root, device=args.device, dtype=args.dtype, budget_s=args.budget_s, **sizes)
+    print(json.dumps(h, indent=1, default=str)[:4000])
+    return 0

@@ -126,3 +126,14 @@ def test_bad_device_settings_fail_in_one_line(capsys):
     assert "no CUDA device" in capsys.readouterr().err
     assert driver_main(["--dtype", "bfloat16", "--report", "--root", "/nonexistent"]) == 2
     assert "needs --device cuda" in capsys.readouterr().err
+
+
+def test_the_gpu_arm_command_refuses_a_missing_start_and_bf16_off_cuda(capsys, tmp_path):
+    assert driver_main(["--gpu-arm", str(tmp_path / "absent"), "--smoke", "--root", str(tmp_path)]) == 2
+    assert "no such SFT start" in capsys.readouterr().err
+    import torch
+
+    if not torch.cuda.is_available():
+        start = ROOT / "recipes" / "demo" / "dial_start"
+        assert driver_main(["--gpu-arm", str(start), "--dtype", "bfloat16", "--root", str(tmp_path)]) == 2
+        assert "needs --device cuda" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """``make gpu-check``'s script cannot rot: its dry run (the same sections on tiny shapes, CPU here)
 finishes every section with status ok and writes a headline, in under a minute of CPU time (about
-30 s on an idle 2-core machine; wall time is bounded loosely, as CI machines are shared)."""
+30 s on an idle 2-core machine, design (e)'s GPU arm included; wall time is bounded loosely, as CI
+machines are shared)."""
 
 import json
 import os
@@ -61,6 +62,12 @@ def test_dry_run_finishes_every_section(tmp_path):
     by_step = h["moe_1b"]["train_mfu_by_step"]
     assert by_step and all(r["mfu"] > 0 and r["positions"] > 0 for r in by_step)
     assert by_step[-1]["mfu"] == h["moe_1b"]["train_mfu"]  # the timed step is the last
+    # design (e)'s GPU arm, run by its own command: one state scored, its JSON + PNG beside the run's
+    assert h["one_update"]["states"] == {"moe": 1, "dense": 0}, h["one_update"]
+    assert h["one_update"]["Delta_R3"]["M2"]["n"] == 1
+    arm = tmp_path / doc["sections"]["one_update"]["result"]
+    assert arm.name.startswith("one_update_gpu-") and arm.with_suffix(".png").exists()
+    assert json.loads(arm.read_text())["headline"] == doc["sections"]["one_update"]["headline"]
     assert cpu < 60 and wall < 180, f"dry run took {cpu:.0f} CPU s, {wall:.0f} s wall"
 
 
