@@ -15,7 +15,9 @@
   cycle.
 
 ``--dry-run`` runs both on CPU with tiny shapes (the buckets then go by the ``bytes`` serializer,
-values, as CUDA IPC needs a GPU; the reader is the same process and SGLang code).
+values, as CUDA IPC needs a GPU; the reader is the same process and SGLang code), with every
+third-party module SGLang's imports could stub stubbed, installed or not (``import_sglang``'s
+``stub_all``): the lent image lacks some that this machine has.
 
 SGLang's code is its wheel's pure-Python files: ``.sglang/<version>`` (``make sglang-wheels``) or,
 on the lent GPU, ``.whl/sglang/<version>``, where ``make gpu-wheels`` copies the files the reader
@@ -65,15 +67,27 @@ def sglang_root(version: str = VERSION) -> Path | None:
     return None
 
 
-def import_sglang(root: str | Path) -> list[str]:
+def import_sglang(root: str | Path, stub_all: bool = False) -> list[str]:
     """SGLang's serializer, patch and bucket modules from ``root``, skipping the package inits;
-    returns the third-party modules stubbed because they are missing."""
+    returns the third-party modules stubbed because they are missing. ``stub_all``: every module of
+    :data:`STUBBABLE` not imported yet (but numpy) is stubbed, installed or not, as on an image that
+    has none of them (``--dry-run``: the lent image lacks some, msgspec among them)."""
     import importlib
     import importlib.abc
     import importlib.machinery
     import types
 
     stubbed: list[str] = []
+
+    class _AnyBase:
+        """A stubbed base class (``msgspec.Struct``, ``pydantic.BaseModel``): takes class keywords,
+        and its instances their fields as keywords."""
+
+        def __init_subclass__(cls, **kwargs):
+            super().__init_subclass__()
+
+        def __init__(self, *args, **kwargs):
+            self.__dict__.update(kwargs)
 
     class _Any:
         def __init__(self, *a, **k):
@@ -88,7 +102,7 @@ def import_sglang(root: str | Path) -> list[str]:
             return _Any()
 
         def __mro_entries__(self, bases):
-            return (object,)
+            return (_AnyBase,)
 
         def __getitem__(self, key):
             return _Any()
@@ -106,9 +120,12 @@ def import_sglang(root: str | Path) -> list[str]:
             return _Any()
 
     class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def __init__(self, names: frozenset[str]):
+            self.names = names
+
         def find_spec(self, name, path, target=None):
             top = name.split(".")[0]
-            if top not in STUBBABLE or ("." in name and not isinstance(sys.modules.get(top), _Stub)):
+            if top not in self.names or ("." in name and not isinstance(sys.modules.get(top), _Stub)):
                 return None
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
 
@@ -127,7 +144,9 @@ def import_sglang(root: str | Path) -> list[str]:
         m = types.ModuleType(name)
         m.__path__ = [os.path.join(root, *name.split("."))]
         sys.modules[name] = m
-    sys.meta_path.append(_Finder())  # last: only what no real finder has
+    sys.meta_path.append(_Finder(STUBBABLE))  # last: only what no real finder has
+    if stub_all:  # first: before any real finder
+        sys.meta_path.insert(0, _Finder(frozenset(n for n in STUBBABLE - {"numpy"} if n not in sys.modules)))
     importlib.import_module("sglang.srt.utils.common")
     importlib.import_module("sglang.srt.utils.patch_torch")
     importlib.import_module("sglang.srt.weight_sync.tensor_bucket")
@@ -225,13 +244,13 @@ def _bits(t) -> bytes:
     )  # a copy: numpy would pin t
 
 
-def read_payloads(root: str, inp: str, out: str) -> None:
+def read_payloads(root: str, inp: str, out: str, stub_all: bool = False) -> None:
     """The reader (a fresh interpreter): as SGLang's TP worker, ``monkey_patch_torch_reductions``,
     then each payload through ``MultiprocessingSerializer.deserialize`` and the model runner's
     flattened-bucket loader; what came back (on the host, with the device it was on), or the error."""
     import torch
 
-    import_sglang(root)
+    import_sglang(root, stub_all)
     from sglang.srt.utils.common import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
@@ -246,7 +265,7 @@ def read_payloads(root: str, inp: str, out: str) -> None:
     torch.save(res, out)
 
 
-def _read(root: Path, payloads: list[str], work: Path, visible: str | None) -> list[dict]:
+def _read(root: Path, payloads: list[str], work: Path, visible: str | None, stub_all: bool) -> list[dict]:
     import torch
 
     inp, out = work / "payloads.json", work / "read.pt"
@@ -255,6 +274,7 @@ def _read(root: Path, payloads: list[str], work: Path, visible: str | None) -> l
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
     cmd = [sys.executable, "-m", "tools.gpu_colocated", "--read", str(root), str(inp), str(out)]
+    cmd += ["--stub-all"] if stub_all else []
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     if r.returncode != 0:
         raise RuntimeError(f"the reader failed: {r.stderr[-2000:]}")
@@ -271,7 +291,7 @@ def ipc_bucket(dry: bool) -> dict:
     if root is None:
         raise RuntimeError("SGLang's files are not here: `make sglang-wheels` (or `make gpu-wheels`) first")
     t0 = time.perf_counter()
-    import_sglang(root)
+    import_sglang(root, stub_all=dry)
     T.sglang_parts.cache_clear()
     device = torch.device("cpu" if dry else "cuda")
     named = _named(dry, device)
@@ -279,8 +299,8 @@ def ipc_bucket(dry: bool) -> dict:
     serialize = T.serialize_bytes if dry else lambda b: T.serialize_ipc(b, 1)[0]
     payloads = [serialize(b) for b in buckets]
     with tempfile.TemporaryDirectory() as work:
-        got = _read(root, payloads, Path(work), None)
-        hidden = None if dry else _read(root, payloads[:1], Path(work), "")
+        got = _read(root, payloads, Path(work), None, dry)
+        hidden = None if dry else _read(root, payloads[:1], Path(work), "", dry)
     want = {n: _bits(t) for n, t in named}
     seen = {n: (_bits(t), dev) for r in got for n, t, dev in r.get("tensors", [])}
     errors = [r["error"] for r in got if "error" in r]
@@ -408,10 +428,11 @@ def main(argv=None) -> None:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes")
     ap.add_argument("--ipc", action="store_true", help="the ipc check alone, in this process (the writer)")
     ap.add_argument("--read", nargs=3, metavar=("ROOT", "IN", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--stub-all", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--export-sglang", type=Path, metavar="DIR", help="copy the reader's SGLang files to DIR")
     args = ap.parse_args(argv)
     if args.read:
-        read_payloads(*args.read)
+        read_payloads(*args.read, stub_all=args.stub_all)
     elif args.export_sglang:
         print("\n".join(str(p) for p in export_sglang(args.export_sglang)))
     elif args.ipc:

@@ -55,7 +55,8 @@ def gpu_check(
     size), GRPO' against GRPO + R3 on B' from the engine as it is, within ``budget_s`` seconds
     (state run included); the result's headline (also written to ``out``)."""
     t0, out = time.perf_counter(), Path(out)
-    overrides = driver.device_overrides(device, dtype)
+    # JSONL metrics only: the arm reads its records, and a device image may lack TensorBoard
+    overrides = [*driver.device_overrides(device, dtype), "train.loggers=[jsonl]"]
     plan = copy.deepcopy(driver.load_plan())
     cells = copy.deepcopy(states.cell_plan(plan))
     if cell_base is not None:
