@@ -98,7 +98,7 @@ check their cap between items (a mode, a kernel configuration, an RL step), so o
 past it. ``one_update`` is beyond the 400 s: it takes what the others leave, and runs whole in a
 call of its own (``--only one_update``, docs/gpu_check.md)."""
 SECTION_MIN_S = {"one_update": 150}
-"On the GPU, a section given less than this is skipped, naming the call that runs it."
+"On the GPU, a section given less than this is deferred: its record names the call that runs it."
 DRY_SECTION_S = {
     "device": 10,
     "tests": 40,
@@ -1064,7 +1064,8 @@ def section_one_update(ck: Check, cap: float) -> dict:
             shutil.copyfile(src, dst)
             ck.extra_files.append(dst)
     doc = json.loads(found[-1].read_text())
-    return {**out, "start": "recipes/demo/dial_start", "result": name + ".json", "headline": doc["headline"]}
+    start = str(ONE_UPDATE_START.relative_to(ROOT))
+    return {**out, "start": start, "result": name + ".json", "headline": doc["headline"]}
 
 
 SECTION_FNS = {
@@ -1184,7 +1185,7 @@ def plot(doc: dict, path: Path) -> None:
     colors = {"ok": "tab:green", "error": "tab:red", "skipped": "tab:gray", "deferred": "tab:gray"}
     ax.barh(names, [s[n].get("seconds") or 0 for n in names], color=[colors[s[n]["status"]] for n in names])
     ax.invert_yaxis()
-    ax.set(title="seconds per section (green ok, red error, grey skipped)", xlabel="s")
+    ax.set(title="seconds per section (green ok, red error, grey skipped or deferred)", xlabel="s")
     ax = axes[0][1]
     kern = h.get("kernels", {})
     configs = [c for c in kern if "x" in c and isinstance(kern[c], dict)]
