@@ -34,15 +34,11 @@ import dataclasses
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
 import random
 import re
 import shutil
-import signal
-import threading
 import traceback
-from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +48,7 @@ from moe_rl import dist
 from moe_rl.errors import UserError
 from moe_rl.files import write_text
 from moe_rl.megatron import spec_keys
+from moe_rl.megatron.ckpt_writer import prepare_writer, worker_failures_raised
 
 log = logging.getLogger(__name__)
 META = "meta.json"
@@ -304,44 +301,6 @@ def _owner(ckpt: Path) -> str | None:
         return None
 
 
-_WRITER_MANAGER = None
-
-
-def _writer_server_init() -> None:
-    """In the writer queue's server process: survive SIGTERM / SIGINT, end with the parent."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = multiprocessing.parent_process()
-
-    def exit_with_parent() -> None:
-        parent.join()
-        os._exit(0)
-
-    threading.Thread(target=exit_with_parent, daemon=True).start()
-
-
-def signal_proof_writer_queue() -> None:
-    """megatron-core's checkpoint writer hands its results back through a multiprocessing
-    Manager queue, whose server process it starts at the first save (``filesystem_async.
-    _get_write_results_queue``, megatron-core 0.16.1; ``get_write_results_queue`` from 0.17, the
-    same module-level ``_results_queue``). A SIGTERM sent to the whole process group
-    (Slurm's time limit or ``scancel``, ``kill -- -PGID``) ended that server, and the save the
-    signal asked for failed with ``BrokenPipeError``. Start the queue here instead, with a server
-    that ignores SIGTERM and SIGINT and exits when its parent process ends. Idempotent; nothing
-    is done where megatron-core has no such queue."""
-    global _WRITER_MANAGER
-
-    try:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-    except ImportError:
-        return
-    if getattr(fa, "_results_queue", "absent") is not None:  # made already, or not this layout
-        return
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(_writer_server_init)
-    fa._results_queue, _WRITER_MANAGER = manager.Queue(), manager
-
-
 def save_checkpoint(
     root: str | Path,
     step: int,
@@ -375,10 +334,11 @@ def save_checkpoint(
         tmp.mkdir()
     dist.barrier()
     stepped = optimizer is not None and optimizer.step_count > 0
-    signal_proof_writer_queue()
+    prepare_writer()
     state = _sharded_state(model, optimizer, is_loading=False, with_optimizer=stepped)
     layout = _layout(state["model"])
-    dist_checkpointing.save(state, str(tmp))
+    with worker_failures_raised():
+        dist_checkpointing.save(state, str(tmp))
     torch.save(_rng_state(), tmp / f"rng-{dist.rank()}.pt")
     dist.barrier()
     final = root / name

@@ -9,11 +9,12 @@ import time
 CHILD = """
 import os, signal, sys, time
 from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-from moe_rl.megatron import checkpoint
-checkpoint.signal_proof_writer_queue()
-checkpoint.signal_proof_writer_queue()  # idempotent: one server
-q, pid = fa._results_queue, checkpoint._WRITER_MANAGER._process.pid
-assert fa._get_write_results_queue() is q
+from moe_rl.megatron import ckpt_writer
+ckpt_writer.signal_proof_writer_queue()
+ckpt_writer.signal_proof_writer_queue()  # idempotent: one server
+q, pid = fa._results_queue, ckpt_writer._WRITER_MANAGER._process.pid
+# the queue megatron-core's writer takes (its getter renamed in 0.17)
+assert (getattr(fa, "get_write_results_queue", None) or fa._get_write_results_queue)() is q
 os.kill(pid, signal.SIGTERM)
 time.sleep(0.5)
 q.put("alive")

@@ -27,7 +27,10 @@ class GroupStepAdam(torch.optim.Optimizer):
         eps=1e-8,
         adam_w_mode=True,
         weight_decay=0.0,
+        capturable=False,  # megatron-core 0.19 passes it (optimizer_cuda_graph), as FusedAdam takes it
     ):
+        if capturable:
+            raise NotImplementedError("the stand-in has no CUDA-graph-capturable step")
         defaults = dict(
             lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay
         )

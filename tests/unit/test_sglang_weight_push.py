@@ -23,7 +23,9 @@ CUDA IPC itself needs a GPU: here the ``ipc`` layout is checked with CPU tensors
 
 from __future__ import annotations
 
+import base64
 import inspect
+import io
 import json
 import os
 import subprocess
@@ -103,6 +105,19 @@ def capture_push(
     return calls
 
 
+def megatron_load_from_bytes(b: bytes):
+    """megatron-core 0.19's ``safe_load_from_bytes``, which its import puts in place of
+    ``torch.storage._load_from_bytes`` (``megatron/core/__init__.py``): the same bytes read
+    ``weights_only``, from a module of its own, so a storage pickled after it names that module."""
+    return torch.load(io.BytesIO(b), weights_only=True)
+
+
+@pytest.fixture
+def megatron_storage_loader(monkeypatch):
+    """The trainer's process as megatron-core 0.19 leaves it (0.16 swaps nothing)."""
+    monkeypatch.setattr(torch.storage, "_load_from_bytes", megatron_load_from_bytes)
+
+
 def run_sglang(version: str, job: dict, tmp_path: Path) -> dict:
     """Run this file as a script against ``.sglang/<version>``; returns what it decoded."""
     root = WHEELS / version
@@ -139,10 +154,12 @@ def assert_every_rank_got_every_tensor(decoded: list[list[list[list]]], tp_sizes
 # ----------------------------------------------------------------- SGLang's own decoding
 @pytest.mark.integration
 @pytest.mark.parametrize("version", VERSIONS)
-def test_bytes_push_decodes_with_sglangs_own_code(version, monkeypatch, tmp_path):
+def test_bytes_push_decodes_with_sglangs_own_code(version, monkeypatch, tmp_path, megatron_storage_loader):
     """The ``bytes`` payloads of a push from a trainer without sglang, 2 engines (TP 2 and 1),
     several buckets: SGLang's deserializer + flattened-bucket loader rebuild every tensor on
-    every rank; and the same push built with SGLang importable (its FlattenedTensorBucket)."""
+    every rank; and the same push built with SGLang importable (its FlattenedTensorBucket). The
+    trainer runs megatron-core 0.19's storage loader: SGLang's ``SafeUnpickler`` admits only
+    ``torch.storage._load_from_bytes``."""
     tp_sizes = [2, 1]
     calls = capture_push(monkeypatch, "bytes", tp_sizes)
     assert len(calls) > 2 and all(len(c) == 2 and [len(p) for p in c] == tp_sizes for c in calls)
@@ -173,8 +190,17 @@ def test_ipc_layout_and_reductions_against_sglang(version, tmp_path):
 
 
 # ----------------------------------------------------------------- moe-rl's side
-def test_bytes_payloads_decode_in_moe_rl_serve_and_keep_tensors_exact(monkeypatch):
+@pytest.mark.parametrize("megatron", ["0.16", "0.19"])
+def test_bytes_payloads_decode_in_moe_rl_serve_and_keep_tensors_exact(monkeypatch, megatron):
+    """Whichever storage loader megatron-core left in torch (0.19 puts its own in), the payload
+    names torch's, which ``moe-rl serve`` (and SGLang) admit, and every tensor comes back."""
+    if megatron == "0.19":
+        monkeypatch.setattr(torch.storage, "_load_from_bytes", megatron_load_from_bytes)
     calls = capture_push(monkeypatch, "bytes", [1])
+    for c in calls:
+        assert b"torch.storage" in base64.b64decode(c[0][0]) and b"megatron_load" not in base64.b64decode(
+            c[0][0]
+        )
     got = [pair for c in calls for pair in T.unflatten_bucket(T.deserialize_bytes(c[0][0]))]
     expected = dict(named_tensors())
     assert sorted(n for n, _ in got) == sorted(expected)
@@ -267,7 +293,6 @@ def test_policy_source_leaves_tensors_on_the_asked_device(parallel_info, tiny_mo
 
 
 def test_serve_decoder_runs_no_code():
-    import base64
     import pickle
 
     evil = base64.b64encode(pickle.dumps({"flattened_tensor": print, "metadata": []})).decode()

@@ -139,11 +139,35 @@ def unflatten_bucket(bucket: dict) -> list[tuple[str, torch.Tensor]]:
 
 
 # ----------------------------------------------------------------- bytes (values, any process)
+def _save_function(pickler: pickle._Pickler, obj) -> None:
+    """pickle's own rule for a function (a reference by name), but torch's CPU storage loader
+    always by torch's name: megatron-core 0.19 swaps ``torch.storage._load_from_bytes`` for its
+    own at import (``megatron.core.safe_globals.safe_load_from_bytes``, the same bytes read
+    ``weights_only``), so a storage pickled in the trainer named megatron-core, which SGLang's
+    ``SafeUnpickler`` and :func:`deserialize_bytes` refuse and a server without it cannot import."""
+    if obj is torch.storage._load_from_bytes:
+        pickler.save("torch.storage")
+        pickler.save("_load_from_bytes")
+        pickler.write(pickle.STACK_GLOBAL)
+        pickler.memoize(obj)
+    else:
+        pickle._Pickler.save_global(pickler, obj)
+
+
+class _BytesPickler(pickle._Pickler):
+    """pickle's Python pickler (a function's rule can be replaced there, not in the C one), with
+    :func:`_save_function`. The bucket is one large bytes object and a list of metadata: the
+    bytes go to the buffer as one write, as the C pickler writes them."""
+
+    dispatch = {**pickle._Pickler.dispatch, types.FunctionType: _save_function}
+
+
 def serialize_bytes(bucket: dict) -> str:
-    """CPU serializer: a plain pickle of the bucket with its values on the CPU, base64."""
+    """CPU serializer: a plain pickle of the bucket with its values on the CPU, base64; its storage
+    loader named ``torch.storage._load_from_bytes`` whatever megatron-core did (:func:`_save_function`)."""
     buf = io.BytesIO()
     data = {"flattened_tensor": bucket["flattened_tensor"].detach().cpu(), "metadata": bucket["metadata"]}
-    pickle.Pickler(buf, protocol=4).dump(data)
+    _BytesPickler(buf, protocol=4).dump(data)
     del data
     return base64.b64encode(buf.getbuffer()).decode("ascii")  # the buffer itself: no copy of the pickle
 
