@@ -127,11 +127,11 @@ def worker_failures_raised():
         yield
     except (Exception, CheckpointException) as e:
         lost = [f for f in _FAILURES if not _in_chain(f, e)]
-        _FAILURES.clear()
         if lost:
             raise lost[0] from e
         raise
-    _FAILURES.clear()
+    finally:
+        _FAILURES.clear()
 
 
 def _in_chain(x: BaseException, e: BaseException | None) -> bool:
