@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -58,15 +59,30 @@ def tensorboard_hparams(acc) -> dict:
     return out
 
 
-def wandb_records(out_dir: Path) -> list:
+def wandb_records(out_dir: Path, timeout_s: float = 60.0) -> list:
     """The records of the one offline W&B run under ``out_dir/wandb``: its ``run-*.wandb`` file is
     a LevelDB-style log (7-byte header, 32 KiB blocks of chunks ``crc32 u32, length u16, type u8``:
-    full 1, first 2, middle 3, last 4) of wandb's protobuf ``Record`` messages."""
+    full 1, first 2, middle 3, last 4) of wandb's protobuf ``Record`` messages.
+
+    Read until its ``exit`` record is there (``timeout_s`` at most): ``run.finish()`` returns once
+    wandb's service has handled the exit, and tells the service to close the run's stream without
+    waiting (``ServiceConnection.inform_finish``, a publish), so the file is flushed after it. On a
+    loaded CI machine the file was read with no record in it yet."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     (run_dir,) = sorted((out_dir / "wandb").glob("offline-run-*"))
     (path,) = run_dir.glob("run-*.wandb")
-    data = path.read_bytes()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = [pb.Record.FromString(r) for r in _log_chunks(path.read_bytes())]
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)
+
+
+def _log_chunks(data: bytes) -> list[bytes]:
+    """The whole records of a W&B transaction log (:func:`wandb_records`), a chunk cut off at the
+    end of what is written so far left out."""
     assert data[:4] == b":W&B"
     pos, block, records, pending = 7, 32768, [], b""
     while pos + 7 <= len(data):
@@ -74,6 +90,8 @@ def wandb_records(out_dir: Path) -> list:
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if pos + 7 + length > len(data):  # not all written yet
+            break
         chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind == 1:
             records.append(chunk)
@@ -83,7 +101,7 @@ def wandb_records(out_dir: Path) -> list:
             pending += chunk
         elif kind == 4:
             records.append(pending + chunk)
-    return [pb.Record.FromString(r) for r in records]
+    return records
 
 
 def wandb_history(records) -> list[dict]:
