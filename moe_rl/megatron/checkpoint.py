@@ -48,7 +48,7 @@ from moe_rl import dist
 from moe_rl.errors import UserError
 from moe_rl.files import write_text
 from moe_rl.megatron import spec_keys
-from moe_rl.megatron.ckpt_writer import prepare_writer, worker_failures_raised
+from moe_rl.megatron.ckpt_writer import guarded_writer
 
 log = logging.getLogger(__name__)
 META = "meta.json"
@@ -334,10 +334,9 @@ def save_checkpoint(
         tmp.mkdir()
     dist.barrier()
     stepped = optimizer is not None and optimizer.step_count > 0
-    prepare_writer()
     state = _sharded_state(model, optimizer, is_loading=False, with_optimizer=stepped)
     layout = _layout(state["model"])
-    with worker_failures_raised():
+    with guarded_writer():
         dist_checkpointing.save(state, str(tmp))
     torch.save(_rng_state(), tmp / f"rng-{dist.rank()}.pt")
     dist.barrier()

@@ -4,7 +4,7 @@ survive a signal to the process group and to report what its workers met.
 - :func:`signal_proof_writer_queue`: the writer hands its results back through a multiprocessing
   Manager queue whose server process it starts at the first save; moe-rl starts that server
   itself, ignoring SIGTERM and SIGINT and ending with its parent.
-- :func:`worker_failures_raised`: megatron-core 0.19 writes in threads of the saving process and
+- :func:`guarded_writer`: megatron-core 0.19 writes in threads of the saving process and
   loses a worker's exception on the way back: ``write_preloaded_data_multiproc``'s
   ``check_local_output`` logs it, then asserts the result is a list, and the ``AssertionError``
   whose text is the exception's class (``<class 'OSError'>``) becomes the save's ``RuntimeError``,
@@ -109,19 +109,15 @@ def record_writer_failures() -> None:
     FileSystemWriterAsync.write_preloaded_data = staticmethod(recording)
 
 
-def prepare_writer() -> None:
-    """Both adaptations, before a save (idempotent)."""
-    signal_proof_writer_queue()
-    record_writer_failures()
-
-
 @contextmanager
-def worker_failures_raised():
-    """Around ``dist_checkpointing.save``: if it fails and a writer worker's own exception was
-    kept (:func:`record_writer_failures`) but is not in the chain of what megatron-core raised,
-    raise that exception from megatron-core's."""
+def guarded_writer():
+    """Around ``dist_checkpointing.save``: both adaptations made (idempotent); if the save fails
+    and a writer worker's own exception was kept (:func:`record_writer_failures`) but is not in
+    the chain of what megatron-core raised, that exception is raised from megatron-core's."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
+    signal_proof_writer_queue()
+    record_writer_failures()
     _FAILURES.clear()
     try:
         yield

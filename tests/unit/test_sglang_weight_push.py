@@ -197,10 +197,8 @@ def test_bytes_payloads_decode_in_moe_rl_serve_and_keep_tensors_exact(monkeypatc
     if megatron == "0.19":
         monkeypatch.setattr(torch.storage, "_load_from_bytes", megatron_load_from_bytes)
     calls = capture_push(monkeypatch, "bytes", [1])
-    for c in calls:
-        assert b"torch.storage" in base64.b64decode(c[0][0]) and b"megatron_load" not in base64.b64decode(
-            c[0][0]
-        )
+    for raw in (base64.b64decode(c[0][0]) for c in calls):
+        assert b"torch.storage" in raw and b"megatron_load" not in raw
     got = [pair for c in calls for pair in T.unflatten_bucket(T.deserialize_bytes(c[0][0]))]
     expected = dict(named_tensors())
     assert sorted(n for n, _ in got) == sorted(expected)
