@@ -68,12 +68,16 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # (SIGTERM, SIGINT; SIGHUP, a closed terminal, as SIGTERM) and, whoever got the signal, wait
 # until torchrun and its workers have ended: they write a stop checkpoint first, and whatever
 # runs after this script must not see the run finished before its save is. The log's tee
-# ignores the signals, so a signal to the whole process group cannot cut the workers' output.
+# ignores the signals, so a signal to the whole process group cannot cut the workers' output,
+# and the script waits for it too: a bare `wait` does not wait for a process substitution.
 set +e
+exec {log_fd}> >(trap '' TERM INT HUP; exec tee -a "$LOG")
+tee_pid=$!
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
     --log-dir "$OUT_DIR/logs/$STAMP" --tee 3 \
-    -m moe_rl.cli train "$RECIPE" "$@" > >(trap '' TERM INT HUP; exec tee -a "$LOG") 2>&1 &
+    -m moe_rl.cli train "$RECIPE" "$@" >&"$log_fd" 2>&1 {log_fd}>&- &
 child=$!
+exec {log_fd}>&- # the tee ends once torchrun and its workers have closed their output
 got=0
 forward() {
     got=$1
@@ -87,7 +91,11 @@ while :; do
     rc=$?
     kill -0 "$child" 2>/dev/null || break # else wait was cut short by a trapped signal
 done
-wait # the tee, flushing the last lines
+# the tee, writing the last lines (30 s at most: a process a worker left behind may hold the pipe)
+for _ in $(seq 300); do
+    kill -0 "$tee_pid" 2>/dev/null || break
+    sleep 0.1
+done
 # stopped by a signal: 128 + its number (the trainer's convention), after the workers' save
 if [[ $got -ne 0 && $rc -ne 0 ]]; then rc=$got; fi
 exit "$rc"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -127,15 +128,29 @@ def test_sighup_a_closed_terminal_stops_the_same_way_with_exit_129(tmp_path):
     _stops_like_sigterm(tmp_path, signal.SIGHUP)
 
 
+def _slow_tee(tmp_path: Path) -> Path:
+    """A folder holding a ``tee`` that writes as the real one, then takes 1 s to exit."""
+    folder = tmp_path / "slow-tee"
+    folder.mkdir()
+    tee = folder / "tee"
+    tee.write_text(f'#!/bin/sh\n{shutil.which("tee")} "$@"\nrc=$?\nsleep 1\nexit $rc\n')
+    tee.chmod(0o755)
+    return folder
+
+
 @pytest.mark.bad_input("signal")
 @pytest.mark.parametrize("group", [True, False], ids=["process-group", "script-only"])
 def test_torchrun_sh_waits_for_its_workers_stop_checkpoint(tmp_path, group):
     """SIGTERM to launch/torchrun.sh's process group (Slurm, ``kill -- -PGID``) or to the script
     alone: the script ends only after torchrun and its worker, which write the stop checkpoint;
-    it used to exit 143 at once while the orphaned worker saved a second later. Exit 143."""
+    it used to exit 143 at once while the orphaned worker saved a second later. Exit 143.
+
+    The log's ``tee`` is made to take 1 s to end after its input does: the script waits for it
+    too (it used to end first, now and then in CI: the tee still ran, the log's last lines unwritten)."""
     path = recipe(tmp_path, sft_steps=400, checkpoint={"every": 0})
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env["PYTHONWARNINGS"] = "ignore"
+    env["PATH"] = f"{_slow_tee(tmp_path)}{os.pathsep}{env['PATH']}"
     log = tmp_path / "log"
     with log.open("w") as f:
         proc = subprocess.Popen(
