@@ -72,7 +72,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # and the script waits for it too: a bare `wait` does not wait for a process substitution.
 set +e
 exec {log_fd}> >(trap '' TERM INT HUP; exec tee -a "$LOG")
-tee_pid=$!
+tee_pid=${!:-} # bash < 4.4 may leave $! unset for a process substitution: then no wait for it
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
     --log-dir "$OUT_DIR/logs/$STAMP" --tee 3 \
     -m moe_rl.cli train "$RECIPE" "$@" >&"$log_fd" 2>&1 {log_fd}>&- &
@@ -93,7 +93,7 @@ while :; do
 done
 # the tee, writing the last lines (30 s at most: a process a worker left behind may hold the pipe)
 for _ in $(seq 300); do
-    kill -0 "$tee_pid" 2>/dev/null || break
+    [[ -n $tee_pid ]] && kill -0 "$tee_pid" 2>/dev/null || break
     sleep 0.1
 done
 # stopped by a signal: 128 + its number (the trainer's convention), after the workers' save
