@@ -3,12 +3,20 @@
 import os
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 import torch
 
 PROBE = str(Path(__file__).with_name("shim_probe.py"))
+# what a CUDA call without the shim raises: CPU torch's message, or a CUDA build's on a machine
+# without a driver (PyPI's torch for Python 3.12 here, the lent GPU image's torch)
+CPU_BUILD = torch.version.cuda is None
+NO_CUDA = "Torch not compiled with CUDA enabled" if CPU_BUILD else "Found no NVIDIA driver on your system"
+NO_STREAM = "torch.cuda.Stream requires CUDA support" if CPU_BUILD else "CUDA error: "
+# megatron-core 0.19 defines moe_utils.te_general_gemm without transformer-engine (shims.py)
+TE_GEMM_SHIM_NEEDED = tuple(int(x) for x in version("megatron-core").split(".")[:2]) < (0, 19)
 pytestmark = [
     pytest.mark.dist,
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims apply only without CUDA"),
@@ -37,15 +45,14 @@ def test_all_shims_are_enough():
 @pytest.mark.parametrize(
     "shim, op, error",
     [
-        ("current_device", "forward", "Torch not compiled with CUDA enabled"),
-        ("streams", "forward", "torch.cuda.Stream requires CUDA support"),
-        ("te_general_gemm", "forward", "te_general_gemm"),
+        ("current_device", "forward", NO_CUDA),
+        ("streams", "forward", NO_STREAM),
         # only megatron's DotProductAttention builds the mask; our SDPAttention passes is_causal
-        ("causal_mask", "stock_forward", "Torch not compiled with CUDA enabled"),
-        ("rng", "recompute", "Torch not compiled with CUDA enabled"),
-        ("synchronize", "checkpoint", "Torch not compiled with CUDA enabled"),
+        ("causal_mask", "stock_forward", NO_CUDA),
+        ("rng", "recompute", NO_CUDA),
+        ("synchronize", "checkpoint", NO_CUDA),
         # megatron-core's optimizer makes tensors on "cuda" and checks param.type() for torch.cuda types
-        ("cuda_as_cpu", "optimizer", "Torch not compiled with CUDA enabled"),
+        ("cuda_as_cpu", "optimizer", NO_CUDA),
         # torch's Adam keeps a per-parameter "step" the distributed optimizer's loader does not expect
         ("distopt_adam_step", "optimizer", "KeyError: 'step'"),
     ],
@@ -54,6 +61,17 @@ def test_each_shim_is_needed(shim, op, error):
     res = probe(shim, op)
     assert res.returncode != 0, f"{shim} was not needed for {op}"
     assert error in res.stderr, res.stderr[-3000:]
+
+
+def test_te_general_gemm_shim_is_needed_before_megatron_core_0_19():
+    """0.16: router gating raises NameError without the shim; 0.19 defines the name itself (the
+    shim then changes nothing, and the forward runs without it)."""
+    res = probe("te_general_gemm", "forward")
+    if TE_GEMM_SHIM_NEEDED:
+        assert res.returncode != 0, "te_general_gemm was not needed for forward"
+        assert "te_general_gemm" in res.stderr, res.stderr[-3000:]
+    else:
+        assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
 
 
 def test_alltoall_splits_shim_is_needed_under_ep2():
