@@ -66,15 +66,27 @@ DISK_FULL_WORDS = ("No space left on device", "Disk quota exceeded", "[Errno 28]
 torch.distributed.checkpoint's writer workers: ``CheckpointException`` of ``RuntimeError``s)."""
 
 
-def is_disk_full(e: BaseException) -> bool:
-    """Whether ``e``, or what it wraps (its cause, context and, for torch's ``CheckpointException``,
-    every rank's failure), is a full disk (ENOSPC, EDQUOT), however a library reported it."""
+def wrapped_exceptions(e: BaseException | None):
+    """``e`` and every exception it wraps, each once: its cause and context and, for torch's
+    ``CheckpointException``, every rank's failure (``failures``: rank -> exception or (exception,
+    traceback)), and theirs in turn."""
     seen, todo = set(), [e]
     while todo:
         x = todo.pop()
         if x is None or id(x) in seen:
             continue
         seen.add(id(x))
+        yield x
+        failures = getattr(x, "failures", None)
+        for f in failures.values() if isinstance(failures, dict) else ():
+            todo += [v for v in (f if isinstance(f, tuple) else (f,)) if isinstance(v, BaseException)]
+        todo += [x.__cause__, x.__context__]
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether ``e``, or what it wraps (:func:`wrapped_exceptions`), is a full disk (ENOSPC,
+    EDQUOT), however a library reported it."""
+    for x in wrapped_exceptions(e):
         if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         text = str(x)
@@ -82,10 +94,6 @@ def is_disk_full(e: BaseException) -> bool:
             "inline_container" in text and ("unexpected pos" in text or "file write failed" in text)
         ):  # torch's file writer on a full disk
             return True
-        failures = getattr(x, "failures", None)  # {rank: exception or (exception, traceback)}
-        for f in failures.values() if isinstance(failures, dict) else ():
-            todo += [v for v in (f if isinstance(f, tuple) else (f,)) if isinstance(v, BaseException)]
-        todo += [x.__cause__, x.__context__]
     return False
 
 

@@ -25,6 +25,8 @@ import threading
 from contextlib import contextmanager
 from multiprocessing.managers import SyncManager
 
+from moe_rl.errors import wrapped_exceptions
+
 _WRITER_MANAGER = None
 _FAILURES: list[BaseException] = []
 """The exceptions writer workers of this process returned during the current save (appended from
@@ -112,8 +114,9 @@ def record_writer_failures() -> None:
 @contextmanager
 def guarded_writer():
     """Around ``dist_checkpointing.save``: both adaptations made (idempotent); if the save fails
-    and a writer worker's own exception was kept (:func:`record_writer_failures`) but is not in
-    the chain of what megatron-core raised, that exception is raised from megatron-core's."""
+    and a writer worker's own exception was kept (:func:`record_writer_failures`) but is not among
+    what megatron-core raised (:func:`~moe_rl.errors.wrapped_exceptions`), that exception is
+    raised from megatron-core's."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     signal_proof_writer_queue()
@@ -122,19 +125,10 @@ def guarded_writer():
     try:
         yield
     except (Exception, CheckpointException) as e:
-        lost = [f for f in _FAILURES if not _in_chain(f, e)]
+        raised = {id(x) for x in wrapped_exceptions(e)}
+        lost = [f for f in _FAILURES if id(f) not in raised]
         if lost:
             raise lost[0] from e
         raise
     finally:
         _FAILURES.clear()
-
-
-def _in_chain(x: BaseException, e: BaseException | None) -> bool:
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if e is x:
-            return True
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return False

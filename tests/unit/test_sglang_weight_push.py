@@ -191,11 +191,11 @@ def test_ipc_layout_and_reductions_against_sglang(version, tmp_path):
 
 # ----------------------------------------------------------------- moe-rl's side
 @pytest.mark.parametrize("megatron", ["0.16", "0.19"])
-def test_bytes_payloads_decode_in_moe_rl_serve_and_keep_tensors_exact(monkeypatch, megatron):
+def test_bytes_payloads_decode_in_moe_rl_serve_and_keep_tensors_exact(monkeypatch, megatron, request):
     """Whichever storage loader megatron-core left in torch (0.19 puts its own in), the payload
     names torch's, which ``moe-rl serve`` (and SGLang) admit, and every tensor comes back."""
     if megatron == "0.19":
-        monkeypatch.setattr(torch.storage, "_load_from_bytes", megatron_load_from_bytes)
+        request.getfixturevalue("megatron_storage_loader")
     calls = capture_push(monkeypatch, "bytes", [1])
     for raw in (base64.b64decode(c[0][0]) for c in calls):
         assert b"torch.storage" in raw and b"megatron_load" not in raw
